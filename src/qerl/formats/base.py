@@ -1,0 +1,60 @@
+"""The interface every weight format implements.
+
+A format turns a 2-D weight [out, in] into a dict of named tensors (the names are
+the ones its checkpoint format uses, so a layer's buffers map 1:1 onto a
+checkpoint) and back. Formats are stateless; the layer owns the tensors.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+
+class QuantizationError(ValueError):
+    """A weight cannot be stored in the requested format; the message names it."""
+
+
+class WeightFormat:
+    name: ClassVar[str]
+    block_size: ClassVar[int]
+    # Whether fused projections (q/k/v, gate/up) must share a per-tensor scale.
+    has_global_scale: ClassVar[bool] = False
+
+    def validate(self, w: torch.Tensor, name: str = "weight") -> None:
+        if w.ndim != 2:
+            raise QuantizationError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+        if not w.is_floating_point():
+            raise QuantizationError(f"{name}: expected a floating-point weight, got {w.dtype}")
+        if w.shape[1] % self.block_size:
+            raise QuantizationError(
+                f"{name}: input dimension {w.shape[1]} is not divisible by the {self.name} "
+                f"block size {self.block_size}"
+            )
+        if not bool(torch.isfinite(w).all()):
+            bad = int((~torch.isfinite(w)).sum())
+            raise QuantizationError(f"{name}: {bad} NaN/inf value(s); refusing to quantize")
+
+    def global_scale(self, ws: list[torch.Tensor]) -> torch.Tensor | None:
+        """One per-tensor scale shared by a fused group of weights (None if unused)."""
+        return None
+
+    def quantize(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, torch.Tensor], shape: tuple[int, int], dtype=torch.bfloat16) -> torch.Tensor:
+        raise NotImplementedError
+
+    def expected_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each stored tensor for a weight of `shape` (used to validate files)."""
+        raise NotImplementedError
+
+    def nbytes(self, shape: tuple[int, int]) -> int:
+        total = 0
+        for s, dt in self.expected_shapes(shape).values():
+            n = 1
+            for d in s:
+                n *= d
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total
