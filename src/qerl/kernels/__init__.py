@@ -1,0 +1,1 @@
+"""Matmul backends for frozen quantized weights. `dispatch` picks one per call."""

@@ -1,0 +1,136 @@
+"""A frozen quantized linear layer with trainable bf16 LoRA adapters.
+
+    y = x·Ŵᵀ + b + (alpha/r)·(dropout(x)·Aᵀ)·Bᵀ
+
+Ŵ lives only in its packed format (buffers named as the checkpoint names them);
+it is dequantized inside the matmul and again in backward, never stored, so
+weight memory stays 4-bit and activation memory equals bf16 LoRA's. The LoRA
+submodules are named `lora_A`/`lora_B` with PEFT's shapes, so adapters map 1:1
+onto PEFT's files.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..formats import WeightFormat, get_format
+from ..kernels import dispatch
+
+
+class _FrozenQuantMatmul(torch.autograd.Function):
+    """x @ Ŵᵀ with a gradient for x only; Ŵ is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return dispatch.base_matmul(x, layer.fmt, layer.quant_tensors(), layer.weight_shape)
+
+    @staticmethod
+    def backward(ctx, gy):
+        layer = ctx.layer
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return dispatch.base_matmul_grad_input(gy, layer.fmt, layer.quant_tensors(), layer.weight_shape), None
+
+
+class QLoRALinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: WeightFormat | str = "nvfp4",
+        *,
+        bias: bool = False,
+        r: int = 0,
+        lora_alpha: float | None = None,
+        lora_dropout: float = 0.0,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        self.dtype = dtype
+        for name, (shape, dt) in self.fmt.expected_shapes(self.weight_shape).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.r = 0
+        self.disable_adapters = False  # True: the base policy (the KL reference is free)
+        self.lora_dropout: nn.Module = nn.Identity()
+        if r:
+            self.add_lora(r, lora_alpha if lora_alpha is not None else r, lora_dropout)
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def quant_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.fmt.expected_shapes(self.weight_shape)}
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, fmt: WeightFormat | str, bias: torch.Tensor | None = None, *,
+        global_scale: torch.Tensor | None = None, name: str = "weight", **lora,
+    ) -> "QLoRALinear":
+        """Quantize a dense weight [out, in] (its bf16 copy is not kept)."""
+        fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        fmt.validate(weight, name)
+        layer = cls(weight.shape[1], weight.shape[0], fmt, bias=bias is not None, device=weight.device, **lora)
+        layer.load_quantized(fmt.quantize(weight, global_scale), name)
+        if bias is not None:
+            layer.bias.data.copy_(bias.detach())
+        return layer
+
+    def load_quantized(self, tensors: dict[str, torch.Tensor], name: str = "weight") -> None:
+        """Take packed tensors as a checkpoint holds them; shapes and dtypes are checked."""
+        want = self.fmt.expected_shapes(self.weight_shape)
+        missing = set(want) - set(tensors)
+        if missing:
+            raise KeyError(f"{name}: missing tensor(s) {sorted(missing)} for format {self.fmt.name}")
+        for key, (shape, dt) in want.items():
+            t = tensors[key]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dt:
+                raise ValueError(
+                    f"{name}.{key}: expected {dt} {list(shape)}, got {t.dtype} {list(t.shape)}"
+                )
+            setattr(self, key, t.to(getattr(self, key).device))
+
+    def add_lora(self, r: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None) -> None:
+        dev = next(iter(self.buffers())).device
+        dt = dtype or self.dtype
+        self.r, self.lora_alpha, self.scaling = r, alpha, alpha / r
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dt)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dt)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.reset_lora()
+
+    def reset_lora(self) -> None:
+        # PEFT's default: A ~ kaiming-uniform(a=√5), B = 0, so the adapter starts as a no-op.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    # ---- compute ------------------------------------------------------------------------
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.fmt.dequantize(self.quant_tensors(), self.weight_shape, dtype or self.dtype)
+
+    def lora_delta(self) -> torch.Tensor | None:
+        """scaling·B·A, the dense [out, in] update the adapter adds."""
+        if not self.r:
+            return None
+        return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _FrozenQuantMatmul.apply(x, self)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.r and not self.disable_adapters:
+            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
+            y = y + (self.lora_B(a) * self.scaling).to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt.name}, r={self.r}, bias={self.bias is not None}"
