@@ -14,7 +14,11 @@ class BF16(WeightFormat):
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype
 
-    # block_size 1: every input dimension is valid; the NaN/inf check still applies.
+    def validate(self, w, name="weight"):
+        # A plain copy: any input dimension works, and a non-finite value is stored as
+        # it is (this is where layers that cannot be quantized end up).
+        if w.ndim != 2 or not w.is_floating_point():
+            super().validate(w, name)
 
     def quantize(self, w, global_scale=None):
         return {"weight": w.detach().to(self.dtype).contiguous()}

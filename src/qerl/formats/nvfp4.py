@@ -56,7 +56,7 @@ class NVFP4(WeightFormat):
             scaled = blk.to(torch.float32) / (s / gs).unsqueeze(-1)
             packed[r0 : r0 + rows] = pack_codes(round_to_codes(scaled).flatten(-2))
             scales[r0 : r0 + rows] = s.to(torch.float8_e4m3fn)
-        return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": gs}
+        return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": gs.clone()}
 
     def dequantize(self, t, shape, dtype=torch.bfloat16):
         packed, scale, gs = t["weight_packed"], t["weight_scale"], t["weight_global_scale"]

@@ -1,0 +1,145 @@
+"""Write a quantized policy as a compressed-tensors checkpoint (what vLLM and llm-compressor read).
+
+The layout is llm-compressor's NVFP4A16 / MXFP4A16 output: per quantized Linear
+`weight_packed`, `weight_scale` (+ `weight_global_scale` for NVFP4), everything
+else dense, and a `quantization_config` in config.json. We write it ourselves
+(rather than through compressed-tensors' ModelCompressor) because our layers
+already hold exactly those bytes; compressing again would need a dense model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..layers import QLoRALinear
+
+SHARD_BYTES = 4 << 30
+
+_WEIGHT_ARGS = {
+    "nvfp4": {"strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
+    "mxfp4": {"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
+}
+
+
+def _ct_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("compressed-tensors")
+    except Exception:
+        return "0.19.0"  # the version llm-compressor 0.14 writes with
+
+
+def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    if fmt not in _WEIGHT_ARGS:
+        raise ValueError(f"compressed-tensors has no format for {fmt!r}; write nvfp4 or mxfp4")
+    weights = {
+        "num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
+        "actorder": None, "block_structure": None, "observer": "memoryless_minmax", "observer_kwargs": {},
+        "zp_dtype": None, **_WEIGHT_ARGS[fmt],
+    }  # fmt: skip
+    name = f"{fmt}-pack-quantized"
+    return {
+        "config_groups": {"group_0": {"format": name, "targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None}},
+        "format": name,
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": _ct_version(),
+    }
+
+
+def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(tensors to write, names of Linear layers left dense). LoRA factors are not included."""
+    out: dict[str, torch.Tensor] = {}
+    ignore: list[str] = []
+    owned: set[str] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, QLoRALinear):
+            owned.add(name)
+            if m.fmt.name == fmt:
+                for k, t in m.quant_tensors().items():
+                    out[f"{name}.{k}"] = t
+            elif m.fmt.name == "bf16":
+                out[f"{name}.weight"] = m.dequantized_weight(m.dtype)
+                ignore.append(name)
+            else:
+                raise ValueError(f"{name}: layer is {m.fmt.name}; a {fmt} checkpoint cannot hold it")
+            if m.bias is not None:
+                out[f"{name}.bias"] = m.bias
+        elif isinstance(m, torch.nn.Linear):
+            ignore.append(name)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for k, t in model.state_dict().items():
+        mod = k.rpartition(".")[0]
+        if mod in owned or any(k.startswith(o + ".") for o in owned):
+            continue
+        if tied and k == "lm_head.weight":
+            continue
+        out[k] = t
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}, ignore
+
+
+def write_safetensors_sharded(tensors: dict[str, torch.Tensor], folder: Path, max_bytes: int = SHARD_BYTES) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, s in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(s, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(s, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:
+    """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically)."""
+    model = policy.model if hasattr(policy, "model") else policy
+    fmt = fmt or policy.quant
+    tensors, ignore = compressed_state_dict(model, fmt)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["quantization_config"] = quantization_config(fmt, ignore)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        write_safetensors_sharded(tensors, tmp)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        src = Path(getattr(policy, "source", "") or "")
+        if (src / "generation_config.json").exists():
+            shutil.copy(src / "generation_config.json", tmp)
+        tok = getattr(policy, "tokenizer", None)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
