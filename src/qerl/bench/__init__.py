@@ -1,0 +1,1 @@
+"""Benchmarks; each appends measured figures to benchmarks/results/<bench>.jsonl."""

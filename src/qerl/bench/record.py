@@ -1,0 +1,94 @@
+"""Append measured figures to the benchmark record and re-render its table.
+
+One JSON object per figure in benchmarks/results/<bench>.jsonl (append-only);
+benchmarks/README.md shows the latest row of each (bench, case, metric).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return None
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    import os
+
+    return f"CPU {platform.machine()} ({os.cpu_count()} cores)"
+
+
+def met(value: float, target: str | None) -> bool | None:
+    if not target:
+        return None
+    for op in (">=", "<=", ">", "<", "=="):
+        if target.startswith(op):
+            t = float(target[len(op):])
+            return {">=": value >= t, "<=": value <= t, ">": value > t, "<": value < t, "==": value == t}[op]
+    raise ValueError(f"bad target {target!r}")
+
+
+def record(bench: str, case: str, metric: str, value: float, unit: str, target: str | None = None,
+           device: str | None = None, command: str | None = None, results_dir: Path = RESULTS) -> dict:
+    row = {
+        "bench": bench, "case": case, "metric": metric, "value": value, "unit": unit, "target": target,
+        "met": met(value, target), "device": device or device_name(),
+        "date": _dt.date.today().isoformat(), "command": command or " ".join(map(shlex.quote, sys.argv)),
+        "commit": _commit(),
+    }
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with open(results_dir / f"{bench}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def render(results_dir: Path = RESULTS, out: Path | None = None) -> str:
+    latest: dict[tuple, dict] = {}
+    for f in sorted(results_dir.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                latest[(r["bench"], r["case"], r["metric"], r.get("device"))] = r
+    lines = [
+        "# Benchmark record",
+        "",
+        "Latest measured value of each figure; every row ever measured is in `results/*.jsonl`",
+        "(append-only). Regenerate this table with `python -m qerl.bench.record`.",
+        "",
+        "| bench | case | metric | value | unit | target | met | device | date | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in latest.values():
+        v = r["value"]
+        v = f"{v:.4g}" if isinstance(v, float) else v
+        m = {True: "yes", False: "**no**", None: ""}[r["met"]]
+        lines.append(f"| {r['bench']} | {r['case']} | {r['metric']} | {v} | {r['unit']} | {r['target'] or ''} | {m} "
+                     f"| {r['device']} | {r['date']} | {r['commit'] or ''} |")
+    text = "\n".join(lines) + "\n\nCommands: see the `command` field of each row.\n"
+    (out or results_dir.parent / "README.md").write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    print(render())

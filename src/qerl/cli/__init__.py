@@ -1,0 +1,27 @@
+"""The `qerl` command line: one subcommand a module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import export, inspect, quantize
+
+COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qerl", description="RL of LLMs on 4-bit weights (QeRL).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, mod in COMMANDS.items():
+        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args) or 0
+    except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as e:
+        print(f"qerl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
