@@ -20,7 +20,7 @@ from ..formats import WeightFormat
 class Backend:
     name: str
     supports: Callable[[torch.Tensor, WeightFormat], bool]
-    # (x [..., in], fmt, tensors, shape) -> x @ W^T  [..., out]
+    # (x [..., in], fmt, tensors, shape, bias or None) -> x @ W^T + bias  [..., out]
     matmul: Callable
     # (grad_y [..., out], fmt, tensors, shape) -> grad_y @ W  [..., in]
     matmul_grad_input: Callable
@@ -49,17 +49,18 @@ def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
     return None
 
 
-def torch_matmul(x, fmt, tensors, shape):
-    return x @ fmt.dequantize(tensors, shape, x.dtype).t()
+def torch_matmul(x, fmt, tensors, shape, bias=None):
+    # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
+    return torch.nn.functional.linear(x, fmt.dequantize(tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 def torch_matmul_grad_input(gy, fmt, tensors, shape):
     return gy @ fmt.dequantize(tensors, shape, gy.dtype)
 
 
-def base_matmul(x, fmt, tensors, shape):
+def base_matmul(x, fmt, tensors, shape, bias=None):
     b = _pick(x, fmt)
-    return (b.matmul if b else torch_matmul)(x, fmt, tensors, shape)
+    return (b.matmul if b else torch_matmul)(x, fmt, tensors, shape, bias)
 
 
 def base_matmul_grad_input(gy, fmt, tensors, shape):

@@ -21,12 +21,12 @@ from ..kernels import dispatch
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
-    """x @ Ŵᵀ with a gradient for x only; Ŵ is recomputed in backward."""
+    """x @ Ŵᵀ + b with a gradient for x only; Ŵ is recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        return dispatch.base_matmul(x, layer.fmt, layer.quant_tensors(), layer.weight_shape)
+        return dispatch.base_matmul(x, layer.fmt, layer.quant_tensors(), layer.weight_shape, layer.bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -125,8 +125,6 @@ class QLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _FrozenQuantMatmul.apply(x, self)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
         if self.r and not self.disable_adapters:
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
             y = y + (self.lora_B(a) * self.scaling).to(y.dtype)
