@@ -119,7 +119,9 @@ def write_safetensors_sharded(tensors: dict[str, torch.Tensor], folder: Path, ma
 def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:
     """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically)."""
     model = policy.model if hasattr(policy, "model") else policy
-    fmt = fmt or policy.quant
+    fmt = fmt or getattr(policy, "quant", None)
+    if fmt is None:
+        raise ValueError("save_compressed: pass fmt='nvfp4' or 'mxfp4' for a bare model")
     tensors, ignore = compressed_state_dict(model, fmt)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
@@ -136,9 +138,13 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
         tok = getattr(policy, "tokenizer", None)
         if tok is not None:
             tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
+        # Move the old folder aside first, so a crash leaves either the old or the new one whole.
+        old = out.with_name(f".old-{out.name}-{os.getpid()}") if out.exists() else None
+        if old is not None:
+            os.replace(out, old)
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,8 @@ def run(args):
     from ..checkpoint.peft_adapter import load_adapter
     from ..model import load_policy
 
-    policy = load_policy(args.model, args.quant, lora_rank=0, device=args.device)
+    # fp32 compute so the merge W + s·B·A is exact before the final cast
+    policy = load_policy(args.model, args.quant, lora_rank=0, device=args.device, dtype=torch.float32)
     if args.adapter:
         load_adapter(policy, args.adapter)
     out = export_merged(policy, args.output_dir, dtype=getattr(torch, args.dtype))

@@ -99,10 +99,14 @@ class QLoRALinear(nn.Module):
                 )
             setattr(self, key, t.to(getattr(self, key).device))
 
-    def add_lora(self, r: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None) -> None:
+    def add_lora(
+        self, r: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None, use_rslora: bool = False
+    ) -> None:
         dev = next(iter(self.buffers())).device
         dt = dtype or self.dtype
-        self.r, self.lora_alpha, self.scaling = r, alpha, alpha / r
+        # rsLoRA (PEFT's use_rslora): alpha/sqrt(r) keeps the update's scale stable as r grows.
+        self.r, self.lora_alpha = r, alpha
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dt)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dt)
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()

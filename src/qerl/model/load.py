@@ -215,12 +215,12 @@ def _load_compressed(ckpt, names, fmt, ignore, lora, device):
             out_f, half_in = ckpt.shape(f"{n}.weight_packed")
             layer = QLoRALinear(half_in * 2, out_f, fmt, bias=bias is not None, device=device, **lora)
             layer.load_quantized({k: ckpt.get(f"{n}.{k}", device) for k in keys}, f"{ckpt.path_of(n + '.weight_packed')}: {n}")
+            if bias is not None:
+                layer.bias.data.copy_(bias)
         elif f"{n}.weight" in ckpt:  # left dense by the checkpoint's ignore list
-            layer = QLoRALinear.from_weight(ckpt.get(f"{n}.weight", device), "bf16", name=n, **lora)
+            layer = QLoRALinear.from_weight(ckpt.get(f"{n}.weight", device), "bf16", bias, name=n, **lora)
         else:
             raise CheckpointError(f"{ckpt.folder}: missing tensor {n}.weight_packed (or {n}.weight)")
-        if bias is not None:
-            layer.bias.data.copy_(bias)
         out.append(layer)
     return out
 

@@ -1,0 +1,325 @@
+"""LoRA adapters in PEFT's own format: adapter_config.json + adapter_model.safetensors.
+
+A QLoRALinear's `lora_A`/`lora_B` have PEFT's shapes, so the adapter maps 1:1 onto
+PEFT's files: tensor `base_model.model.<module path>.lora_{A,B}.weight`, no adapter
+name in the key. What we write loads with `PeftModel.from_pretrained` on the dense
+base, and what PEFT writes (plain LoRA, safetensors) loads here.
+
+Nothing is ever pickled or unpickled: `adapter_model.bin` files are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..layers import QLoRALinear
+from ..model.safetensors_reader import CheckpointError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+PREFIX = "base_model.model."
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)\.weight$")
+
+
+class AdapterError(CheckpointError):
+    """A PEFT adapter folder that cannot be read or does not fit the model."""
+
+
+def _split(policy_or_model):
+    """(model, policy or None) from a Policy or a bare model."""
+    if hasattr(policy_or_model, "model") and isinstance(getattr(policy_or_model, "model"), nn.Module) and not isinstance(
+        policy_or_model, nn.Module
+    ):
+        return policy_or_model.model, policy_or_model
+    return policy_or_model, None
+
+
+def _lora_layers(model: nn.Module) -> dict[str, QLoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QLoRALinear) and m.r}
+
+
+def _dropout_p(layer: QLoRALinear) -> float:
+    return float(layer.lora_dropout.p) if isinstance(layer.lora_dropout, nn.Dropout) else 0.0
+
+
+def _uniform(values: dict[str, object], what: str):
+    distinct = set(values.values())
+    if len(distinct) != 1:
+        sample = dict(list(values.items())[:4])
+        raise ValueError(f"save_adapter: the LoRA layers differ in {what} ({sample} ...); PEFT's plain config needs one value")
+    return next(iter(distinct))
+
+
+def _target_modules(model: nn.Module, names: list[str]) -> list[str] | str:
+    """PEFT target_modules that select exactly `names`: suffixes when they do, else a full-match regex."""
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QLoRALinear))]
+    selected = {n for n in linears if any(n == s or n.endswith("." + s) for s in suffixes)}
+    if selected == set(names):
+        return suffixes
+    return "^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
+    """Write the model's LoRA factors as a PEFT adapter folder; returns the folder.
+
+    The two files are written to temporary files in `out_dir` and moved into place
+    with os.replace (the weights first, the config last).
+    """
+    model, policy = _split(policy_or_model)
+    layers = _lora_layers(model)
+    if not layers:
+        raise ValueError("save_adapter: the model has no LoRA layers (was it loaded with lora_rank=0?)")
+    r = _uniform({n: m.r for n, m in layers.items()}, "rank r")
+    alpha = _uniform({n: float(m.lora_alpha) for n, m in layers.items()}, "lora_alpha")
+    dropout = _uniform({n: _dropout_p(m) for n, m in layers.items()}, "lora_dropout")
+    scaling = _uniform({n: float(m.scaling) for n, m in layers.items()}, "scaling")
+    if math.isclose(scaling, alpha / r, rel_tol=1e-6):
+        use_rslora = False
+    elif math.isclose(scaling, alpha / math.sqrt(r), rel_tol=1e-6):
+        use_rslora = True
+    else:
+        raise ValueError(f"save_adapter: scaling {scaling} is neither lora_alpha/r ({alpha / r}) nor "
+                         f"lora_alpha/sqrt(r) (rsLoRA, {alpha / math.sqrt(r)}); PEFT cannot express it")
+    if base_model_name_or_path is None:
+        src = getattr(policy, "source", None) if policy is not None else None
+        base_model_name_or_path = str(src) if src else getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "r": r,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout,
+        "target_modules": _target_modules(model, list(layers)),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+    tensors = {}
+    for name, m in layers.items():
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    return out
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise AdapterError(f"{folder}: no {CONFIG_NAME} (not a PEFT adapter folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{path}: expected a JSON object")
+
+    def bad(msg):
+        return AdapterError(f"{path}: {msg}")
+
+    peft_type = str(cfg.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise bad(f"peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise bad(f"r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise bad(f"lora_alpha must be a number, got {alpha!r}")
+    for key, ok, why in [
+        ("use_dora", False, "DoRA adapters (use_dora=true) are not supported"),
+        ("fan_in_fan_out", False, "fan_in_fan_out=true (GPT-2 Conv1D layout) is not supported"),
+        ("lora_bias", False, "LoRA bias terms (lora_bias=true) are not supported"),
+        ("use_qalora", False, "QA-LoRA adapters (use_qalora=true) are not supported"),
+    ]:
+        if bool(cfg.get(key, ok)) != ok:
+            raise bad(why)
+    if cfg.get("bias", "none") != "none":
+        raise bad(f"bias={cfg['bias']!r} is not supported (only 'none': base biases stay frozen)")
+    if cfg.get("modules_to_save"):
+        raise bad(f"modules_to_save {cfg['modules_to_save']} is not supported (only LoRA factors are loaded)")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise bad("per-module rank_pattern / alpha_pattern is not supported (all layers must share r and lora_alpha)")
+    if cfg.get("target_parameters"):
+        raise bad("target_parameters (LoRA on nn.Parameter) is not supported")
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise bad(f"use_rslora must be true or false, got {rslora!r}")
+    return cfg
+
+
+def _read_tensors(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    path = folder / WEIGHTS_NAME
+    if not path.is_file():
+        pickles = [n for n in PICKLE_NAMES if (folder / n).exists()]
+        if pickles:
+            raise AdapterError(f"{folder / pickles[0]}: pickled adapters are not loaded (unpickling can run arbitrary code); "
+                               f"convert it to {WEIGHTS_NAME} (e.g. PeftModel.save_pretrained(..., safe_serialization=True))")
+        raise AdapterError(f"{folder}: no {WEIGHTS_NAME}")
+    try:
+        f = safe_open(str(path), framework="pt")
+        keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types on bad / truncated headers
+        raise AdapterError(f"{path}: not a readable safetensors file, corrupt or truncated ({e})") from e
+    out = {}
+    for k in keys:
+        try:
+            out[k] = f.get_tensor(k)
+        except Exception as e:
+            raise AdapterError(f"{path}: cannot read tensor {k!r}, the file is corrupt or truncated ({e})") from e
+    return path, out
+
+
+def _matches_targets(cfg: dict, name: str) -> bool:
+    """PEFT's rule for which modules a config targets (list: name or .suffix; str: full regex)."""
+    t = cfg.get("target_modules")
+    if t is None:
+        return False
+    if isinstance(t, str):
+        if t == "all-linear":
+            return name != "lm_head"
+        return re.fullmatch(t, name) is not None
+    return name in t or any(name.endswith("." + s) for s in t)
+
+
+def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool = True):
+    """Load a PEFT LoRA adapter folder into the model's QLoRALinear layers; returns the model.
+
+    Every tensor must name a QLoRALinear (`base_model.model.<module>.lora_{A,B}.weight`)
+    and have the shape r, in_features and out_features give. Layers without LoRA, or
+    with another rank, get LoRA added with the adapter's r, lora_alpha and lora_dropout;
+    layers with the same rank take the adapter's lora_alpha (their dropout stays).
+    use_rslora sets scaling = lora_alpha/sqrt(r). Nothing changes unless all checks pass.
+
+    strict=True (default): an adapter tensor for a module the model lacks, a layer the
+    config targets or that already has LoRA but that the file does not cover, are
+    errors. strict=False skips them with a warning. Shape mismatches always fail.
+    """
+    model, policy = _split(model_or_policy)
+    folder = Path(adapter_dir)
+    if not folder.is_dir():
+        raise AdapterError(f"{folder}: adapter folder not found")
+    cfg = _read_config(folder)
+    cfg_path = folder / CONFIG_NAME
+    path, tensors = _read_tensors(folder)
+    r = cfg["r"]
+    alpha = float(cfg.get("lora_alpha", 8))
+    dropout = float(cfg.get("lora_dropout", 0.0) or 0.0)
+    rslora = bool(cfg.get("use_rslora", False))
+
+    modules = dict(model.named_modules())
+    problems: list[str] = []
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            problems.append(f"{path}: tensor {key!r} is not a LoRA factor (expected "
+                            f"'{PREFIX}<module>.lora_A.weight' / '.lora_B.weight')")
+            continue
+        mod_name, which = m["module"], m["which"]
+        mod = modules.get(mod_name)
+        if not isinstance(mod, QLoRALinear):
+            what = "unknown module" if mod is None else f"module is a {type(mod).__name__}, not a quantized QLoRALinear"
+            problems.append(f"{path}: tensor {key!r}: {what} {mod_name!r} in the model")
+            continue
+        pairs.setdefault(mod_name, {})[which] = t
+
+    if problems and strict:
+        raise AdapterError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    for p in problems:
+        warnings.warn(p + "; skipped (strict=False)", stacklevel=2)
+
+    # Validate every pair before touching the model.
+    for mod_name, ab in pairs.items():
+        layer: QLoRALinear = modules[mod_name]
+        for which in ("lora_A", "lora_B"):
+            key = f"{PREFIX}{mod_name}.{which}.weight"
+            if which not in ab:
+                raise AdapterError(f"{path}: missing tensor {key!r} (its pair "
+                                   f"{'lora_B' if which == 'lora_A' else 'lora_A'} is present)")
+            t = ab[which]
+            want = (r, layer.in_features) if which == "lora_A" else (layer.out_features, r)
+            if tuple(t.shape) != want:
+                raise AdapterError(f"{path}: tensor {key!r} has shape {list(t.shape)}; module {mod_name!r} "
+                                   f"(in={layer.in_features}, out={layer.out_features}) with r={r} from "
+                                   f"{cfg_path.name} expects {list(want)}")
+            if not t.is_floating_point():
+                raise AdapterError(f"{path}: tensor {key!r} has dtype {t.dtype}, expected a floating-point type")
+            if not torch.isfinite(t).all():
+                raise AdapterError(f"{path}: tensor {key!r} holds non-finite values (NaN/inf)")
+
+    required = {n for n, m in modules.items() if isinstance(m, QLoRALinear) and (m.r or _matches_targets(cfg, n))}
+    if cfg.get("layers_to_transform") is not None or cfg.get("exclude_modules"):
+        required = {n for n in required if modules[n].r}  # the file's keys say which layers it covers
+    uncovered = sorted(required - set(pairs))
+    if uncovered:
+        msg = f"{path}: missing tensor {PREFIX}{uncovered[0]}.lora_A.weight" + (
+            f" (and {len(uncovered) - 1} more layers)" if len(uncovered) > 1 else "")
+        reasons = f"; {cfg_path.name} targets {cfg.get('target_modules')!r}"
+        if strict:
+            raise AdapterError(msg + reasons)
+        warnings.warn(msg + reasons + "; those layers keep their current LoRA (strict=False)", stacklevel=2)
+    if not pairs:
+        raise AdapterError(f"{path}: no LoRA tensors for this model")
+
+    with torch.no_grad():
+        for mod_name, ab in pairs.items():
+            layer = modules[mod_name]
+            if layer.r != r:
+                layer.add_lora(r, alpha, dropout)
+            layer.lora_alpha = alpha
+            layer.scaling = alpha / math.sqrt(r) if rslora else alpha / r
+            layer.lora_A.weight.copy_(ab["lora_A"].to(layer.lora_A.weight.dtype))
+            layer.lora_B.weight.copy_(ab["lora_B"].to(layer.lora_B.weight.dtype))
+            layer.lora_A.weight.requires_grad_(True)
+            layer.lora_B.weight.requires_grad_(True)
+
+    if policy is not None:
+        for attr, value in (("lora_rank", r), ("lora_alpha", alpha)):
+            if hasattr(policy, attr):
+                setattr(policy, attr, value)
+    return model
