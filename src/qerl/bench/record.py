@@ -19,6 +19,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _commit() -> str | None:
+    import os
+
+    if os.environ.get("QERL_COMMIT"):  # the device machine gets the tree without .git
+        return os.environ["QERL_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                                        stderr=subprocess.DEVNULL).strip()

@@ -20,7 +20,8 @@ from ..formats import WeightFormat
 class Backend:
     name: str
     supports: Callable[[torch.Tensor, WeightFormat], bool]
-    # (x [..., in], fmt, tensors, shape, bias or None) -> x @ W^T + bias  [..., out]
+    # (x [..., in], fmt, tensors, shape, bias or None, lora or None) -> x @ W^T + bias [+ LoRA]  [..., out]
+    # lora = (xa = x @ A^T [..., r], B [out, r], scaling): the adapter's expand, fused where the backend can.
     matmul: Callable
     # (grad_y [..., out], fmt, tensors, shape) -> grad_y @ W  [..., in]
     matmul_grad_input: Callable
@@ -49,18 +50,24 @@ def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
     return None
 
 
-def torch_matmul(x, fmt, tensors, shape, bias=None):
+def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
-    return torch.nn.functional.linear(x, fmt.dequantize(tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = torch.nn.functional.linear(x, fmt.dequantize(tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
+    return y if lora is None else y + lora_expand(lora, y.dtype)
+
+
+def lora_expand(lora, dtype):
+    xa, b, scaling = lora
+    return (torch.nn.functional.linear(xa, b) * scaling).to(dtype)
 
 
 def torch_matmul_grad_input(gy, fmt, tensors, shape):
     return gy @ fmt.dequantize(tensors, shape, gy.dtype)
 
 
-def base_matmul(x, fmt, tensors, shape, bias=None):
+def base_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = _pick(x, fmt)
-    return (b.matmul if b else torch_matmul)(x, fmt, tensors, shape, bias)
+    return (b.matmul if b else torch_matmul)(x, fmt, tensors, shape, bias, lora)
 
 
 def base_matmul_grad_input(gy, fmt, tensors, shape):

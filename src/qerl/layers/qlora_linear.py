@@ -128,6 +128,11 @@ class QLoRALinear(nn.Module):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.r and not self.disable_adapters and not torch.is_grad_enabled():
+            # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it.
+            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
+            return dispatch.base_matmul(x, self.fmt, self.quant_tensors(), self.weight_shape, self.bias,
+                                        lora=(a, self.lora_B.weight, self.scaling))
         y = _FrozenQuantMatmul.apply(x, self)
         if self.r and not self.disable_adapters:
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))

@@ -1,0 +1,86 @@
+"""The Triton backend: NVFP4 / MXFP4 / NF4 weight-only matmuls on CUDA.
+
+Registered with `dispatch` at import of `qerl.kernels` (only the registration;
+Triton itself is imported on the first CUDA call). Per weight it keeps a small
+prepared state (1/global-scale on the device and as a host float, NF4's
+dequantized absmax) in a weak cache keyed on the packed tensor, so no call syncs
+with the host after the first.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
+# Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep).
+FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "64"))
+# id(packed tensor) -> (weakref to it, state); tensors compare elementwise, so no WeakKeyDictionary.
+_STATE: dict[int, tuple] = {}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(x: torch.Tensor, fmt) -> bool:
+    if fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return x.is_cuda or (_interpret() and x.device.type == "cpu")
+
+
+def prepare(fmt, tensors, shape):
+    """(fmt_id, packed [N, K/2], scale [N, K/G], lut, 1/gs tensor or None, 1/gs float)."""
+    key = tensors["weight_packed"] if "weight_packed" in tensors else tensors["weight"]
+    hit = _STATE.get(id(key))
+    if hit is not None and hit[0]() is key:
+        return hit[1]
+    n, k = shape
+    fid = FMT_IDS[fmt.name]
+    if fid == 2:
+        from ..formats.nf4 import NF4_CODE
+
+        packed = tensors["weight"].view(n, k // 2)
+        scale = fmt.absmax(tensors).to(torch.float32).reshape(n, k // 64).contiguous()
+        st = (fid, packed, scale, NF4_CODE.to(packed.device), None, 1.0)
+    else:
+        packed, scale = tensors["weight_packed"], tensors["weight_scale"].view(torch.uint8)
+        if fid == 0:
+            inv = 1.0 / tensors["weight_global_scale"].to(torch.float32).reshape(1)
+            st = (fid, packed, scale, None, inv, float(inv))
+        else:
+            st = (fid, packed, scale, None, None, 1.0)
+    kid = id(key)
+    _STATE[kid] = (weakref.ref(key, lambda _, kid=kid: _STATE.pop(kid, None)), st)
+    return st
+
+
+def matmul(x, fmt, tensors, shape, bias=None, lora=None):
+    from . import w4_matmul as K
+
+    n, k = shape
+    fid, packed, scale, lut, inv, inv_host = prepare(fmt, tensors, shape)
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1 or x2d.stride(0) != k:
+        x2d = x2d.contiguous()
+    b = None if bias is None else bias.to(x.dtype)
+    if x2d.shape[0] <= FUSED_MAX_M:
+        y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, lora=lora)
+    else:
+        y = K.dequant_matmul(x2d, fid, packed, scale, lut, inv_host, n, bias=b)
+        if lora is not None:
+            from .dispatch import lora_expand
+
+            y = y + lora_expand((lora[0].reshape(-1, lora[0].shape[-1]), *lora[1:]), y.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+def matmul_grad_input(gy, fmt, tensors, shape):
+    from . import w4_matmul as K
+
+    n, k = shape
+    fid, packed, scale, lut, _, inv_host = prepare(fmt, tensors, shape)
+    g2d = gy.reshape(-1, n).contiguous()
+    return K.dequant_matmul_grad_input(g2d, fid, packed, scale, lut, inv_host, n, k).view(*gy.shape[:-1], k)
