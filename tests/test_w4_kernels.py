@@ -46,10 +46,10 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _run_fused(f, t, shape, x, **kw):
-    fid, packed, scale, lut, inv, _ = triton_backend.prepare(f, t, shape)
+def _run_fused(f, t, shape, x, use_asm=True, **kw):
+    fid, packed, scale, lut, inv, _, asm = triton_backend.prepare(f, t, shape)
     out = torch.full((x.shape[0], shape[0]), float("nan"), device=x.device, dtype=x.dtype)
-    return K.fused_matmul(x, fid, packed, scale, lut, inv, shape[0], out=out, **kw)
+    return K.fused_matmul(x, fid, packed, scale, lut, inv, shape[0], out=out, asm=asm if use_asm else None, **kw)
 
 
 SMALL = [(1, 48, 64), (3, 96, 128), (5, 80, 16 * 24), (17, 64, 192)]  # M, N, K: N and M off the block sizes
@@ -58,12 +58,23 @@ SMALL = [(1, 48, 64), (3, 96, 128), (5, 80, 16 * 24), (17, 64, 192)]  # M, N, K:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ACT)
 @pytest.mark.parametrize("m,n,k", SMALL)
-def test_fused_matches_float64(fmt, dtype, m, n, k):
+@pytest.mark.parametrize("use_asm", [True, False] if CUDA else [False])
+def test_fused_matches_float64(fmt, dtype, m, n, k, use_asm):
     if k % get_format(fmt).block_size:
         pytest.skip("K below this format's block")
     f, t = _weight(fmt, n, k, seed=m * 1000 + n + k)
     x = torch.randn(m, k, device=DEV).to(dtype)
-    assert _rel(_run_fused(f, t, (n, k), x), _ref(f, t, (n, k), x)) < TOL[dtype]
+    assert _rel(_run_fused(f, t, (n, k), x, use_asm=use_asm), _ref(f, t, (n, k), x)) < TOL[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="the PTX decode needs a GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_ptx_decode_equals_portable_decode(fmt):
+    f, t = _weight(fmt, 200, 512, seed=21)
+    x = torch.randn(9, 512, device=DEV, dtype=torch.bfloat16)
+    a = _run_fused(f, t, (200, 512), x, use_asm=True)
+    b = _run_fused(f, t, (200, 512), x, use_asm=False)
+    assert _rel(a, b.double()) < 1e-3
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
@@ -108,7 +119,7 @@ def test_bias_and_fused_lora_epilogue(fmt):
 def test_dequantize_kernel_is_exact(fmt):
     n, k = 50, 256
     f, t = _weight(fmt, n, k, seed=5)
-    fid, packed, scale, lut, inv, inv_host = triton_backend.prepare(f, t, (n, k))
+    fid, packed, scale, lut, inv, inv_host, _ = triton_backend.prepare(f, t, (n, k))
     w = K.dequantize(fid, packed, scale, lut, n, k, torch.float32,
                      out=torch.full((n, k), float("nan"), device=DEV))
     ref = f.dequantize(t, (n, k), torch.float64) / inv_host  # the kernel leaves 1/gs to the GEMM
@@ -123,7 +134,7 @@ def test_small_and_large_m_paths_agree(fmt):
     f, t = _weight(fmt, n, k, seed=8)
     dt = ACT[0]
     x = torch.randn(m, k, device=DEV).to(dt)
-    fid, packed, scale, lut, inv, inv_host = triton_backend.prepare(f, t, (n, k))
+    fid, packed, scale, lut, inv, inv_host, _ = triton_backend.prepare(f, t, (n, k))
     small = _run_fused(f, t, (n, k), x)
     large = K.dequant_matmul(x, fid, packed, scale, lut, inv_host, n)
     assert _rel(small, large.double()) < 1e-3

@@ -112,7 +112,6 @@ def _bench_shape(sets, fmt, m, mode, lora_r=0, x=None):
     fns = []
     for i, t in enumerate(sets.q[fmt]):
         st = triton_backend.prepare(f, t, (n, k))
-        fid, packed, scale, lut, inv, inv_host = st
         if lora_r:
             a = torch.randn(lora_r, k, device="cuda", dtype=torch.bfloat16) * 0.01
             b = torch.randn(n, lora_r, device="cuda", dtype=torch.bfloat16) * 0.01
@@ -125,6 +124,8 @@ def _bench_shape(sets, fmt, m, mode, lora_r=0, x=None):
         elif mode == "auto":
             fns.append(lambda t=t: triton_backend.matmul(x, f, t, (n, k)))
         elif mode == "fused":
+            fns.append(lambda st=st: K.fused_matmul(x, st[0], st[1], st[2], st[3], st[4], n, asm=st[6]))
+        elif mode == "fused_portable":  # the same kernel with the portable (non-PTX) decode
             fns.append(lambda st=st: K.fused_matmul(x, st[0], st[1], st[2], st[3], st[4], n))
         elif mode == "dequant":
             fns.append(lambda st=st: K.dequant_matmul(x, st[0], st[1], st[2], st[3], st[5], n))
@@ -135,38 +136,55 @@ def _bench_shape(sets, fmt, m, mode, lora_r=0, x=None):
 
 
 def sweep(out: Path, log):
-    """Tile/split choices of the fused kernel per M bucket (prints the winners; TILES takes them)."""
+    """Tiles/split of the fused kernel per M bucket, and the M up to which it beats dequantize + cuBLAS.
+
+    Sets the winners in-process (w4_matmul.TILES, triton_backend.FUSED_MAX_M) so the benchmark that
+    follows measures them; the printed winners are then written into the code.
+    """
     from ..kernels import triton_backend
     from ..kernels import w4_matmul as K
 
     shapes = layer_shapes("qwen2.5-7b")
     pick = {"q": shapes["q"], "k": shapes["k"], "gate": shapes["gate"], "down": shapes["down"]}
     sets = {s: ShapeSets(*nk, ["nvfp4"]) for s, nk in pick.items()}
-    configs = [(bn, bk, w, 3, wv) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8) for wv in (1, 2, 4)]
-    configs += [(64, 256, 4, 4, 2), (64, 128, 4, 4, 2), (128, 128, 8, 4, 2), (64, 256, 4, 2, 2)]
-    res = {}
-    for m in (1, 16, 64):
+    configs = [(bn, bk, 8 if bn == 128 else 4, st, wv) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)
+               for wv in (1, 2, 4)]
+    f = get_format("nvfp4")
+    res, best_of = {}, {}
+    for m in (1, 16, 32, 64):
+        xs = {s: torch.randn(m, ss.k, device="cuda", dtype=torch.bfloat16) for s, ss in sets.items()}
         for cfg in configs:
             tot = 0.0
             for s, ss in sets.items():
                 n, k = ss.n, ss.k
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                c = K.make_config(m, n, k, 0, x.device, *cfg)
+                c = K.make_config(m, n, k, 0, xs[s].device, *cfg)
                 fns = []
                 for t in ss.q["nvfp4"]:
-                    fid, packed, scale, lut, inv, _ = triton_backend.prepare(get_format("nvfp4"), t, (n, k))
-                    fns.append(lambda packed=packed, scale=scale, inv=inv, c=c: K.fused_matmul(
-                        x, 0, packed, scale, None, inv, n, config=c))
+                    st = triton_backend.prepare(f, t, (n, k))
+                    fns.append(lambda st=st, c=c, x=xs[s], n=n: K.fused_matmul(x, 0, st[1], st[2], None, st[4], n,
+                                                                               config=c, asm=st[6]))
                 try:
                     us = time_calls(fns, replays=3)
                 except Exception as e:  # a config the compiler rejects (shared memory, registers)
-                    log(f"sweep m={m} {cfg} {s}: {type(e).__name__}: {str(e)[:100]}")
+                    log(f"sweep m={m} {cfg} {s}: {type(e).__name__}: {str(e)[:160]}")
                     us = float("inf")
                 res[f"{m}|{cfg}|{s}"] = us
                 tot += us
             res[f"{m}|{cfg}|total"] = tot
-        best = sorted((res[f"{m}|{c}|total"], c) for c in configs)[:5]
-        log(f"sweep M={m}: best (BN, BK, warps, stages, waves) by 7B q+k+gate+down µs: {best}")
+        ranked = sorted((res[f"{m}|{c}|total"], c) for c in configs)
+        best_of[m] = ranked[0]
+        dq = sum(_bench_shape(ss, "nvfp4", m, "dequant", x=xs[s]) for s, ss in sets.items())
+        res[f"{m}|dequant|total"] = dq
+        log(f"sweep M={m}: dequant+cuBLAS {dq:.1f} µs; best (BN, BK, warps, stages, waves): "
+            + ", ".join(f"{c} {t:.1f}" for t, c in ranked[:4]))
+    both = sorted((res[f"1|{c}|total"] + res[f"16|{c}|total"], c) for c in configs)[0][1]
+    K.TILES.update({16: both, 32: best_of[32][1], 64: best_of[64][1]})
+    fused_max = 16
+    for m in (32, 64):
+        if best_of[m][0] < res[f"{m}|dequant|total"]:
+            fused_max = m
+    triton_backend.FUSED_MAX_M = fused_max
+    log(f"sweep result: TILES = {K.TILES}; FUSED_MAX_M = {fused_max}")
     (out / "sweep.json").write_text(json.dumps(res, indent=1))
 
 
@@ -196,6 +214,7 @@ def main(argv=None):
 
     dev = torch.cuda.get_device_name(0)
     t0 = time.time()
+    copy_bandwidth()  # clocks ramp up from idle: the first measurement is low
     bw = copy_bandwidth()
     log(f"{dev}: copy bandwidth {bw / 1e12:.3f} TB/s")
     if a.sweep:
@@ -217,6 +236,8 @@ def main(argv=None):
                      "nvfp4": _bench_shape(sets, "nvfp4", m, "auto", x=x)}
                 if m <= 256:
                     r["nvfp4_fused"] = _bench_shape(sets, "nvfp4", m, "fused", x=x)
+                if model == "qwen2.5-7b" and m in (1, 16, 64):
+                    r["nvfp4_fused_portable"] = _bench_shape(sets, "nvfp4", m, "fused_portable", x=x)
                 r["nvfp4_dequant"] = _bench_shape(sets, "nvfp4", m, "dequant", x=x)
                 if model == "qwen2.5-7b" and m in (1, 16, 64, 2048):
                     for fm in extra_fmts:
@@ -254,7 +275,7 @@ def main(argv=None):
         # ---- the layer-set summary -------------------------------------------------------------
         log_final(f"\n{model}: whole layer set (q,k,v,o,gate,up,down), sums over shapes")
         log_final(f"{'M':>6} {'bf16 µs':>10} {'nvfp4 µs':>10} {'speedup':>8} {'%copy':>6} {'fused':>9} {'dequant':>9}"
-            f" {'mxfp4':>8} {'nf4':>8} {'lora32':>8}")
+            f" {'mxfp4':>8} {'nf4':>8} {'lora32':>8} {'portable':>9}")
         summary = {}
         for m in ms:
             bf, q = agg[("bf16", m)][0], agg[("nvfp4", m)]
@@ -262,7 +283,8 @@ def main(argv=None):
             sp = bf / q[0]
             g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
             log_final(f"{m:>6} {bf:>10.1f} {q[0]:>10.1f} {sp:>8.2f} {frac:>6.1%} {g('nvfp4_fused'):>9.1f} "
-                f"{g('nvfp4_dequant'):>9.1f} {g('mxfp4'):>8.1f} {g('nf4'):>8.1f} {g('nvfp4_lora32'):>8.1f}")
+                f"{g('nvfp4_dequant'):>9.1f} {g('mxfp4'):>8.1f} {g('nf4'):>8.1f} {g('nvfp4_lora32'):>8.1f} "
+                      f"{g('nvfp4_fused_portable'):>9.1f}")
             summary[m] = dict(bf16=bf, nvfp4=q[0], speedup=sp, frac=frac)
             if a.record:
                 case = f"{model} layer set M={m}"
@@ -297,8 +319,11 @@ def main(argv=None):
                         rows.append((f"{model} gate M={m}", "torch_dequant_matmul_slowdown_vs_bf16",
                                      sh["torch_dequant_matmul"] / sh["bf16"], "x", None))
         results[f"summary|{model}"] = summary
+    bw_end = copy_bandwidth()
+    log_final(f"copy bandwidth at the start {bw / 1e12:.3f} TB/s, at the end {bw_end / 1e12:.3f} TB/s")
     if a.record:
         rows.append(("copy", "copy_bandwidth", bw / 1e12, "TB/s", None))
+        rows.append(("copy", "copy_bandwidth_end", bw_end / 1e12, "TB/s", None))
         kw = {"results_dir": Path(a.results_dir)} if a.results_dir else {}
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev,

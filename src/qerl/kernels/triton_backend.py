@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from .w4_decode_consts import ASM_SHIFT
+
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
 # Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep).
 FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "64"))
@@ -32,7 +34,10 @@ def supports(x: torch.Tensor, fmt) -> bool:
 
 
 def prepare(fmt, tensors, shape):
-    """(fmt_id, packed [N, K/2], scale [N, K/G], lut, 1/gs tensor or None, 1/gs float)."""
+    """(fmt_id, packed [N, K/2], scale [N, K/G], lut, 1/gs tensor or None, 1/gs float, asm).
+
+    asm = (epilogue factor tensor, MXFP4 shift) for the PTX decode, whose values carry 2^-7
+    (NVFP4) or 2^-shift (MXFP4, chosen so the largest scale stays finite in bf16)."""
     key = tensors["weight_packed"] if "weight_packed" in tensors else tensors["weight"]
     hit = _STATE.get(id(key))
     if hit is not None and hit[0]() is key:
@@ -44,14 +49,15 @@ def prepare(fmt, tensors, shape):
 
         packed = tensors["weight"].view(n, k // 2)
         scale = fmt.absmax(tensors).to(torch.float32).reshape(n, k // 64).contiguous()
-        st = (fid, packed, scale, NF4_CODE.to(packed.device), None, 1.0)
+        st = (fid, packed, scale, NF4_CODE.to(packed.device), None, 1.0, None)
     else:
         packed, scale = tensors["weight_packed"], tensors["weight_scale"].view(torch.uint8)
         if fid == 0:
             inv = 1.0 / tensors["weight_global_scale"].to(torch.float32).reshape(1)
-            st = (fid, packed, scale, None, inv, float(inv))
+            st = (fid, packed, scale, None, inv, float(inv), (inv * 2.0**ASM_SHIFT, 0))
         else:
-            st = (fid, packed, scale, None, None, 1.0)
+            shift = max(0, int(scale.max()) - 128)
+            st = (fid, packed, scale, None, None, 1.0, (torch.full((1,), 2.0**shift, device=scale.device), shift))
     kid = id(key)
     _STATE[kid] = (weakref.ref(key, lambda _, kid=kid: _STATE.pop(kid, None)), st)
     return st
@@ -61,13 +67,13 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     from . import w4_matmul as K
 
     n, k = shape
-    fid, packed, scale, lut, inv, inv_host = prepare(fmt, tensors, shape)
+    fid, packed, scale, lut, inv, inv_host, asm = prepare(fmt, tensors, shape)
     x2d = x.reshape(-1, k)
     if x2d.stride(-1) != 1 or x2d.stride(0) != k:
         x2d = x2d.contiguous()
     b = None if bias is None else bias.to(x.dtype)
     if x2d.shape[0] <= FUSED_MAX_M:
-        y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, lora=lora)
+        y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, lora=lora, asm=asm)
     else:
         y = K.dequant_matmul(x2d, fid, packed, scale, lut, inv_host, n, bias=b)
         if lora is not None:
@@ -81,6 +87,6 @@ def matmul_grad_input(gy, fmt, tensors, shape):
     from . import w4_matmul as K
 
     n, k = shape
-    fid, packed, scale, lut, _, inv_host = prepare(fmt, tensors, shape)
+    fid, packed, scale, lut, _, inv_host, _ = prepare(fmt, tensors, shape)
     g2d = gy.reshape(-1, n).contiguous()
     return K.dequant_matmul_grad_input(g2d, fid, packed, scale, lut, inv_host, n, k).view(*gy.shape[:-1], k)

@@ -80,3 +80,46 @@ def decode_tile(p, s, lut_ptr, FMT: tl.constexpr, BF16: tl.constexpr, BLOCK_N: t
     if BF16:
         w = w.to(tl.bfloat16)
     return w
+
+
+# ---- the GPU fast path: PTX on packed registers ---------------------------------------------
+# Four packed bytes (8 codes) in one 32-bit register become 8 bf16 values with shifts, masks and
+# byte permutes, two lanes per instruction: the e/m bits go to bf16 bits 8..6, the sign to bit
+# 15, which reads as code·2^-126 (the subnormal case 0.5 included). The block scale comes in
+# pre-multiplied by 2^(126-7) so one bf16x2 multiply per pair gives code·scale·2^-7 exactly;
+# the caller's epilogue restores the 2^7. Outputs: the even-k (low nibble) and odd-k values.
+_E2M1X8_ASM = """
+{
+.reg .b32 l02, h02, l13, h13, t, u;
+shl.b32 t, $4, 6;  and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 12; and.b32 u, u, 0x80008000; or.b32 l02, t, u;
+shl.b32 t, $4, 2;  and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 8;  and.b32 u, u, 0x80008000; or.b32 h02, t, u;
+shr.u32 t, $4, 2;  and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 4;  and.b32 u, u, 0x80008000; or.b32 l13, t, u;
+shr.u32 t, $4, 6;  and.b32 t, t, 0x01C001C0; and.b32 u, $4, 0x80008000; or.b32 h13, t, u;
+prmt.b32 t, l02, l13, 0x5410; mul.rn.bf16x2 $0, t, $5;
+prmt.b32 t, l02, l13, 0x7632; mul.rn.bf16x2 $1, t, $6;
+prmt.b32 t, h02, h13, 0x5410; mul.rn.bf16x2 $2, t, $5;
+prmt.b32 t, h02, h13, 0x7632; mul.rn.bf16x2 $3, t, $6;
+}
+"""
+from .w4_decode_consts import ASM_SHIFT  # noqa: E402,F401
+
+
+@triton.jit
+def group_scale_bf16(s, FMT: tl.constexpr, MX_SHIFT):
+    """Raw block scales -> bf16 scale·2^(126-shift): 2^119·E4M3 for NVFP4, 2^(e-1-MX_SHIFT) for MXFP4."""
+    if FMT == 0:
+        v = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.64613997892457936451903530140172288e35  # 2^119
+    else:
+        e = s.to(tl.int32) - 1 - MX_SHIFT + 127
+        v = tl.where(e > 0, (tl.maximum(e, 1) << 23).to(tl.float32, bitcast=True), 0.0)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def decode_even_odd_asm(p, s, FMT: tl.constexpr, MX_SHIFT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(even-k, odd-k) bf16 weights [BLOCK_N, BLOCK_K/2] each, from bytes p and raw scales s [BLOCK_N, BLOCK_K/G]."""
+    G: tl.constexpr = 16 if FMT == 0 else 32
+    sc = group_scale_bf16(s, FMT, MX_SHIFT)
+    sc = tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)).reshape(BLOCK_N, BLOCK_K // 2)
+    return tl.inline_asm_elementwise(_E2M1X8_ASM, "=r,=r,=r,=r,r,r,r", [p, sc],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4_decode import GROUP, decode_tile
+from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
 
 
 def _cdiv(a, b):
@@ -49,8 +49,8 @@ def _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, 
 
 @triton.jit
 def _fused_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, ws_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr,
-                  M, N, K, stride_xm, stride_ym, k_split, scaling, R,
-                  FMT: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr,
+                  M, N, K, stride_xm, stride_ym, k_split, scaling, R, MX_SHIFT,
+                  FMT: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr, ASM: tl.constexpr,
                   HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 64)
@@ -75,10 +75,19 @@ def _fused_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, ws_ptr, y_ptr, gsinv_ptr, bias_p
         kg = k0 // G + offs_kg
         s = tl.load(s_ptr + rows[:, None] * (K // G) + kg[None, :],
                     mask=n_mask[:, None] & (kg[None, :] < k_hi // G), other=0, eviction_policy="evict_first")
-        w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
-        kk = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0)
-        acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+        if ASM:  # GPU: PTX decode, even and odd k in two dots (no interleave shuffle)
+            w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
+            ke = k0 + 2 * offs_kh
+            xmask = m_mask[:, None] & (ke[None, :] < k_hi)
+            xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
+            xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
+            acc += tl.dot(w_even, tl.trans(xe))
+            acc += tl.dot(w_odd, tl.trans(xo))
+        else:
+            w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
+            kk = k0 + offs_k
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0)
+            acc += tl.dot(w, tl.trans(x.to(w.dtype)))
     if not USE_WS:
         _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                   HAS_GS, HAS_BIAS, HAS_LORA, BLOCK_R)
@@ -154,11 +163,27 @@ def fused_config(M: int, N: int, K: int, fmt_id: int, device: torch.device) -> d
     return make_config(M, N, K, fmt_id, device, *TILES[bucket])
 
 
-def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=None, config=None, out=None):
-    """x2d [M, K] (contiguous rows) -> [M, N]. packed [N, K/2] uint8, scale [N, K/G]."""
+def use_asm(x2d, fmt_id) -> bool:
+    return USE_ASM and x2d.is_cuda and x2d.dtype == torch.bfloat16 and fmt_id in (0, 1)
+
+
+USE_ASM = True  # the PTX decode on CUDA for bf16 (the portable decode is kept for tests and fp16/fp32)
+
+
+def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=None, config=None, out=None,
+                 asm=None):
+    """x2d [M, K] (contiguous rows) -> [M, N]. packed [N, K/2] uint8, scale [N, K/G].
+
+    gs_inv: the epilogue factor, a 1-element fp32 tensor or None. With the PTX decode it is
+    asm[0] (2^7/gs for NVFP4, 2^shift for MXFP4), passed as asm = (factor tensor, mx_shift).
+    """
     M, K = x2d.shape
     cfg = dict(config or fused_config(M, N, K, fmt_id, x2d.device))
     split, k_split = cfg.pop("SPLIT_K"), cfg.pop("k_split")
+    on_asm = asm is not None and use_asm(x2d, fmt_id)
+    mx_shift = 0
+    if on_asm:
+        gs_inv, mx_shift = asm
     y = out if out is not None else torch.empty(M, N, device=x2d.device, dtype=x2d.dtype)
     bf16 = x2d.dtype == torch.bfloat16
     if lora is not None:
@@ -176,8 +201,8 @@ def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=Non
             xa if xa is not None else dummy, lb if lb is not None else dummy)
     grid = (_cdiv(N, cfg["BLOCK_N"]), split, _cdiv(M, cfg["BLOCK_M"]))
     _fused_kernel[grid](x2d, packed, scale, lut if lut is not None else dummy, ws, y, *ptrs,
-                        M, N, K, x2d.stride(0), y.stride(0), k_split, float(scaling), R,
-                        FMT=fmt_id, BF16=bf16, USE_WS=split > 1, **flags, **cfg)
+                        M, N, K, x2d.stride(0), y.stride(0), k_split, float(scaling), R, mx_shift,
+                        FMT=fmt_id, BF16=bf16, USE_WS=split > 1, ASM=on_asm, **flags, **cfg)
     if split > 1:
         bm, bn = min(cfg["BLOCK_M"], 64), 64
         _splitk_reduce_kernel[(_cdiv(N, bn), _cdiv(M, bm))](ws, y, *ptrs, M, N, y.stride(0), float(scaling), R, split,
