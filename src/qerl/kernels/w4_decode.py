@@ -88,7 +88,7 @@ def decode_tile(p, s, lut_ptr, FMT: tl.constexpr, BF16: tl.constexpr, BLOCK_N: t
 # 15, which reads as code·2^-126 (the subnormal case 0.5 included). The block scale comes in
 # pre-multiplied by 2^(126-7) so one bf16x2 multiply per pair gives code·scale·2^-7 exactly;
 # the caller's epilogue restores the 2^7. Outputs: the even-k (low nibble) and odd-k values.
-_E2M1X8_ASM = """
+_E2M1X8_ASM = tl.constexpr("""
 {
 .reg .b32 l02, h02, l13, h13, t, u;
 shl.b32 t, $4, 6;  and.b32 t, t, 0x01C001C0; shl.b32 u, $4, 12; and.b32 u, u, 0x80008000; or.b32 l02, t, u;
@@ -100,7 +100,7 @@ prmt.b32 t, l02, l13, 0x7632; mul.rn.bf16x2 $1, t, $6;
 prmt.b32 t, h02, h13, 0x5410; mul.rn.bf16x2 $2, t, $5;
 prmt.b32 t, h02, h13, 0x7632; mul.rn.bf16x2 $3, t, $6;
 }
-"""
+""")
 from .w4_decode_consts import ASM_SHIFT  # noqa: E402,F401
 
 
