@@ -9,6 +9,7 @@ with the host after the first.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import weakref
 
@@ -18,19 +19,22 @@ from .w4_decode_consts import ASM_SHIFT
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
 # Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep).
-FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "64"))
+FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "16"))
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # id(packed tensor) -> (weakref to it, state); tensors compare elementwise, so no WeakKeyDictionary.
 _STATE: dict[int, tuple] = {}
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _cpu_interpreter() -> bool:
+    # CPU tensors go to the kernels only when asked (tests of the kernels themselves):
+    # the interpreter is far slower than the torch path it would replace.
+    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("QERL_TRITON_ON_CPU") == "1"
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
-    if fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not HAVE_TRITON or fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return x.is_cuda or (_interpret() and x.device.type == "cpu")
+    return x.is_cuda or (_cpu_interpreter() and x.device.type == "cpu")
 
 
 def prepare(fmt, tensors, shape):

@@ -142,7 +142,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Tiles per M bucket: (BLOCK_N, BLOCK_K, num_warps, num_stages, waves). Chosen from the H200 sweep
 # (`python -m qerl.bench.kernels --sweep`, notes in benchmarks/kernels.md).
-TILES = {16: (64, 256, 4, 3, 2), 32: (64, 128, 4, 3, 2), 64: (64, 128, 4, 3, 1)}
+TILES = {16: (64, 128, 4, 3, 4), 32: (128, 128, 8, 3, 4), 64: (128, 128, 8, 3, 4)}
 
 
 def make_config(M, N, K, fmt_id, device, block_n, block_k, num_warps, num_stages, waves):
