@@ -184,8 +184,7 @@ def sweep(out: Path, log):
         res[f"{m}|dequant|total"] = dq
         log(f"sweep M={m}: dequant+cuBLAS {dq:.1f} µs; best (BN, BK, warps, stages, waves): "
             + ", ".join(f"{c} {t:.1f}" for t, c in ranked[:4]))
-    both = sorted((res[f"1|{c}|total"] + res[f"16|{c}|total"], c) for c in configs)[0][1]
-    K.TILES.update({16: both, 32: best_of[32][1], 64: best_of[64][1]})
+    K.TILES.update({4: best_of[1][1], 16: best_of[16][1], 32: best_of[32][1], 64: best_of[64][1]})
     fused_max = 16
     for m in (32, 64):
         if best_of[m][0] < res[f"{m}|dequant|total"]:

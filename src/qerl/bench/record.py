@@ -74,21 +74,22 @@ def render(results_dir: Path = RESULTS, out: Path | None = None) -> str:
             if line.strip():
                 r = json.loads(line)
                 latest[(r["bench"], r["case"], r["metric"], r.get("device"))] = r
-    lines = [
-        "# Benchmark record",
-        "",
-        "Latest measured value of each figure; every row ever measured is in `results/*.jsonl`",
-        "(append-only). Regenerate this table with `python -m qerl.bench.record`.",
-        "",
-        "| bench | case | metric | value | unit | target | met | device | date | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in latest.values():
+    head = ["| bench | case | metric | value | unit | target | met | device | date | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(r):
         v = r["value"]
         v = f"{v:.4g}" if isinstance(v, float) else v
         m = {True: "yes", False: "**no**", None: ""}[r["met"]]
-        lines.append(f"| {r['bench']} | {r['case']} | {r['metric']} | {v} | {r['unit']} | {r['target'] or ''} | {m} "
-                     f"| {r['device']} | {r['date']} | {r['commit'] or ''} |")
+        return (f"| {r['bench']} | {r['case']} | {r['metric']} | {v} | {r['unit']} | {r['target'] or ''} | {m} "
+                f"| {r['device']} | {r['date']} | {r['commit'] or ''} |")
+
+    rows = list(latest.values())
+    lines = ["# Benchmark record", "",
+             "Latest measured value of each figure; every row ever measured is in `results/*.jsonl`",
+             "(append-only). Regenerate this file with `python -m qerl.bench.record`.", "",
+             "## Figures with a target", "", *head, *[row(r) for r in rows if r.get("target")], "",
+             "## All figures", "", *head, *[row(r) for r in rows if not r.get("target")]]
     text = "\n".join(lines) + "\n\nCommands: see the `command` field of each row.\n"
     (out or results_dir.parent / "README.md").write_text(text)
     return text

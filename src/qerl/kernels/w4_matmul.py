@@ -142,7 +142,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Tiles per M bucket: (BLOCK_N, BLOCK_K, num_warps, num_stages, waves). Chosen from the H200 sweep
 # (`python -m qerl.bench.kernels --sweep`, notes in benchmarks/kernels.md).
-TILES = {16: (64, 128, 4, 3, 4), 32: (128, 128, 8, 3, 4), 64: (128, 128, 8, 3, 4)}
+TILES = {4: (64, 128, 4, 3, 4), 16: (128, 128, 8, 3, 4), 32: (128, 128, 8, 3, 4), 64: (128, 128, 8, 3, 4)}
 
 
 def make_config(M, N, K, fmt_id, device, block_n, block_k, num_warps, num_stages, waves):
@@ -159,7 +159,7 @@ def make_config(M, N, K, fmt_id, device, block_n, block_k, num_warps, num_stages
 
 
 def fused_config(M: int, N: int, K: int, fmt_id: int, device: torch.device) -> dict:
-    bucket = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bucket = min((b for b in TILES if M <= b), default=max(TILES))
     return make_config(M, N, K, fmt_id, device, *TILES[bucket])
 
 
