@@ -1,0 +1,6 @@
+"""Rollouts: batched sampling on the live quantized LoRA policy (no second copy of the weights)."""
+
+from .engine import Completion, Engine, RolloutStats
+from .sampling import SamplingParams, processed_logprobs, sample
+
+__all__ = ["Completion", "Engine", "RolloutStats", "SamplingParams", "processed_logprobs", "sample"]

@@ -1,0 +1,123 @@
+"""The policy's forward pass against the engine's KV cache (Llama / Qwen2 / Qwen3).
+
+It calls the transformers model's own submodules (embeddings, norms, the
+QLoRALinear projections, lm_head), so rollouts run on exactly the objects the
+trainer updates: no second copy of the weights, no sync step. Only attention
+and the cache are ours, because the engine needs a static-shape, slot-indexed
+cache that CUDA graphs can replay (transformers' caches are per-batch objects).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class ModelView:
+    """The pieces of a causal LM that the engine calls, and its attention geometry."""
+
+    def __init__(self, model):
+        self.model = model
+        inner = model.model
+        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        self.rotary = inner.rotary_emb
+        cfg = model.config
+        attn = self.layers[0].self_attn
+        self.n_layers = len(self.layers)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.vocab = cfg.vocab_size
+        self.qk_norm = hasattr(attn, "q_norm")
+
+    @property
+    def device(self):
+        return self.embed.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed.weight.dtype
+
+    def rope_tables(self, max_len: int):
+        """cos, sin [max_len, head_dim] from the model's own rotary module (its scaling type included)."""
+        pos = torch.arange(max_len, device=self.device)[None]
+        x = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.rotary(x, pos)
+        return cos[0], sin[0]
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _qkv(view: ModelView, attn, h, cos, sin):
+    """h [B, T, D] -> q [B, H, T, d], k and v [B, Hkv, T, d], rotary applied (cos/sin [B, 1, T, d])."""
+    b, t, _ = h.shape
+    q = attn.q_proj(h).view(b, t, -1, view.head_dim)
+    k = attn.k_proj(h).view(b, t, -1, view.head_dim)
+    v = attn.v_proj(h).view(b, t, -1, view.head_dim).transpose(1, 2)
+    if view.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def _attend(view, q, k, v, mask):
+    gqa = view.n_heads != view.n_kv
+    if gqa:  # expand kv heads: portable across SDPA backends (enable_gqa + mask is not everywhere)
+        r = view.n_heads // view.n_kv
+        k = k.repeat_interleave(r, dim=1)
+        v = v.repeat_interleave(r, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=view.scaling)
+
+
+def _finish_layer(layer, attn, h, o, resid):
+    b, t = h.shape[:2]
+    h = resid + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope):
+    """Run prompts (right-padded ids [B, T], true lengths [B]) and write their K/V.
+
+    slots_per_row: for each row, the cache slots that receive its K/V (a group's samples share
+    one prefill). Returns the fp32 logits at each prompt's last token [B, V].
+    """
+    b, t = ids.shape
+    cos, sin = (x[:t][None, None] for x in rope)
+    keys = torch.arange(t, device=ids.device)
+    mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
+    mask = mask[:, None]  # [B, 1, T, T]
+    h = view.embed(ids)
+    for i, layer in enumerate(view.layers):
+        attn = layer.self_attn
+        resid = h
+        q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
+        for row, slots in enumerate(slots_per_row):
+            if slots:
+                cache.write_prefix(i, slots, k[row], v[row], int(lengths[row]))
+        h = _finish_layer(layer, attn, h, _attend(view, q, k, v, mask), resid)
+    last = h[torch.arange(b, device=ids.device), lengths - 1]
+    return view.lm_head(view.norm(last)).float()
+
+
+def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope):
+    """One token for slots 0..n_slots-1: tokens [S], positions [S] -> fp32 logits [S, V].
+
+    Static shapes for a given (n_slots, n_keys), no host syncs: the step CUDA graphs replay.
+    """
+    cos, sin = (x[pos][:, None, None] for x in rope)  # [S, 1, 1, d]
+    mask = (torch.arange(n_keys, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [S, 1, 1, L]
+    h = view.embed(tokens[:, None])
+    for i, layer in enumerate(view.layers):
+        attn = layer.self_attn
+        resid = h
+        q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
+        kc, vc = cache.write_token(i, n_slots, pos, k[:, :, 0], v[:, :, 0])
+        o = _attend(view, q, kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys], mask)
+        h = _finish_layer(layer, attn, h, o, resid)
+    return view.lm_head(view.norm(h[:, 0])).float()

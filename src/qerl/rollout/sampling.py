@@ -1,0 +1,63 @@
+"""Token sampling on the device: temperature, top-k, top-p, greedy; no host sync.
+
+Sampling uses the exponential-race form of the Gumbel trick (argmax p/E, E ~ Exp(1)),
+which draws exactly from p and, unlike torch.multinomial, has a fixed-shape,
+sync-free implementation that CUDA graphs capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    greedy: bool = False
+    stop: list[str] = field(default_factory=list)  # strings that end a completion (kept in it)
+    stop_token_ids: list[int] | None = None  # None: the tokenizer's / generation config's EOS ids
+    ignore_eos: bool = False  # benchmarks: always run max_new_tokens
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (or use greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def processed_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """fp32 log-probabilities of the distribution actually sampled from (temperature, top-k, top-p)."""
+    if p.greedy:
+        return torch.log_softmax(logits.float(), -1)
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        srt, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(srt, -1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(x, -1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (token ids [B], their log-probability under the sampled distribution [B])."""
+    lp = processed_logprobs(logits, p)
+    if p.greedy:
+        tok = torch.argmax(lp, -1)
+    else:
+        e = torch.empty_like(lp).exponential_(generator=generator)
+        tok = torch.argmax(lp - e.log(), -1)  # argmax p/E in log space
+    return tok, lp.gather(-1, tok[:, None])[:, 0]
