@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import export, inspect, quantize
+from . import bench, export, generate, inspect, quantize
 
-COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export}
+COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ whose `supports(x, fmt)` accepts the call handles it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,9 +51,41 @@ def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
     return None
 
 
+# Set inside `dequantized_cache()`: id(first quant tensor) -> (that tensor, dequantized weight).
+_CACHE: dict | None = None
+
+
+@contextlib.contextmanager
+def dequantized_cache():
+    """Keep each weight's dequantized copy for the duration (the torch path only).
+
+    For CPU rollouts, where no kernel decodes in registers: a rollout calls every
+    frozen weight once per token, and dequantizing it each time costs more than the
+    matmul. The copies live only inside the block (the frozen weights cannot change
+    there; LoRA and norm weights stay live), so training memory is unaffected.
+    """
+    global _CACHE
+    outer = _CACHE
+    _CACHE = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _CACHE = outer
+
+
+def _dequantized(fmt, tensors, shape, dtype):
+    if _CACHE is None:
+        return fmt.dequantize(tensors, shape, dtype)
+    key_t = next(iter(tensors.values()))
+    hit = _CACHE.get((id(key_t), dtype))
+    if hit is None or hit[0] is not key_t:
+        hit = _CACHE[(id(key_t), dtype)] = (key_t, fmt.dequantize(tensors, shape, dtype))
+    return hit[1]
+
+
 def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
-    y = torch.nn.functional.linear(x, fmt.dequantize(tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = torch.nn.functional.linear(x, _dequantized(fmt, tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
     return y if lora is None else y + lora_expand(lora, y.dtype)
 
 

@@ -2,5 +2,6 @@
 
 from .architectures import SUPPORTED_ARCHITECTURES, TARGET_MODULES
 from .load import Policy, load_policy, quantized_layers
+from .random_init import qwen25_config, random_policy
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "TARGET_MODULES", "Policy", "load_policy", "quantized_layers"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "TARGET_MODULES", "Policy", "load_policy", "quantized_layers", "qwen25_config", "random_policy"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels import dispatch
 from .forward import ModelView, decode, prefill
 from .kv_cache import KVCache, slots_for_budget
 from .sampling import SamplingParams, sample
@@ -65,7 +66,7 @@ class _Slot:
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 prefill_tokens: int = 8192):
+                 prefill_tokens: int = 8192, cache_dequantized: bool | None = None):
         self.view = ModelView(model)
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
@@ -76,6 +77,8 @@ class Engine:
         self.cache = KVCache(self.view, self.n_slots, max_len)
         self.rope = self.view.rope_tables(max_len)
         self.cuda_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # without kernels (CPU), keep dequantized weights for the rollout's duration
+        self.cache_dequantized = dev.type != "cuda" if cache_dequantized is None else cache_dequantized
         S = self.n_slots
         z = lambda dt: torch.zeros(S, dtype=dt, device=dev)  # noqa: E731
         self.tokens, self.pos, self.count = z(torch.long), z(torch.long), z(torch.long)
@@ -123,7 +126,8 @@ class Engine:
         left = {i: n for i in range(len(ids))}
         results: dict[tuple, Completion] = {}
         bar = tqdm(total=len(waiting), desc="rollout", unit="seq", disable=not progress)
-        with perturb if perturb is not None else contextlib.nullcontext():
+        cache = dispatch.dequantized_cache() if self.cache_dequantized else contextlib.nullcontext()
+        with cache, perturb if perturb is not None else contextlib.nullcontext():
             while waiting or any(s is not None for s in slots):
                 self._admit(waiting, slots, ids, prompt_logits, left, p)
                 hi = max(i for i, s in enumerate(slots) if s is not None) + 1

@@ -1,0 +1,173 @@
+"""Rollout throughput: our engine (NVFP4 and bf16 LoRA policies) against Hugging Face generate.
+
+    python -m qerl.bench.rollout [--record] [--model qwen2.5-7b] [--batches 1,8,32,128]
+
+Random weights at the model's real shapes, LoRA rank 32 on every linear, prompts of
+256 random tokens, 1024 new tokens with EOS ignored. Prints tokens/s, peak memory
+and the fraction of the decode roofline (weight + KV bytes per step over the copy
+bandwidth measured in the same run). Hugging Face baselines (batch 1 and 8): bf16 +
+PEFT LoRA (what TRL does without vLLM) and a static cache, compiled, without LoRA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..model import qwen25_config, random_policy
+from ..rollout import Engine, SamplingParams
+from .record import RESULTS, record
+
+CMD = "python -m qerl.bench.rollout --record"
+TARGETS = {("nvfp4", 1, "tokens_per_s"): ">=600", ("nvfp4", 8, "tokens_per_s"): ">=4000"}
+
+
+def _bytes(model) -> int:
+    """Bytes a decode step reads for weights: every parameter and buffer except the embedding table."""
+    emb = model.model.embed_tokens.weight
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is emb or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    if model.lm_head.weight is emb:
+        total += emb.numel() * emb.element_size()
+    return total
+
+
+def _engine_case(pol, batches, prompt_len, new, log, bw, cfg):
+    view_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    wbytes = _bytes(pol.model)
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    eng = Engine(pol.model, max_len=prompt_len + new + 1, max_slots=max(batches), kv_cache_gb=None)
+    p = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
+    warm = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+    for b in batches:
+        prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
+        eng.generate(prompts, params=warm)  # kernels compile; graphs for the short buckets
+        torch.cuda.reset_peak_memory_stats()
+        eng.generate(prompts, params=p)
+        s = eng.stats
+        decode_s = s.seconds - s.prefill_seconds
+        tps = s.new_tokens / s.seconds
+        dtps = (s.new_tokens - b) / decode_s
+        step_bytes = wbytes + b * (prompt_len + new / 2) * view_kv
+        roof = b / (step_bytes / bw)
+        out[b] = dict(tokens_per_s=tps, decode_tokens_per_s=dtps, roofline_fraction=dtps / roof,
+                      roofline_tokens_per_s=roof, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                      graphs=s.graphs_captured, seconds=s.seconds, prefill_s=s.prefill_seconds)
+        log(f"  batch {b:4d}: {tps:8.1f} tok/s ({dtps:8.1f} decode, {100 * dtps / roof:5.1f}% of the {roof:7.0f} "
+            f"tok/s roofline), prefill {s.prefill_seconds:.2f} s, peak {out[b]['peak_gib']:.1f} GiB")
+    del eng
+    return out
+
+
+def _hf_case(cfg, batches, prompt_len, new, peft: bool, log):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], lora_dropout=0.0))
+        model.eval()
+    kw = dict(do_sample=True, temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    if not peft:
+        kw["cache_implementation"] = "static"  # transformers compiles the decode step for a static cache
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for b in batches:
+        x = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).cuda()
+        with torch.no_grad():
+            model.generate(x, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up / compile
+            if not peft:
+                model.generate(x, **{**kw, "max_new_tokens": 16, "min_new_tokens": 16})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(x, **kw)
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        out[b] = dict(tokens_per_s=b * new / dt)
+        log(f"  batch {b:4d}: {b * new / dt:8.1f} tok/s ({new} new tokens)")
+    del model
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--hf-new-tokens", type=int, default=64, help="HF baselines are slow: fewer tokens, same rate")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args(argv)
+    from .kernels import copy_bandwidth
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "bench_rollout.log", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+
+    rdir = Path(a.results_dir) if a.results_dir else RESULTS
+    rec = (lambda *x, **k: record("rollout", *x, command=CMD, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
+    bw = copy_bandwidth()
+    log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
+    cfg = qwen25_config(a.model, a.layers)
+    batches = [int(b) for b in a.batches.split(",")]
+    res = {"copy_bw": bw}
+    for quant in ("nvfp4", "bf16"):
+        log(f"engine, {quant} base + LoRA r32 ({a.model}, prompt {a.prompt_len}, {a.new_tokens} new tokens)")
+        pol = random_policy(cfg, quant, lora_rank=32, device="cuda", progress=False)
+        res[quant] = _engine_case(pol, batches, a.prompt_len, a.new_tokens, log, bw, cfg)
+        for b, r in res[quant].items():
+            case = f"{a.model} engine {quant} lora32 batch={b}"
+            rec(case, "tokens_per_s", r["tokens_per_s"], "tok/s", TARGETS.get((quant, b, "tokens_per_s")))
+            rec(case, "roofline_fraction", r["roofline_fraction"], "")
+            rec(case, "peak_memory", r["peak_gib"], "GiB")
+        del pol
+        gc.collect()
+        torch.cuda.empty_cache()
+    for b in batches:
+        if b in res["bf16"]:
+            v = res["nvfp4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
+            log(f"nvfp4 / bf16 at batch {b}: {v:.2f}x")
+            rec(f"{a.model} engine batch={b}", "nvfp4_over_bf16", v, "x", {1: ">=2.5", 8: ">=2.0"}.get(b))
+    if not a.skip_hf:
+        hb = [b for b in batches if b in (1, 8)]
+        for peft, name, tgt in ((True, "hf_generate_peft_bf16", {1: ">=25"}), (False, "hf_static_compiled_bf16",
+                                                                               {1: ">=6", 8: ">=5"})):
+            log(f"{name} ({a.hf_new_tokens} new tokens)")
+            try:
+                res[name] = _hf_case(cfg, hb, a.prompt_len, a.hf_new_tokens, peft, log)
+            except Exception as e:  # a baseline that cannot run here is reported, not fatal
+                log(f"  failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            for b, r in res[name].items():
+                rec(f"{a.model} {name} batch={b}", "tokens_per_s", r["tokens_per_s"], "tok/s")
+                v = res["nvfp4"][b]["tokens_per_s"] / r["tokens_per_s"]
+                log(f"nvfp4 engine / {name} at batch {b}: {v:.1f}x")
+                rec(f"{a.model} engine nvfp4 vs {name} batch={b}", "speedup", v, "x", tgt.get(b))
+            gc.collect()
+            torch.cuda.empty_cache()
+    (out / "bench_rollout.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
