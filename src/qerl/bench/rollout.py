@@ -49,6 +49,9 @@ def _engine_case(pol, batches, prompt_len, new, log, bw, cfg):
     eng = Engine(pol.model, max_len=prompt_len + new + 1, max_slots=max(batches), kv_cache_gb=None)
     p = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
     warm = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+    t0 = time.perf_counter()
+    n_graphs = eng.warmup(batches, p)
+    log(f"  captured {n_graphs} decode graphs in {time.perf_counter() - t0:.1f} s")
     for b in batches:
         prompts = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
         eng.generate(prompts, params=warm)  # kernels compile; graphs for the short buckets

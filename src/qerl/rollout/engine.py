@@ -149,6 +149,23 @@ class Engine:
         self.stats.new_tokens = sum(len(c.token_ids) for c in results.values())
         return [results[(i, j)] for i in range(len(ids)) for j in range(n)]
 
+    @torch.no_grad()
+    def warmup(self, batch_sizes, params: SamplingParams | None = None, max_len: int | None = None) -> int:
+        """Capture the decode graphs a rollout of these batch sizes will use (all key-length buckets),
+        so that no capture lands inside a timed or latency-critical rollout. Returns graphs captured."""
+        if not self.cuda_graphs:
+            return 0
+        p = params or SamplingParams()
+        self._setup(p)
+        before = len(self._graphs)
+        top = min(max_len or self.max_len, self.max_len)
+        for n in batch_sizes:
+            b = min(next((x for x in BUCKETS if x >= n), self.n_slots), self.n_slots)
+            for keys in range(128, top + 128, 128):
+                self._run_step(b, min(keys, self.max_len), p)  # no slot is active: state is untouched
+        torch.cuda.synchronize()
+        return len(self._graphs) - before
+
     # ---- internals ---------------------------------------------------------------------------
     def _encode(self, x) -> list[int]:
         if isinstance(x, str):
