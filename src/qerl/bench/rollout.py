@@ -127,6 +127,7 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
         logf.write(msg + "\n")
+        logf.flush()  # a run cut off by a time limit keeps its log
 
     rdir = Path(a.results_dir) if a.results_dir else RESULTS
     rec = (lambda *x, **k: record("rollout", *x, command=CMD, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
