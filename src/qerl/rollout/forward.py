@@ -75,6 +75,17 @@ def _attend(view, q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=view.scaling)
 
 
+def _attend_decode(view, q, k, v, mask):
+    """One query token per slot against its cached keys, grouped by KV head (GQA) so the cache is
+    read in place: expanding K/V to every query head would copy the whole cache each layer."""
+    s, h, _, d = q.shape
+    qg = q.view(s, view.n_kv, h // view.n_kv, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * view.scaling  # [S, Hkv, r, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, -1).to(v.dtype)
+    return torch.matmul(probs, v).view(s, h, 1, d)
+
+
 def _finish_layer(layer, attn, h, o, resid):
     b, t = h.shape[:2]
     h = resid + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
@@ -118,6 +129,6 @@ def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope)
         resid = h
         q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
         kc, vc = cache.write_token(i, n_slots, pos, k[:, :, 0], v[:, :, 0])
-        o = _attend(view, q, kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys], mask)
+        o = _attend_decode(view, q, kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys], mask)
         h = _finish_layer(layer, attn, h, o, resid)
     return view.lm_head(view.norm(h[:, 0])).float()
