@@ -1,5 +1,6 @@
 """The rollout engine against Hugging Face generate and against exact distributions."""
 
+import copy
 import math
 
 import pytest
@@ -22,7 +23,10 @@ def _model(family, seed=0, dtype=torch.float32, **kw):
 
 
 def _hf_greedy(m, prompt, k):
-    out = m.generate(torch.tensor([prompt]), max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+    """HF greedy with EOS ignored (no EOS id at all: min_new_tokens would instead mask EOS's logit)."""
+    gc = copy.deepcopy(m.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = [], 0, False
+    out = m.generate(torch.tensor([prompt], device=m.device), generation_config=gc, max_new_tokens=k)
     return out[0, len(prompt):].tolist()
 
 
@@ -198,3 +202,23 @@ def test_bad_input_is_named():
         SamplingParams(temperature=0)
     with pytest.raises(ValueError, match="KV cache budget"):
         Engine(m, max_len=32, kv_cache_gb=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
+def test_smollm2_greedy_equals_hf_generate(quant):
+    """The offline default model: chat-templated prompts of different lengths, batched and one at a time."""
+    from qerl.model import load_policy
+
+    pol = load_policy("smollm2", quant, lora_rank=0, dtype=torch.float32, progress=False)
+    tok = pol.tokenizer
+    qs = ["What is 12 times 7?", "Name three prime numbers greater than 50 and explain why they are prime.", "Hi"]
+    ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+           for q in qs]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    p = SamplingParams(max_new_tokens=32, greedy=True, ignore_eos=True)
+    batched = Engine(pol.model, tok, max_len=256, max_slots=8).generate(ids, params=p)
+    single = Engine(pol.model, tok, max_len=256, max_slots=1).generate(ids, params=p)
+    for b, s in zip(batched, single):
+        ref = _hf_greedy(pol.model, b.prompt_ids, 32)
+        assert b.token_ids == ref and s.token_ids == ref
