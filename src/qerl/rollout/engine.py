@@ -195,14 +195,13 @@ class Engine:
                 self.gen = torch.Generator(device=dev).manual_seed(p.seed)
         self.active.zero_(), self.done.zero_(), self.count.zero_()
 
-    def _finish_flags(self, tok, act):
-        """(newly finished, reason code) after `tok` was appended where `act`."""
+    def _finish_flags(self, tok, count, pos):
+        """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos)."""
         eos = torch.isin(tok, self.eos_t)
         stop = torch.isin(tok, self.stop_t)
-        full = (self.count[: tok.shape[0]] >= self.max_new_t) | (self.pos[: tok.shape[0]] >= self.max_len - 1)
-        newly = act & (eos | stop | full)
+        full = (count >= self.max_new_t) | (pos >= self.max_len - 1)
         code = torch.where(eos, 1, torch.where(stop, 3, 2)).to(torch.int8)
-        return newly, code
+        return eos | stop | full, code
 
     def _step(self, b: int, keys: int, p: SamplingParams):
         logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope)
@@ -215,7 +214,8 @@ class Engine:
         self.count[:b] += a
         self.pos[:b] += a
         self.tokens[:b] = torch.where(act, tok, self.tokens[:b])
-        newly, code = self._finish_flags(tok, act)
+        fin, code = self._finish_flags(tok, self.count[:b], self.pos[:b])
+        newly = act & fin
         self.reason[:b] = torch.where(newly, code, self.reason[:b])
         self.done[:b] |= newly
 
@@ -276,22 +276,14 @@ class Engine:
         self.out_tok[rows, 0] = tok
         self.out_lp[rows, 0] = lp
         self.active[rows] = True
-        self.done[rows] = False
-        newly, code = self._finish_flags_rows(tok, rows)
+        fin, code = self._finish_flags(tok, self.count[rows], self.pos[rows])
         self.reason[rows] = code
-        self.done[rows] = newly
+        self.done[rows] = fin
         for s in admitted:
             left[slots[s].prompt] -= 1
         for pi in [k for k, v in left.items() if v == 0 and k in prompt_logits]:
             del prompt_logits[pi]  # every sample of it is in flight: no one needs its logits again
         self.stats.prefill_seconds += time.perf_counter() - t0
-
-    def _finish_flags_rows(self, tok, rows):
-        eos = torch.isin(tok, self.eos_t)
-        stop = torch.isin(tok, self.stop_t)
-        full = (self.count[rows] >= self.max_new_t) | (self.pos[rows] >= self.max_len - 1)
-        code = torch.where(eos, 1, torch.where(stop, 3, 2)).to(torch.int8)
-        return eos | stop | full, code
 
     def _prefill(self, need: dict[int, list[int]], ids, prompt_logits):
         order = sorted(need, key=lambda i: -len(ids[i]))
