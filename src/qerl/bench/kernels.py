@@ -21,7 +21,7 @@ import torch
 
 from ..formats import get_format
 from .memory import layer_shapes
-from .record import record
+from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 256, 2048, 8192]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
@@ -204,13 +204,7 @@ def main(argv=None):
     ap.add_argument("--out", default=".", help="folder for the full json and the log")
     a = ap.parse_args(argv)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "bench_kernels.log", "a")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+    log = tee_log(out / "bench_kernels.log")
 
     final: list[str] = []
 

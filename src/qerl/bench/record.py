@@ -67,6 +67,19 @@ def record(bench: str, case: str, metric: str, value: float, unit: str, target: 
     return row
 
 
+def tee_log(path: Path):
+    """A log function that prints and appends to `path`, flushed per line (a run cut off keeps its log)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        f.write(msg + "\n")
+        f.flush()
+
+    return log
+
+
 def render(results_dir: Path = RESULTS, out: Path | None = None) -> str:
     latest: dict[tuple, dict] = {}
     for f in sorted(results_dir.glob("*.jsonl")):

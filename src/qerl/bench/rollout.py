@@ -21,7 +21,7 @@ import torch
 
 from ..model import qwen25_config, random_policy
 from ..rollout import Engine, SamplingParams
-from .record import RESULTS, record
+from .record import RESULTS, record, tee_log
 
 CMD = "python -m qerl.bench.rollout --record"
 TARGETS = {("nvfp4", 1, "tokens_per_s"): ">=600", ("nvfp4", 8, "tokens_per_s"): ">=4000"}
@@ -121,13 +121,7 @@ def main(argv=None):
     from .kernels import copy_bandwidth
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "bench_rollout.log", "a")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()  # a run cut off by a time limit keeps its log
+    log = tee_log(out / "bench_rollout.log")
 
     rdir = Path(a.results_dir) if a.results_dir else RESULTS
     rec = (lambda *x, **k: record("rollout", *x, command=CMD, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
