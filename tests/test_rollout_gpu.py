@@ -51,7 +51,7 @@ def test_graphs_equal_eager_and_logprobs_match_training_forward(quant):
         deltas.append((ref - torch.tensor(c.logprobs, device="cuda")).abs())
     d = torch.cat(deltas)
     print(f"{quant}: logprob |engine - training forward| mean {d.mean():.4f} max {d.max():.4f}")
-    assert d.mean() < 0.05 and d.max() < 0.5  # measured on the H200 (nvfp4): mean 0.028
+    assert d.mean() < 0.02 and d.max() < 0.5  # fails on the H200 (nvfp4): mean 0.028 measured; see benchmarks/rollout.md
 
 
 def test_seeded_graph_sampling_repeats():
