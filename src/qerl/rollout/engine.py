@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..kernels import dispatch
-from .forward import ModelView, decode, prefill
+from .forward import ModelView, decode, glue_ops, prefill
 from .kv_cache import KVCache, slots_for_budget
 from .sampling import SamplingParams, sample
 
@@ -66,7 +66,7 @@ class _Slot:
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 prefill_tokens: int = 8192, cache_dequantized: bool | None = None):
+                 prefill_tokens: int = 8192, cache_dequantized: bool | None = None, compile: bool | None = None):
         self.view = ModelView(model)
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
@@ -77,6 +77,8 @@ class Engine:
         self.cache = KVCache(self.view, self.n_slots, max_len)
         self.rope = self.view.rope_tables(max_len)
         self.cuda_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # fuse the decode step's small ops (norms, rotary, softmax) on GPUs; see forward.compile_glue
+        self.ops = glue_ops(dev.type == "cuda" if compile is None else compile)
         # without kernels (CPU), keep dequantized weights for the rollout's duration
         self.cache_dequantized = dev.type != "cuda" if cache_dequantized is None else cache_dequantized
         S = self.n_slots
@@ -204,7 +206,7 @@ class Engine:
         return eos | stop | full, code
 
     def _step(self, b: int, keys: int, p: SamplingParams):
-        logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope)
+        logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope, self.ops)
         tok, lp = sample(logits, p, self.gen)
         act = self.active[:b] & ~self.done[:b]
         idx = self.count[:b].clamp(max=self.max_len - 1)[:, None]
