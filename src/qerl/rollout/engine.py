@@ -228,6 +228,7 @@ class Engine:
         if g is None:
             state = [t.clone() for t in (self.tokens, self.pos, self.count, self.done, self.reason, self.out_tok,
                                          self.out_lp)]
+            rng = torch.cuda.get_rng_state()  # the warm-up's samples must not shift the seeded stream
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # warm-up: compiles kernels, sizes workspaces (its K/V writes are the real ones)
@@ -236,6 +237,7 @@ class Engine:
             for t, v in zip((self.tokens, self.pos, self.count, self.done, self.reason, self.out_tok, self.out_lp),
                             state):
                 t.copy_(v)
+            torch.cuda.set_rng_state(rng)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
