@@ -28,3 +28,24 @@ def save_tiny(path, family="llama", seed=0, dtype=torch.bfloat16, **kw):
             p.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def tiny_tokenizer(vocab_size: int = 160):
+    """A character-level fast tokenizer with a chat template and an EOS, for models of COMMON's vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    assert len(vocab) <= vocab_size
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok

@@ -11,6 +11,7 @@ onto PEFT's files.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,6 +19,19 @@ from torch import nn
 
 from ..formats import WeightFormat, get_format
 from ..kernels import dispatch
+
+_FUSE_LORA = [True]
+
+
+@contextlib.contextmanager
+def unfused_lora():
+    """Run no-grad forwards on the training path (base matmul, then the LoRA term), so that a
+    no-grad logprob pass gives bit-for-bit the numbers of the grad-enabled one (PPO's old policy)."""
+    _FUSE_LORA.append(False)
+    try:
+        yield
+    finally:
+        _FUSE_LORA.pop()
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -128,7 +142,7 @@ class QLoRALinear(nn.Module):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.r and not self.disable_adapters and not torch.is_grad_enabled():
+        if self.r and not self.disable_adapters and not torch.is_grad_enabled() and _FUSE_LORA[-1]:
             # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it.
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
             return dispatch.base_matmul(x, self.fmt, self.quant_tensors(), self.weight_shape, self.bias,

@@ -1,0 +1,201 @@
+"""The training configuration: one dataclass, TRL's GRPOConfig names where TRL has one.
+
+Every field carries its help text, so `qerl train --print_config` writes a YAML file
+with every default documented, and the CLI accepts any field as `--name value`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+
+
+@dataclass
+class GRPOConfig:
+    # --- model -------------------------------------------------------------------------------
+    model_name_or_path: str = _f("smollm2", "A folder, a hub id, or 'smollm2' (the offline default model).")
+    quant: str = _f("nvfp4", "Base weight format: nvfp4 | mxfp4 | nf4 | bf16 | auto (keep a checkpoint's own).")
+    lora_r: int = _f(32, "LoRA rank (the paper: 32; 16 is about as good).")
+    lora_alpha: float = _f(64.0, "LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input during the update passes.")
+    lora_target_modules: list = _f(["q", "k", "v", "o", "gate", "up", "down"], "Linears that get LoRA (and are quantized).")
+    train_norms: bool = _f(False, "Also train the RMSNorm weights (the reference code's 'ln' option).")
+    dtype: str = _f("auto", "Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
+    device: str = _f("auto", "auto | cuda | cpu.")
+    trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
+    # --- data --------------------------------------------------------------------------------
+    dataset_name: str = _f("arithmetic", "A task name (see `qerl.tasks`), a local .jsonl/.parquet file, or a hub dataset.")
+    dataset_config: dict = _f({}, "Task / dataset options (e.g. size, seed, column mapping).")
+    system_prompt: str | None = _f(None, "Optional system message for chat templates.")
+    prompt_suffix: bool = _f(False, "Append the paper's <think>/<answer> instruction to each prompt.")
+    # --- optimisation ------------------------------------------------------------------------
+    learning_rate: float = _f(1e-5, "Peak learning rate (the paper: 1e-5 for 4-bit LoRA, 5e-6 for bf16 LoRA).")
+    lr_scheduler_type: str = _f("constant", "constant | linear | cosine (after warm-up).")
+    warmup_steps: int = _f(0, "Optimizer updates of linear warm-up.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.99, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
+    optim: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, CUDA; falls back to adamw_torch with a notice) | adamw_torch.")
+    max_steps: int = _f(100, "Training steps; a step is one rollout round and its num_iterations policy updates.")
+    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer update.")
+    generation_batch_size: int = _f(32, "Completions sampled per step (prompts per step x num_generations).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% more time).")
+    logprob_chunk_size: int = _f(1024, "Tokens per chunk when computing log-probabilities and entropies.")
+    # --- GRPO / DAPO -------------------------------------------------------------------------
+    num_generations: int = _f(8, "Completions per prompt (G).")
+    max_prompt_length: int = _f(512, "Prompts longer than this (in tokens) are left-truncated.")
+    max_completion_length: int = _f(256, "New tokens per completion.")
+    temperature: float = _f(1.0, "Rollout temperature (the loss uses the same temperature).")
+    top_p: float = _f(1.0, "Rollout nucleus sampling.")
+    top_k: int = _f(0, "Rollout top-k (0: off).")
+    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length).")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
+    epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon).")
+    beta: float = _f(0.0, "KL coefficient against the base policy (adapters off); 0 as in DAPO.")
+    scale_rewards: str = _f("group", "Advantage scaling: group (std per group) | batch (std of the batch) | none.")
+    num_iterations: int = _f(1, "Policy updates per rollout batch (mu: 4 on GSM8K, 1 on BigMath in the paper).")
+    mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss.")
+    dynamic_sampling: bool = _f(True, "DAPO: drop groups whose rewards are all equal and sample more prompts.")
+    max_resample_rounds: int = _f(3, "Extra rollout rounds dynamic sampling may use to fill a step.")
+    overlong_buffer_len: int = _f(0, "DAPO soft overlong penalty: length of the penalty ramp before the limit (0: off).")
+    overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong penalty at the limit.")
+    importance_sampling_correction: bool = _f(False, "Truncated importance sampling between rollout and trainer logprobs.")
+    importance_sampling_cap: float = _f(2.0, "Cap of the truncated importance weights.")
+    reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).")
+    # --- AQN ---------------------------------------------------------------------------------
+    aqn: bool = _f(True, "Adaptive Quantization Noise on the RMSNorm weights feeding q/k/v and gate/up.")
+    aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages.")
+    aqn_stages: int = _f(10, "K stages evenly dividing max_steps; stage 0 has sigma 0.")
+    aqn_sigma_start: float = _f(1e-2, "sigma of stage 1.")
+    aqn_sigma_end: float = _f(5e-4, "sigma of the last stage.")
+    aqn_in_training: bool = _f(False, "Also apply the step's noise in the training forward passes.")
+    # --- run ---------------------------------------------------------------------------------
+    output_dir: str = _f("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
+    seed: int = _f(42, "Seed of data order, rollouts and noise.")
+    logging_steps: int = _f(1, "Print a metrics line every N steps (metrics.jsonl gets every step).")
+    save_steps: int = _f(50, "Checkpoint every N steps (and at the end).")
+    save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
+    report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
+    rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        def bad(name, msg):
+            raise ValueError(f"config field '{name}': {msg}")
+
+        if self.loss_type not in LOSS_TYPES:
+            bad("loss_type", f"{self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
+        if self.aqn_schedule not in AQN_SCHEDULES:
+            bad("aqn_schedule", f"{self.aqn_schedule!r} is not one of {AQN_SCHEDULES}")
+        if self.num_generations < 2:
+            bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
+        if self.generation_batch_size % self.num_generations:
+            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of num_generations "
+                f"({self.num_generations})")
+        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if self.generation_batch_size % mb:
+            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of per_device_train_batch_size"
+                f" x gradient_accumulation_steps ({mb})")
+        for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                     "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.aqn and self.aqn_stages > self.max_steps:
+            bad("aqn_stages", f"{self.aqn_stages} stages do not fit in max_steps={self.max_steps}")
+        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
+            bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not constant, linear or cosine")
+        if self.optim not in ("adamw_8bit", "adamw_torch"):
+            bad("optim", f"{self.optim!r} is not adamw_8bit or adamw_torch")
+
+    @property
+    def updates_per_step(self) -> int:
+        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        return self.num_iterations * self.generation_batch_size // mb
+
+    # ---- files and command lines -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "GRPOConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        for k in d:
+            if k not in names:
+                near = difflib.get_close_matches(k, names, n=1)
+                raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path) -> "GRPOConfig":
+        path = Path(path)
+        try:
+            d = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
+        return cls.from_dict(d, source=str(path))
+
+    def with_overrides(self, pairs: dict[str, str]) -> "GRPOConfig":
+        """CLI overrides by field name; values parse as YAML scalars (1e-5, true, null, [q, v])."""
+        d = self.to_dict()
+        for k, v in pairs.items():
+            d[k] = _parse(k, v, type(self))
+        return type(self).from_dict(d, source="command line")
+
+    def to_yaml(self, documented: bool = True) -> str:
+        lines = ["# qerl training configuration (every field, with its default and meaning)"] if documented else []
+        for f in dataclasses.fields(self):
+            if documented:
+                lines.append(f"# {f.metadata.get('help', '')}")
+            lines.append(yaml.safe_dump({f.name: getattr(self, f.name)}, default_flow_style=True, width=1000).strip()
+                         .removeprefix("{").removesuffix("}"))
+        return "\n".join(lines) + "\n"
+
+
+def _parse(name: str, text: str, cls):
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        near = difflib.get_close_matches(name, hints, n=1)
+        raise ValueError(f"command line: unknown field '--{name}'" + (f" (did you mean '--{near[0]}'?)" if near else ""))
+    try:
+        v = yaml.safe_load(text)
+    except yaml.YAMLError:
+        v = text
+    hint = hints[name]
+    base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    if v is None or isinstance(v, tuple(b for b in base if isinstance(b, type))):
+        return v
+    if float in base:
+        try:
+            return float(text)  # YAML 1.1 reads 2e-5 as a string
+        except ValueError:
+            pass
+    if str in base:
+        return str(text)
+    if list in base and isinstance(v, str):
+        return [s.strip() for s in v.split(",") if s.strip()]
+    raise ValueError(f"command line: --{name} {text!r} is not a {' or '.join(getattr(b, '__name__', str(b)) for b in base)}")

@@ -1,0 +1,50 @@
+"""Per-step metrics: metrics.jsonl always, TensorBoard when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, output_dir, report_to: str = "auto", resume_step: int | None = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            # a resumed run repeats the steps after its checkpoint: drop their old lines
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, self.path)
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self.tb = None
+        want_tb = report_to == "tensorboard" or (report_to == "auto" and importlib.util.find_spec("tensorboard"))
+        if want_tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, row["step"])
+            self.tb.flush()
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a qerl run directory?)")
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]

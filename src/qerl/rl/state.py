@@ -1,0 +1,140 @@
+"""Training checkpoints: everything a run needs to continue exactly, written atomically.
+
+A checkpoint is a folder `checkpoint-<step>` built under a temporary name and renamed into
+place, so a run killed at any moment leaves either the complete folder or none. It holds:
+  adapter/                PEFT adapter (loads in PEFT / vLLM on the dense base)
+  trainable.safetensors   every trainable tensor, exact (LoRA, and norms when trained)
+  optimizer.safetensors   optimizer state tensors; their structure in trainer_state.json
+  rng.safetensors         torch CPU / CUDA generator states
+  trainer_state.json      step, data position, scheduler, python RNG, config
+Safetensors and JSON only: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.peft_adapter import save_adapter
+
+STATE_NAME = "trainer_state.json"
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, meta = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for idx, st in sd["state"].items():
+        m = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                key = f"state.{idx}.{k}"
+                tensors[key] = v.detach().contiguous().cpu()
+                m[k] = {"tensor": key}
+            else:
+                m[k] = {"value": v}
+        meta["state"][str(idx)] = m
+    return tensors, meta
+
+
+def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
+    state = {}
+    for idx, m in meta["state"].items():
+        state[int(idx)] = {k: tensors[v["tensor"]] if "tensor" in v else v["value"] for k, v in m.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: dict, base_name: str | None = None,
+                    keep: int | None = None) -> Path:
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".checkpoint-{step}."))
+    try:
+        save_adapter(model, tmp / "adapter", base_model_name_or_path=base_name)
+        trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(trainable, tmp / "trainable.safetensors")
+        opt_t, opt_meta = _flatten_optimizer(optimizer.state_dict())
+        save_file(opt_t, tmp / "optimizer.safetensors")
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                rng[f"torch_cuda_{i}"] = s
+        save_file(rng, tmp / "rng.safetensors")
+        state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(),
+                 "python_random": _jsonable(random.getstate()), **extra}
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+        _fsync_tree(tmp)
+        final = out / f"checkpoint-{step}"
+        if final.exists():  # a rerun of the same step: move the old one aside first
+            old = out / f".old-checkpoint-{step}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if keep:
+        for old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupled(x):
+    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+
+
+def checkpoints(output_dir) -> list[Path]:
+    """Complete checkpoints in a run directory, oldest first."""
+    out = Path(output_dir)
+    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := _CKPT.match(p.name))
+             and (p / STATE_NAME).exists()]
+    return [p for _, p in sorted(found)]
+
+
+def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
+    """Restore a checkpoint into live objects; returns its trainer_state (step, data position, ...)."""
+    folder = Path(folder)
+    if not (folder / STATE_NAME).exists():
+        raise FileNotFoundError(f"{folder}: not a qerl checkpoint (no {STATE_NAME})")
+    state = json.loads((folder / STATE_NAME).read_text())
+    params = dict(model.named_parameters())
+    saved = load_file(folder / "trainable.safetensors")
+    want = {n for n, p in params.items() if p.requires_grad}
+    if set(saved) != want:
+        miss, extra = sorted(want - set(saved))[:3], sorted(set(saved) - want)[:3]
+        raise ValueError(f"{folder}/trainable.safetensors does not match the model's trainable tensors "
+                         f"(missing {miss}, unexpected {extra}): same model, lora_r and train_norms?")
+    with torch.no_grad():
+        for n, t in saved.items():
+            if params[n].shape != t.shape:
+                raise ValueError(f"{folder}/trainable.safetensors: {n} has shape {tuple(t.shape)}, "
+                                 f"the model {tuple(params[n].shape)}")
+            params[n].copy_(t)
+    optimizer.load_state_dict(_unflatten_optimizer(load_file(folder / "optimizer.safetensors"), state["optimizer"]))
+    scheduler.load_state_dict(state["scheduler"])
+    rng = load_file(folder / "rng.safetensors")
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    random.setstate(_tupled(state["python_random"]))
+    return state

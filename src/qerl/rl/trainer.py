@@ -1,0 +1,435 @@
+"""The QeRL training loop (paper.md, Algorithm 1): GRPO / DAPO on a quantized LoRA policy with AQN.
+
+One step: take prompts -> G rollouts each from the noisy behaviour policy (the engine runs on the
+trainer's own modules) -> rewards -> group-relative advantages (DAPO: drop all-equal groups and
+sample more) -> num_iterations passes of clipped policy-gradient updates over minibatches ->
+metrics -> checkpoint. The KL reference, when beta > 0, is the same model with adapters off.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..layers import QLoRALinear, unfused_lora
+from ..rollout import Engine, SamplingParams
+from . import state as ckpt
+from .advantages import group_advantages, informative_groups, overlong_penalty
+from .aqn import AQN, sigma_at
+from .config import GRPOConfig
+from .logprobs import completion_logprobs, pad_batch
+from .loss import policy_loss
+from .metrics import MetricsLog
+from .rewards import score
+
+# The paper's prompt suffix (asks for reasoning in <think> and the result in <answer>).
+PAPER_SUFFIX = ("\nPlease reason step by step inside <think> </think> tags, then give the final answer "
+                "inside <answer> </answer> tags.")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffled order over the training rows; its position is checkpointed."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0):
+        if n == 0:
+            raise ValueError("the training set is empty")
+        self.n, self.seed, self.epoch, self.pos = n, seed, epoch, pos
+        self._perm()
+
+    def _perm(self):
+        self.order = list(range(self.n))
+        random.Random(self.seed * 7919 + self.epoch).shuffle(self.order)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm()
+            out.append(self.order[self.pos])
+            self.pos += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+
+def _lr_lambda(cfg: GRPOConfig, total: int):
+    def f(u: int) -> float:
+        if u < cfg.warmup_steps:
+            return (u + 1) / cfg.warmup_steps
+        t = (u - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1 - t)
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+        return 1.0
+
+    return f
+
+
+def make_optimizer(cfg: GRPOConfig, params, device: torch.device):
+    kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+              weight_decay=cfg.weight_decay)
+    if cfg.optim == "adamw_8bit":
+        if device.type == "cuda":
+            try:
+                import bitsandbytes as bnb
+
+                return bnb.optim.AdamW8bit(params, **kw), "adamw_8bit (bitsandbytes)"
+            except Exception as e:  # noqa: BLE001
+                why = f"bitsandbytes unavailable ({type(e).__name__})"
+        else:
+            why = "8-bit AdamW needs CUDA"
+        print(f"qerl: optim adamw_8bit: {why}; using torch AdamW (fp32 states)")
+    return torch.optim.AdamW(params, **kw), "adamw_torch"
+
+
+def _resolve_device_dtype(cfg: GRPOConfig):
+    dev = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        dt = getattr(torch, cfg.dtype)
+    return dev, dt
+
+
+class GRPOTrainer:
+    """`GRPOTrainer(config).train()`; or pass a built `policy`, a `task` (train/eval rows and
+    reward functions), or `reward_funcs` + `train_dataset` as in TRL."""
+
+    def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
+                 train_dataset=None, progress: bool = True):
+        self.cfg = cfg = config or GRPOConfig()
+        random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
+        torch.manual_seed(cfg.seed)
+        self.device, self.dtype = _resolve_device_dtype(cfg)
+        if policy is None:
+            from ..model import load_policy
+
+            policy = load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                 lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules,
+                                 device=self.device, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code,
+                                 progress=progress)
+        self.policy, self.model, self.tok = policy, policy.model, policy.tokenizer
+        if self.tok is None:
+            raise ValueError("the policy has no tokenizer: rewards need completion text")
+        if task is None and train_dataset is None:
+            from ..tasks import get_task
+
+            task = get_task(cfg.dataset_name, **cfg.dataset_config)
+        self.train_rows = list(train_dataset) if train_dataset is not None else task.train
+        self.reward_funcs = list(reward_funcs) if reward_funcs is not None else task.reward_funcs
+        if not self.reward_funcs:
+            raise ValueError("no reward functions: pass reward_funcs or a task that has them")
+        self.progress = progress
+        for i, r in enumerate(self.train_rows[:1]):
+            if "prompt" not in r:
+                raise ValueError(f"training row {i} has no 'prompt' field (fields: {sorted(r)})")
+        if cfg.train_norms:
+            for n, p in self.model.named_parameters():
+                if n.endswith("norm.weight") and ".layers." in n:
+                    p.requires_grad_(True)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + cfg.max_completion_length + 1,
+                             max_slots=cfg.generation_batch_size,
+                             kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
+                             (None if self.device.type == "cuda" else 1.0))
+        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
+        total_updates = cfg.max_steps * cfg.updates_per_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_updates))
+        self.aqn = AQN(self.model) if cfg.aqn else None
+        self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
+        self.step = 0
+        self.out = Path(cfg.output_dir)
+        self._resumed_from = None
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def encode_prompt(self, row) -> list[int]:
+        p = row["prompt"]
+        if isinstance(p, list):  # chat messages
+            msgs = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []) + \
+                [dict(m) for m in p]
+            if self.cfg.prompt_suffix:
+                msgs[-1]["content"] = msgs[-1]["content"] + PAPER_SUFFIX
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tok((p + PAPER_SUFFIX) if self.cfg.prompt_suffix else p)["input_ids"]
+        return ids[-self.cfg.max_prompt_length:]
+
+    # ---- one step --------------------------------------------------------------------------
+    def _noise(self, sigma: float, seed: int):
+        import contextlib
+
+        return self.aqn.applied(sigma, seed) if self.aqn is not None and sigma > 0 else contextlib.nullcontext()
+
+    def _rollout_round(self, rows_idx, sigma, seed):
+        cfg = self.cfg
+        rows = [self.train_rows[i] for i in rows_idx]
+        prompts = [self.encode_prompt(r) for r in rows]
+        params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
+        outs = self.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=self._noise(sigma, seed))
+        texts = [self.tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
+        G = cfg.num_generations
+        cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        cols["prompts"] = [r["prompt"] for r in rows for _ in range(G)]
+        sc = score(self.reward_funcs, cfg.reward_weights, texts, cols)
+        lengths = torch.tensor([len(c.token_ids) for c in outs])
+        total = torch.tensor(sc.total, dtype=torch.float32)
+        total = total + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer_len,
+                                         cfg.overlong_penalty_factor)
+        return dict(outs=outs, texts=texts, scores=sc, rewards=total.view(-1, G), lengths=lengths,
+                    stats=self.engine.stats)
+
+    def _select(self, rounds, P):
+        """Groups for the update: informative ones first (dynamic sampling), then fill with the rest."""
+        keep, rest = [], []
+        for r in rounds:
+            info = informative_groups(r["rewards"]) if self.cfg.dynamic_sampling else torch.ones(len(r["rewards"]), dtype=torch.bool)
+            for g in range(len(r["rewards"])):
+                (keep if info[g] else rest).append((r, g))
+        return (keep + rest)[:P], len(keep)
+
+    def train_step(self) -> dict:
+        cfg, step, G = self.cfg, self.step, self.cfg.num_generations
+        P = cfg.generation_batch_size // G
+        t0 = time.perf_counter()
+        sigma, stage = sigma_at(step, cfg.max_steps, cfg.aqn_stages, cfg.aqn_sigma_start, cfg.aqn_sigma_end,
+                                cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
+        base_seed = cfg.seed * 1_000_003 + step * 101
+        rounds, n_info = [self._rollout_round(self.sampler.take(P), sigma, base_seed)], 0
+        eff_sigma = self.aqn.last_effective_sigma if self.aqn is not None else 0.0
+        _, n_info = self._select(rounds, P)
+        while cfg.dynamic_sampling and n_info < P and len(rounds) <= cfg.max_resample_rounds:
+            rounds.append(self._rollout_round(self.sampler.take(P - n_info), sigma, base_seed + len(rounds)))
+            _, n_info = self._select(rounds, P)
+        groups, n_info = self._select(rounds, P)
+        t_roll = time.perf_counter() - t0
+
+        # flatten the chosen groups into completions
+        comp, adv, rollout_lp = [], [], []
+        for r, g in groups:
+            a = group_advantages(r["rewards"][g: g + 1], cfg.scale_rewards if cfg.scale_rewards != "batch" else "none")
+            for j in range(G):
+                c = r["outs"][g * G + j]
+                comp.append(c)
+                adv.append(float(a[0, j]))
+                rollout_lp.append(c.logprobs)
+        adv_t = torch.tensor(adv)
+        if cfg.scale_rewards == "batch":
+            allr = torch.cat([r["rewards"][g] for r, g in groups])
+            adv_t = adv_t / (allr.std() + 1e-4)
+        truncated = torch.tensor([c.finish_reason == "length" for c in comp])
+        N = len(comp)
+
+        # metrics over everything sampled this step (before filtering)
+        all_r = torch.cat([r["rewards"].flatten() for r in rounds])
+        all_len = torch.cat([r["lengths"] for r in rounds]).float()
+        m = {"step": step, "sigma": sigma, "aqn_stage": stage, "aqn_sigma_effective": eff_sigma,
+             "lr": self.scheduler.get_last_lr()[0], "reward_mean": float(all_r.mean()), "reward_std": float(all_r.std()),
+             "completion_length_mean": float(all_len.mean()), "completion_length_max": float(all_len.max()),
+             "truncated_fraction": float(sum((c.finish_reason == "length") for r in rounds for c in r["outs"]) / len(all_len)),
+             "rollout_rounds": len(rounds),
+             "filtered_group_fraction": 1 - n_info / sum(len(r["rewards"]) for r in rounds),
+             "reward_errors": sum(r["scores"].errors for r in rounds),
+             "rollout_tokens_per_s": sum(r["stats"].new_tokens for r in rounds) / max(1e-9, sum(r["stats"].seconds for r in rounds))}
+        for name in rounds[0]["scores"].per_func:
+            vals = [v for r in rounds for v in r["scores"].per_func[name]]
+            key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
+            m[key] = sum(vals) / len(vals)
+        errs = [r["scores"].first_error for r in rounds if r["scores"].first_error]
+        if errs:
+            m["reward_first_error"] = errs[0]
+
+        # the update
+        m.update(self._update(comp, adv_t, rollout_lp, truncated, sigma, base_seed))
+        m["time_rollout"] = t_roll
+        m["time_step"] = time.perf_counter() - t0
+        m["completions"] = N
+        self.step += 1
+        return m
+
+    def _batch(self, idx, comp):
+        ids, att, pos, tg, mask = pad_batch([comp[i].prompt_ids for i in idx], [comp[i].token_ids for i in idx],
+                                            pad_id=self.tok.pad_token_id or 0)
+        return ids, att, pos, tg, mask
+
+    def _logprobs(self, batch, grad: bool):
+        with torch.set_grad_enabled(grad), unfused_lora():
+            return completion_logprobs(self.model, *batch, temperature=self.cfg.temperature,
+                                       chunk=self.cfg.logprob_chunk_size)
+
+    def _update(self, comp, adv, rollout_lp, truncated, sigma, seed) -> dict:
+        cfg, dev = self.cfg, self.device
+        N = len(comp)
+        mb = cfg.per_device_train_batch_size
+        per_update = mb * cfg.gradient_accumulation_steps
+        n_updates = max(1, N // per_update)
+        single = cfg.num_iterations == 1 and n_updates == 1
+        noise_train = self._noise(sigma, seed) if cfg.aqn_in_training else None
+        t0 = time.perf_counter()
+        micro = [list(range(s, min(N, s + mb))) for s in range(0, N, mb)]
+        batches = [self._batch(i, comp) for i in micro]
+        rl_lp = []
+        for idx, b in zip(micro, batches):
+            mask = b[4]
+            t = torch.zeros(mask.shape)
+            t = t.masked_scatter(mask, torch.tensor([x for i in idx for x in rollout_lp[i]], dtype=torch.float32))
+            rl_lp.append(t.to(dev))
+        old, ref, ent = [None] * len(micro), [None] * len(micro), []
+        import contextlib
+
+        with noise_train if noise_train is not None else contextlib.nullcontext():
+            if not single:  # the sampling policy's logprobs before any update (PPO's old policy)
+                for k, b in enumerate(batches):
+                    lp, en = self._logprobs(b, grad=False)
+                    old[k] = lp
+                    ent.append(en[b[4].to(dev)])
+        if cfg.beta:
+            for layer in self.model.modules():
+                if isinstance(layer, QLoRALinear):
+                    layer.disable_adapters = True
+            try:
+                ref = [self._logprobs(b, grad=False)[0] for b in batches]
+            finally:
+                for layer in self.model.modules():
+                    if isinstance(layer, QLoRALinear):
+                        layer.disable_adapters = False
+        t_lp = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        self.model.train()
+        stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": []}
+        mism, mism_max, is_mean = [], 0.0, []
+        order = list(range(len(micro)))
+        for it in range(cfg.num_iterations):
+            for u in range(n_updates):
+                group = order[u * cfg.gradient_accumulation_steps:(u + 1) * cfg.gradient_accumulation_steps]
+                norm_tokens = float(sum(int(batches[k][4].sum()) for k in group))
+                upd_loss = 0.0
+                for k in group:
+                    b = batches[k]
+                    mask = b[4].to(dev)
+                    with noise_train if noise_train is not None else contextlib.nullcontext():
+                        lp, en = self._logprobs(b, grad=True)
+                    old_k = lp.detach() if single else old[k]
+                    if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
+                        d = (old_k - rl_lp[k]).abs()[mask]
+                        if d.numel():
+                            mism.append(d)
+                            mism_max = max(mism_max, float(d.max()))
+                        if single:
+                            ent.append(en[mask])
+                    isw = None
+                    if cfg.importance_sampling_correction:
+                        isw = torch.exp(old_k - rl_lp[k]).clamp(max=cfg.importance_sampling_cap).detach()
+                        is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
+                    lmask = mask & ~truncated[micro[k]].to(dev)[:, None] if cfg.mask_truncated_completions else mask
+                    loss, st = policy_loss(lp, old_k, adv[micro[k]].to(dev), lmask, loss_type=cfg.loss_type,
+                                           epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                           ref_logp=ref[k] if ref is not None else None, is_weights=isw,
+                                           norm_tokens=norm_tokens, max_completion_length=cfg.max_completion_length)
+                    if cfg.loss_type != "dapo":
+                        loss = loss / len(group)
+                    if not torch.isfinite(loss.detach()):
+                        self.optimizer.zero_grad(set_to_none=True)
+                        raise TrainingError(self._bad(f"loss is {float(loss)}"))
+                    loss.backward()
+                    upd_loss += float(loss.detach())
+                    stats["clip_fraction"].append(st["clip_fraction"])
+                    if "kl" in st:
+                        stats["kl"].append(st["kl"])
+                gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                if not torch.isfinite(gn):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise TrainingError(self._bad(f"gradient norm is {float(gn)}"))
+                stats["grad_norm"].append(float(gn))
+                stats["loss"].append(upd_loss)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        allm = torch.cat(mism) if mism else torch.zeros(1)
+        out = {"loss": mean(stats["loss"]),
+               "clip_fraction": mean(stats["clip_fraction"]), "grad_norm": mean(stats["grad_norm"]),
+               "entropy": float(torch.cat(ent).mean()) if ent else 0.0,
+               "logprob_mismatch_mean": float(allm.mean()), "logprob_mismatch_max": mism_max,
+               "time_logprob": t_lp, "time_update": time.perf_counter() - t1, "updates": cfg.num_iterations * n_updates}
+        if stats["kl"]:
+            out["kl"] = mean(stats["kl"])
+        if is_mean:
+            out["is_weight_mean"] = mean(is_mean)
+        return out
+
+    def _bad(self, what: str) -> str:
+        last = ckpt.checkpoints(self.out)
+        keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+        return f"step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save(self) -> Path:
+        extra = {"data": self.sampler.state(), "config": self.cfg.to_dict()}
+        return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
+                                    base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
+
+    def resume(self, folder=None) -> int:
+        """Continue from `folder`, or the run directory's latest checkpoint. Returns the step."""
+        if folder is None:
+            found = ckpt.checkpoints(self.out)
+            if not found:
+                raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
+            folder = found[-1]
+        st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        self.step = st["step"]
+        self.sampler = PromptSampler(len(self.train_rows), self.cfg.seed, st["data"]["epoch"], st["data"]["pos"])
+        self._resumed_from = Path(folder)
+        return self.step
+
+    # ---- the run ---------------------------------------------------------------------------
+    def train(self, stop_after: int | None = None) -> list[dict]:
+        """Run to max_steps (or stop after `stop_after` more steps, as a killed run would, but with a
+        checkpoint at the stop); returns the metrics rows of this run."""
+        cfg = self.cfg
+        end = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(cfg.to_yaml())
+        log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if self._resumed_from else None)
+        rows = []
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
+        try:
+            while self.step < end:
+                m = self.train_step()
+                log.write(m)
+                rows.append(m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", sigma=f"{m['sigma']:.1e}", len=f"{m['completion_length_mean']:.0f}")
+                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and not self.progress:
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                                   if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
+                                            "completion_length_mean", "time_step")), flush=True)
+                if self.step % cfg.save_steps == 0 or self.step == end:
+                    self.save()
+        finally:
+            bar.close()
+            log.close()
+        from ..checkpoint.peft_adapter import save_adapter
+
+        save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+        return rows
