@@ -349,7 +349,7 @@ class GRPOTrainer:
                         loss = loss / len(group)
                     if not torch.isfinite(loss.detach()):
                         self.optimizer.zero_grad(set_to_none=True)
-                        raise TrainingError(self._bad(f"loss is {float(loss)}"))
+                        raise TrainingError(self._bad(f"loss is {float(loss.detach())}"))
                     loss.backward()
                     upd_loss += float(loss.detach())
                     stats["clip_fraction"].append(st["clip_fraction"])

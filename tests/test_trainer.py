@@ -1,0 +1,236 @@
+"""The GRPO/DAPO trainer on the CPU: losses against hand-written references, chunked logprobs
+against a full forward, exact resume, atomic checkpoints, failure handling, config."""
+
+import json
+
+import pytest
+import torch
+
+from qerl.model import random_policy
+from qerl.rl import GRPOConfig, GRPOTrainer, TrainingError
+from qerl.rl import state as ckpt
+from qerl.rl.advantages import group_advantages, informative_groups, overlong_penalty
+from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.rl.loss import policy_loss
+from qerl.tasks import get_task
+from tiny_models import config, tiny_tokenizer
+
+
+def sevens(completions, **_):
+    return [c.count("7") / max(1, len(c)) for c in completions]
+
+
+def _trainer(out, reward_funcs=(sevens,), **kw):
+    torch.manual_seed(0)
+    pol = random_policy(config("qwen2"), "nvfp4", lora_rank=8, device="cpu", dtype=torch.float32, std=0.05,
+                        progress=False)
+    pol.tokenizer = tiny_tokenizer()
+    base = dict(max_steps=4, generation_batch_size=16, num_generations=4, per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, max_completion_length=12, max_prompt_length=64, learning_rate=1e-2,
+                aqn_stages=2, output_dir=str(out), save_steps=2, report_to="none")
+    merged = {**base, **kw}
+    merged["aqn_stages"] = min(merged["aqn_stages"], merged["max_steps"])
+    cfg = GRPOConfig(**merged)
+    return GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=40), reward_funcs=list(reward_funcs),
+                       progress=False)
+
+
+def _trainable(tr):
+    return {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+
+
+# ---- loss and advantages against independent per-token loops --------------------------------
+def _ref_loss(logp, old, adv, mask, loss_type, eps, eps_hi, max_len):
+    per_seq, tot, ntok = [], 0.0, 0
+    for i in range(logp.shape[0]):
+        terms = []
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            r = float(torch.exp(logp[i, t] - old[i, t]))
+            a = float(adv[i])
+            terms.append(-min(r * a, min(max(r, 1 - eps), 1 + eps_hi) * a))
+        per_seq.append(sum(terms) / max(1, len(terms)))
+        tot += sum(terms)
+        ntok += len(terms)
+    return {"grpo": sum(per_seq) / len(per_seq), "bnpo": tot / ntok, "dapo": tot / ntok,
+            "dr_grpo": tot / (logp.shape[0] * max_len)}[loss_type]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_policy_loss_matches_a_per_token_reference(loss_type):
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(5, 7, generator=g) * 3
+    old = logp + torch.randn(5, 7, generator=g) * 0.3  # ratios well outside [0.8, 1.28]
+    adv = torch.randn(5, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[:, 0] = True
+    loss, st = policy_loss(logp, old, adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28,
+                           max_completion_length=10)
+    assert float(loss) == pytest.approx(_ref_loss(logp, old, adv, mask, loss_type, 0.2, 0.28, 10), rel=1e-5)
+    assert 0 < st["clip_fraction"] < 1
+
+
+def test_kl_term_is_k3_and_zero_at_the_reference():
+    logp = -torch.rand(3, 4)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    adv = torch.zeros(3)
+    l0, st0 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
+                          ref_logp=logp)
+    assert float(l0) == 0 and st0["kl"] == 0
+    ref = logp - 0.5
+    l1, st1 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
+                          ref_logp=ref)
+    d = -0.5
+    assert st1["kl"] == pytest.approx(torch.exp(torch.tensor(d)).item() - d - 1, rel=1e-5)
+    assert float(l1) == pytest.approx(0.1 * st1["kl"], rel=1e-5)
+
+
+def test_advantages_and_penalties():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    a = group_advantages(r, "group")
+    m, s = 0.5, torch.tensor([1.0, 0, 0, 1]).std().item()
+    assert torch.allclose(a[0], (r[0] - m) / (s + 1e-4)) and torch.equal(a[1], torch.zeros(4))
+    assert torch.allclose(group_advantages(r, "none")[0], r[0] - m)
+    assert torch.allclose(group_advantages(r, "batch"), (r - r.mean(1, keepdim=True)) / (r.std() + 1e-4))
+    assert informative_groups(r).tolist() == [True, False]
+    pen = overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, buffer=4, factor=1.0)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+# ---- chunked logprobs ---------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_chunked_logprobs_and_grads_equal_a_full_forward(chunk):
+    tr = _trainer("/tmp/unused")
+    m = tr.model
+    prompts, comps = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15, 16, 17, 18]]
+    batch = pad_batch(prompts, comps)
+    lp, ent = completion_logprobs(m, *batch, temperature=0.7, chunk=chunk)
+    loss = lp.sum()
+    loss.backward()
+    g_chunk = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    ref_lp, ref_ent, tot = [], [], 0
+    for p, c in zip(prompts, comps):
+        logits = m(torch.tensor([p + c])).logits[0, len(p) - 1: -1].float() / 0.7
+        ls = torch.log_softmax(logits, -1)
+        tok = ls.gather(-1, torch.tensor(c)[:, None])[:, 0]
+        ref_lp.append(tok)
+        ref_ent.append(-(ls.exp() * ls).sum(-1))
+        tot = tot + tok.sum()
+    tot.backward()
+    mask = batch[4]
+    assert torch.allclose(lp[mask], torch.cat(ref_lp), atol=1e-5)
+    assert torch.allclose(ent[mask], torch.cat(ref_ent).detach(), atol=1e-4)
+    assert (lp[~mask] == 0).all()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(g_chunk[n], p.grad, atol=1e-5), n
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+def test_two_steps_write_metrics_checkpoints_and_a_peft_adapter(tmp_path):
+    tr = _trainer(tmp_path, max_steps=2, save_steps=1, num_iterations=2)
+    before = _trainable(tr)
+    rows = tr.train()
+    for key in ("reward_mean", "reward_std", "accuracy", "rewards/sevens", "entropy", "completion_length_mean",
+                "completion_length_max", "truncated_fraction", "clip_fraction", "grad_norm", "sigma", "aqn_stage",
+                "lr", "rollout_tokens_per_s", "logprob_mismatch_mean", "logprob_mismatch_max",
+                "filtered_group_fraction", "time_rollout", "time_logprob", "time_update"):
+        assert key in rows[0] or key == "accuracy", key
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert rows[0]["updates"] == 2 * 16 // 8 and rows[0]["entropy"] > 0
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
+    assert any(not torch.equal(before[n], p) for n, p in _trainable(tr).items())
+    # the adapter loads in PEFT's own config class, and the config file round-trips
+    from peft import PeftConfig
+
+    assert PeftConfig.from_pretrained(str(tmp_path / "adapter")).r == 8
+    assert GRPOConfig.from_yaml(tmp_path / "config.yaml") == tr.cfg
+
+
+def test_resume_gives_identical_adapter_weights(tmp_path):
+    kw = dict(num_iterations=2, lora_dropout=0.1, max_steps=4, save_steps=2)
+    a = _trainer(tmp_path / "a", **kw)
+    a.train()
+    b = _trainer(tmp_path / "b", **kw)
+    b.train(stop_after=2)
+    c = _trainer(tmp_path / "b", **kw)
+    assert c.resume() == 2
+    c.train()
+    wa, wc = _trainable(a), _trainable(c)
+    assert all(torch.equal(wa[n], wc[n]) for n in wa)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    tr = _trainer(tmp_path, max_steps=2, save_steps=1)
+    tr.train(stop_after=1)
+    calls = {"n": 0}
+    real = ckpt.save_file
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ckpt, "save_file", dying)
+    with pytest.raises(OSError):
+        tr.train()
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tmp_path):
+    tr = _trainer(tmp_path, max_steps=3, save_steps=1)
+    tr.train(stop_after=1)
+    with torch.no_grad():
+        next(p for n, p in tr.model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+    with pytest.raises(TrainingError, match="checkpoint-1"):
+        tr.train()
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-1"]
+
+
+def test_reward_errors_score_zero_and_are_counted(tmp_path):
+    def picky(completions, **_):
+        out = []
+        for c in completions:
+            if "1" in c:
+                raise ValueError("no ones")
+            out.append(1.0)
+        return out
+
+    rows = _trainer(tmp_path, reward_funcs=(picky,), max_steps=1, dynamic_sampling=False).train()
+    assert rows[0]["reward_errors"] > 0 and "no ones" in rows[0]["reward_first_error"]
+    assert 0 <= rows[0]["reward_mean"] <= 1
+
+
+def test_dynamic_sampling_resamples_and_reports_filtered_groups(tmp_path):
+    const = lambda completions, **_: [1.0] * len(completions)  # noqa: E731
+    rows = _trainer(tmp_path, reward_funcs=(const,), max_steps=1, max_resample_rounds=2).train()
+    assert rows[0]["rollout_rounds"] == 3 and rows[0]["filtered_group_fraction"] == 1.0
+    assert rows[0]["grad_norm"] == 0.0  # every advantage is 0: nothing to learn
+
+
+def test_kl_and_importance_sampling_options_run(tmp_path):
+    rows = _trainer(tmp_path, max_steps=1, beta=0.05, importance_sampling_correction=True, loss_type="grpo",
+                    mask_truncated_completions=True, scale_rewards="batch").train()
+    assert rows[0]["kl"] >= 0 and 0 < rows[0]["is_weight_mean"] <= 2.0
+
+
+# ---- configuration ------------------------------------------------------------------------------
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="loss_type"):
+        GRPOConfig(loss_type="ppo")
+    with pytest.raises(ValueError, match="generation_batch_size"):
+        GRPOConfig(generation_batch_size=30, num_generations=8)
+    p = tmp_path / "c.yaml"
+    p.write_text("learning_rat: 1e-5\n")
+    with pytest.raises(ValueError, match=r"c.yaml: unknown field 'learning_rat' \(did you mean 'learning_rate'"):
+        GRPOConfig.from_yaml(p)
+    c = GRPOConfig().with_overrides({"learning_rate": "2e-5", "lora_target_modules": "q,v", "epsilon_high": "null"})
+    assert c.learning_rate == 2e-5 and c.lora_target_modules == ["q", "v"] and c.epsilon_high is None
+    with pytest.raises(ValueError, match="--max_steps"):
+        GRPOConfig().with_overrides({"max_steps": "many"})
