@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, export, generate, inspect, quantize
+from . import bench, export, generate, inspect, plot, quantize, train
 
-COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench}
+COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
+            "train": train, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in COMMANDS.items():
         mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # only `train` takes free --field value pairs (any config field)
+        if args.command != "train":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = extra
     try:
         return COMMANDS[args.command].run(args) or 0
     except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as e:

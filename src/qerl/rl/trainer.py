@@ -210,7 +210,7 @@ class GRPOTrainer:
         cfg, step, G = self.cfg, self.step, self.cfg.num_generations
         P = cfg.generation_batch_size // G
         t0 = time.perf_counter()
-        sigma, stage = sigma_at(step, cfg.max_steps, cfg.aqn_stages, cfg.aqn_sigma_start, cfg.aqn_sigma_end,
+        sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start, cfg.aqn_sigma_end,
                                 cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
         base_seed = cfg.seed * 1_000_003 + step * 101
         rounds, n_info = [self._rollout_round(self.sampler.take(P), sigma, base_seed)], 0
