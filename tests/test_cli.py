@@ -39,3 +39,27 @@ def test_main_job_inspects_smollm2():
     assert "model.layers.29.mlp.down_proj" in p.stdout
     ratio = float(p.stdout.split("linear weights")[1].split("(")[1].split("x")[0])
     assert 0.27 < ratio < 0.29  # 4.5 bits of 16 (+ the per-tensor scale)
+
+
+def test_train_resume_and_plot(tmp_path):
+    """qerl train on a tiny local model, --resume to a later max_steps, then qerl plot."""
+    from tiny_models import tiny_tokenizer
+
+    save_tiny(tmp_path / "m", "qwen2")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    run = tmp_path / "run"
+    common = ["--generation_batch_size", "8", "--num_generations", "4", "--per_device_train_batch_size", "8",
+              "--max_completion_length", "8", "--lora_r", "4", "--report_to", "none", "--dataset_config",
+              "{size: 20}"]
+    out = qerl("train", "--model_name_or_path", tmp_path / "m", "--output_dir", run, "--max_steps", "2",
+               "--save_steps", "1", *common)
+    assert "2 steps to step 2" in out.stdout
+    assert (run / "checkpoint-2" / "trainer_state.json").exists() and (run / "adapter" / "adapter_config.json").exists()
+    out = qerl("train", "--resume", run, "--max_steps", "3")
+    assert "resuming" in out.stdout and "1 steps to step 3" in out.stdout
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    png = qerl("plot", run).stdout.strip()
+    assert png.endswith("curves.png") and (run / "curves.png").stat().st_size > 10_000
+    bad = qerl("train", "--learning_rat", "1e-5", check=False)
+    assert bad.returncode == 2 and "did you mean '--learning_rate'" in bad.stderr
