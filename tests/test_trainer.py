@@ -234,3 +234,15 @@ def test_config_errors_name_the_field(tmp_path):
     assert c.learning_rate == 2e-5 and c.lora_target_modules == ["q", "v"] and c.epsilon_high is None
     with pytest.raises(ValueError, match="--max_steps"):
         GRPOConfig().with_overrides({"max_steps": "many"})
+
+
+def test_train_norms_noise_in_training_and_gradient_checkpointing(tmp_path):
+    tr = _trainer(tmp_path, max_steps=2, aqn_stages=2, train_norms=True, aqn_in_training=True,
+                  gradient_checkpointing=True, save_steps=2)
+    norms = {n: p.detach().clone() for n, p in tr.model.named_parameters() if n.endswith("layernorm.weight")}
+    assert norms and all(p.requires_grad for n, p in tr.model.named_parameters() if n in norms)
+    rows = tr.train()
+    assert rows[1]["sigma"] > 0
+    after = dict(tr.model.named_parameters())
+    assert any(not torch.equal(norms[n], after[n]) for n in norms)  # trained (and the noise was restored)
+    assert set(norms) <= set(ckpt.load_file(tmp_path / "checkpoint-2" / "trainable.safetensors"))

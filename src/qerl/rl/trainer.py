@@ -282,7 +282,10 @@ class GRPOTrainer:
         per_update = mb * cfg.gradient_accumulation_steps
         n_updates = max(1, N // per_update)
         single = cfg.num_iterations == 1 and n_updates == 1
-        noise_train = self._noise(sigma, seed) if cfg.aqn_in_training else None
+        import contextlib
+
+        def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
+            return self._noise(sigma, seed) if cfg.aqn_in_training else contextlib.nullcontext()
         t0 = time.perf_counter()
         micro = [list(range(s, min(N, s + mb))) for s in range(0, N, mb)]
         batches = [self._batch(i, comp) for i in micro]
@@ -293,9 +296,7 @@ class GRPOTrainer:
             t = t.masked_scatter(mask, torch.tensor([x for i in idx for x in rollout_lp[i]], dtype=torch.float32))
             rl_lp.append(t.to(dev))
         old, ref, ent = [None] * len(micro), [None] * len(micro), []
-        import contextlib
-
-        with noise_train if noise_train is not None else contextlib.nullcontext():
+        with noise_train():
             if not single:  # the sampling policy's logprobs before any update (PPO's old policy)
                 for k, b in enumerate(batches):
                     lp, en = self._logprobs(b, grad=False)
@@ -326,32 +327,32 @@ class GRPOTrainer:
                 for k in group:
                     b = batches[k]
                     mask = b[4].to(dev)
-                    with noise_train if noise_train is not None else contextlib.nullcontext():
+                    with noise_train():  # forward and backward see the same weights
                         lp, en = self._logprobs(b, grad=True)
-                    old_k = lp.detach() if single else old[k]
-                    if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
-                        d = (old_k - rl_lp[k]).abs()[mask]
-                        if d.numel():
-                            mism.append(d)
-                            mism_max = max(mism_max, float(d.max()))
-                        if single:
-                            ent.append(en[mask])
-                    isw = None
-                    if cfg.importance_sampling_correction:
-                        isw = torch.exp(old_k - rl_lp[k]).clamp(max=cfg.importance_sampling_cap).detach()
-                        is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
-                    lmask = mask & ~truncated[micro[k]].to(dev)[:, None] if cfg.mask_truncated_completions else mask
-                    loss, st = policy_loss(lp, old_k, adv[micro[k]].to(dev), lmask, loss_type=cfg.loss_type,
-                                           epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                           ref_logp=ref[k] if ref is not None else None, is_weights=isw,
-                                           norm_tokens=norm_tokens, max_completion_length=cfg.max_completion_length)
-                    if cfg.loss_type != "dapo":
-                        loss = loss / len(group)
-                    if not torch.isfinite(loss.detach()):
-                        self.optimizer.zero_grad(set_to_none=True)
-                        raise TrainingError(self._bad(f"loss is {float(loss.detach())}"))
-                    loss.backward()
-                    upd_loss += float(loss.detach())
+                        old_k = lp.detach() if single else old[k]
+                        if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
+                            d = (old_k - rl_lp[k]).abs()[mask]
+                            if d.numel():
+                                mism.append(d)
+                                mism_max = max(mism_max, float(d.max()))
+                            if single:
+                                ent.append(en[mask])
+                        isw = None
+                        if cfg.importance_sampling_correction:
+                            isw = torch.exp(old_k - rl_lp[k]).clamp(max=cfg.importance_sampling_cap).detach()
+                            is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
+                        lmask = mask & ~truncated[micro[k]].to(dev)[:, None] if cfg.mask_truncated_completions else mask
+                        loss, st = policy_loss(lp, old_k, adv[micro[k]].to(dev), lmask, loss_type=cfg.loss_type,
+                                               epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                               ref_logp=ref[k] if ref is not None else None, is_weights=isw,
+                                               norm_tokens=norm_tokens, max_completion_length=cfg.max_completion_length)
+                        if cfg.loss_type != "dapo":
+                            loss = loss / len(group)
+                        if not torch.isfinite(loss.detach()):
+                            self.optimizer.zero_grad(set_to_none=True)
+                            raise TrainingError(self._bad(f"loss is {float(loss.detach())}"))
+                        loss.backward()
+                        upd_loss += float(loss.detach())
                     stats["clip_fraction"].append(st["clip_fraction"])
                     if "kl" in st:
                         stats["kl"].append(st["kl"])
