@@ -246,3 +246,11 @@ def test_train_norms_noise_in_training_and_gradient_checkpointing(tmp_path):
     after = dict(tr.model.named_parameters())
     assert any(not torch.equal(norms[n], after[n]) for n in norms)  # trained (and the noise was restored)
     assert set(norms) <= set(ckpt.load_file(tmp_path / "checkpoint-2" / "trainable.safetensors"))
+
+
+def test_the_shipped_yaml_documents_every_default():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert GRPOConfig.from_yaml(path) == GRPOConfig()
+    assert path.read_text() == GRPOConfig().to_yaml()  # regenerate: qerl train --print_config > configs/default.yaml
