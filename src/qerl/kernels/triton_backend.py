@@ -20,6 +20,9 @@ from .w4_decode_consts import ASM_SHIFT
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
 # Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep).
 FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "16"))
+# Rows up to which NVFP4/MXFP4 go to the tensor-core-free GEMV (w4_gemv; at most its MAX_M = 4).
+# 0 = off until measured on the GPU (scripts/gemv_bench.py).
+GEMV_MAX_M = int(os.environ.get("QERL_GEMV_MAX_M", "0"))
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # id(packed tensor) -> (weakref to it, state); tensors compare elementwise, so no WeakKeyDictionary.
 _STATE: dict[int, tuple] = {}
@@ -76,6 +79,12 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     if x2d.stride(-1) != 1 or x2d.stride(0) != k:
         x2d = x2d.contiguous()
     b = None if bias is None else bias.to(x.dtype)
+    if x2d.shape[0] <= GEMV_MAX_M and fid != 2:
+        from . import w4_gemv as G
+
+        if G.supported(x2d, fid, packed):
+            y = G.gemv(x2d, fid, packed, scale, inv, n, bias=b, lora=lora)
+            return y.view(*x.shape[:-1], n)
     if x2d.shape[0] <= FUSED_MAX_M:
         y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, lora=lora, asm=asm)
     else:
