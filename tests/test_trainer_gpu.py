@@ -33,4 +33,4 @@ def test_gpu_steps_with_aqn(tmp_path, quant):
                         "entropy", "grad_norm", "rollout_tokens_per_s", "time_step")})
         assert all(v is None or not isinstance(v, float) or v == v for v in r.values())
     assert rows[0]["sigma"] == 0 and rows[0]["logprob_mismatch_mean"] < 0.1
-    assert rows[2]["aqn_sigma_effective"] > 0
+    assert rows[1]["aqn_sigma_effective"] > 0.005  # sigma 1e-2 survives bf16; 5e-4 (step 2) rounds away: see README
