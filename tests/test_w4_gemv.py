@@ -78,7 +78,7 @@ def test_gemv_matches_dequantize_reference(fmt, dtype, m, n, k, epilogue):
         bias = torch.randn(n, device=DEV).to(dtype)
         a, b = _lora(m, n, k, 8, dtype, seed=n)
         lora = ((x.float() @ a.float().t()).to(dtype), b, 0.5)
-    y = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=(16, 128, 4, 1, 1))
+    y = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=(16, 512, 4, 1, 1))  # BLOCK_K lowered to divide K
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, _ref(f, t, (n, k), x, bias, lora)) < TOL[dtype]
 
@@ -110,19 +110,19 @@ def test_every_code_decodes_exactly(fmt):
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_split_k_is_exact_and_deterministic(mode, prefetch):
-    n, k, m = 40, 1024, 3
+    n, k, m = 40, 2560, 3
     f, t = _weight("nvfp4", n, k, seed=3)
     dt = ACT[0]
     x = torch.randn(m, k, device=DEV).to(dt)
     bias = torch.randn(n, device=DEV).to(dt)
     a, b = _lora(m, n, k, 4, dt, seed=1)
     lora = ((x.float() @ a.float().t()).to(dt), b, 2.0)
-    cfg = (32, 128, 4, 3, prefetch)  # 8 K tiles in 3 splits of 3, 3, 2 tiles
+    cfg = (32, 512, 4, 3, prefetch)  # 5 K tiles of the GPU tile width in 3 splits of 2, 2, 1 tiles
     y1 = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=cfg, split_mode=mode)
     y2 = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=cfg, split_mode=mode)
     assert torch.equal(y1, y2)
     assert _rel(y1, _ref(f, t, (n, k), x, bias, lora)) < TOL[dt]
-    one = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=(32, 128, 4, 1, prefetch))
+    one = _gemv(f, t, (n, k), x, bias=bias, lora=lora, config=(32, 512, 4, 1, prefetch))
     assert _rel(y1, one.double()) < TOL[dt]
     # the split tickets are back to 0 for the next call
     assert int(G._weight_state(t["weight_packed"], n)[1].abs().sum()) == 0

@@ -6,7 +6,8 @@ fp32, and each output is a plain reduction along K.
 
 Roofline (per weight, H200: ~4.2 TB/s copy, 132 SMs at ~1.8 GHz, 4 warp-instructions/clock/SM)
 -----------------------------------------------------------------------------------------------
-* Bytes: 0.5 (nibble) + 1/16 (E4M3 scale, NVFP4) or 1/32 (E8M0, MXFP4) = 0.5625 / 0.53 B. At 4.2 TB/s
+* Bytes: 0.5 (nibble) + 1/16 (E4M3 scale, NVFP4) or 1/32 (E8M0, MXFP4) = 0.5625 / 0.53 B
+  (this kernel reads MXFP4 scales per 16 too, see Layout). At 4.2 TB/s
   that is ~7.5e12 weights/s, i.e. ~31 weights per SM per clock, against 128 thread-instructions per
   SM per clock: the whole budget is ~4 instructions per weight at 100 % of bandwidth, ~6 at 70 %.
 * Instructions per weight (M = 1), as ptxas emits them for sm_90:
@@ -15,16 +16,23 @@ Roofline (per weight, H200: ~4.2 TB/s copy, 132 SMs at ~1.8 GHz, 4 warp-instruct
     11..9, the sign at bit 15. Read as fp16 that is exactly code·2^-14 (code 0.5 lands on the fp16
     subnormal 2^-15, which fp16 keeps); the 2^14 is folded into the epilogue factor (exact).
   - convert 1: fp16 -> fp32 (HADD2.F32 on each half in place, FMA pipe).
-  - FMA 1 per row of x: fp32 products, chained in fp32 over the 16 (32) weights of a scale group.
-  - per group (1/16 per weight): E4M3 -> fp32 and one FMA of the group sum into the accumulator.
+  - FMA 1 per row of x: fp32 products, chained in fp32 over the 16 weights of a sub-group (one scale).
+  - per sub-group (1/16 per weight): scale byte -> fp32 and one FMA of the group sum into the accumulator.
   - per K column and thread, amortised over the rows a thread holds: x bf16 -> fp32 (1 op).
   Counted in the SASS ptxas emits for sm_90 (BLOCK_N=32, BLOCK_K=512, 4 warps, 96 registers), the
   loop body is 4.7 instructions per weight at M = 1 (decode + convert 2.9, FFMA 1.06, the rest is
   x, scales, addresses), 5.9 at M = 2 and 8.4 at M = 4; no shared memory, no barriers. At M = 1
   that allows ~85 % of the copy bandwidth if issue were the only limit. (w4_matmul's fused kernel,
   at its M <= 4 tile 64x128, 4 warps: 8.5 per weight, with shared-memory stores and loads.)
-* Loads: weights as int32 words, 8-byte (NVFP4, one scale group) or 16-byte (MXFP4) vectors per
-  thread, consecutive threads on consecutive groups of one row (fully coalesced); evict_first.
+* Layout: warp w of a program holds rows r·NW + w (r < BLOCK_N/NW), and each lane one 16-weight
+  sub-group (2 words, one scale byte) of each of those rows per 512-wide K tile, so the x values a
+  lane converts serve all its rows. Words load as 8-byte vectors (consecutive lanes on consecutive
+  sub-groups of a row: fully coalesced, evict_first), x as 16-byte vectors, one copy per warp.
+  Every load is 2-D with a single contiguous axis, and the row strides are left unspecialised
+  (alignment known: 8 bytes), so Triton's coalescing pass lands on exactly this layout whatever its
+  tie-breaking between axes; 3.6 and 3.9 give the same SASS (no layout conversion in the loop; an
+  earlier 3-D formulation put lanes across rows on 3.6 and repeated the x loads per row).
+  MXFP4's per-32 scale bytes are repeated per 16 once per weight (+3 % bytes read) for one kernel.
 
 Parallelism: each program owns BLOCK_N rows and a K range. When N/BLOCK_N programs are too few for
 the GPU, K is split; each split writes its fp32 partials to a workspace and the last split to finish
@@ -86,21 +94,23 @@ def _x2(v, XKIND: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _split4(v):
-    """[..., 4] -> its 4 columns (in registers)."""
-    e0, e1 = tl.split(v.reshape(v.shape[0], v.shape[1], 2, 2))  # column 2a + b: split b, then a
+def _split4(v, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
+    """[D0, D1, D2, 4] -> its 4 trailing columns (in registers)."""
+    e0, e1 = tl.split(v.reshape(D0, D1, D2, 2, 2))  # column 2a + b: split b, then a
     c0, c2 = tl.split(e0)
     c1, c3 = tl.split(e1)
     return c0, c1, c2, c3
 
 
 @triton.jit
-def _x8(x_ptr, off, XKIND: tl.constexpr, ASM: tl.constexpr):
-    """The 8 x values of one word of every (row, group): off [BN, BKG, 4] int32 offsets, the same for
-    every row (a broadcast the compiler turns into one 16-byte load per thread) -> 8 fp32 [BN, BKG]."""
-    v0, v1, v2, v3 = _split4(tl.load(x_ptr + off))
+def _x8(x_ptr, off, XKIND: tl.constexpr, ASM: tl.constexpr, NW: tl.constexpr, BKS: tl.constexpr):
+    """The 8 x values of one word of each sub-group: off [NW, BKS*4] int32 offsets (16-byte vectors, one
+    copy per warp) -> 8 fp32 [1, NW, BKS] tensors, which broadcast over the rows a thread holds."""
+    v = tl.load(x_ptr + off).reshape(1, NW, BKS, 4)
+    v0, v1, v2, v3 = _split4(v, 1, NW, BKS)
     if XKIND == 2:  # fp32: 4 values per 16 bytes, a second load for k 4..7
-        u0, u1, u2, u3 = _split4(tl.load(x_ptr + off + 4))
+        u = tl.load(x_ptr + off + 4).reshape(1, NW, BKS, 4)
+        u0, u1, u2, u3 = _split4(u, 1, NW, BKS)
         return (v0.to(tl.float32, bitcast=True), v1.to(tl.float32, bitcast=True),
                 v2.to(tl.float32, bitcast=True), v3.to(tl.float32, bitcast=True),
                 u0.to(tl.float32, bitcast=True), u1.to(tl.float32, bitcast=True),
@@ -114,9 +124,10 @@ def _x8(x_ptr, off, XKIND: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot_word(t, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr, off, XKIND: tl.constexpr, ASM: tl.constexpr):
-    """t [BN, BKG] + the dot of one decoded word (l_j = code j, h_j = code j+4) with its 8 x values."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr, off, XKIND, ASM)
+def _dot_word(t, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr, off, XKIND: tl.constexpr, ASM: tl.constexpr,
+              NW: tl.constexpr, BKS: tl.constexpr):
+    """t + the dot of one decoded word (l_j = code j, h_j = code j+4) with its 8 x values."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr, off, XKIND, ASM, NW, BKS)
     t += l0 * x0  # one FFMA each (the multiply and add contract)
     t += h0 * x4
     t += l1 * x1
@@ -129,62 +140,58 @@ def _dot_word(t, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr, off, XKIND: tl.constexpr
 
 
 @triton.jit
-def _word(q, t0, t1, t2, t3, x_ptr, stride_xm, off, M: tl.constexpr, XKIND: tl.constexpr, ASM: tl.constexpr):
-    """Decode one word of every (row, group) of q [BN, BKG] once; add its dot with each row of x to t0..t3."""
+def _word(q, t0, t1, t2, t3, x_ptr, stride_xm, off, M: tl.constexpr, XKIND: tl.constexpr, ASM: tl.constexpr,
+          NW: tl.constexpr, BKS: tl.constexpr):
+    """Decode one word of every (row, sub-group) of q once; add its dot with each row of x to t0..t3."""
     l0, h0 = _pair(q, 0, ASM)
     l1, h1 = _pair(q, 1, ASM)
     l2, h2 = _pair(q, 2, ASM)
     l3, h3 = _pair(q, 3, ASM)
-    t0 = _dot_word(t0, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr, off, XKIND, ASM)
+    t0 = _dot_word(t0, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr, off, XKIND, ASM, NW, BKS)
     if M > 1:
-        t1 = _dot_word(t1, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + stride_xm, off, XKIND, ASM)
+        t1 = _dot_word(t1, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + stride_xm, off, XKIND, ASM, NW, BKS)
     if M > 2:
-        t2 = _dot_word(t2, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + 2 * stride_xm, off, XKIND, ASM)
+        t2 = _dot_word(t2, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + 2 * stride_xm, off, XKIND, ASM, NW, BKS)
     if M > 3:
-        t3 = _dot_word(t3, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + 3 * stride_xm, off, XKIND, ASM)
+        t3 = _dot_word(t3, l0, h0, l1, h1, l2, h2, l3, h3, x_ptr + 3 * stride_xm, off, XKIND, ASM, NW, BKS)
     return t0, t1, t2, t3
 
 
 @triton.jit
-def _finish(acc, offs_n, m, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+def _finish(acc, offs, m, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Row m of the output: acc [BN] (raw sums) -> y[m, offs_n]."""
-    n_mask = offs_n < N
+    """Row m of the output: raw sums acc [ROWS, NW] of the output features offs [ROWS, NW] -> y[m, offs]."""
+    n_mask = offs < N
     acc = acc * factor
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+        acc += tl.load(bias_ptr + offs, mask=n_mask, other=0).to(tl.float32)
     if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
+        offs_r = tl.arange(0, BLOCK_R)[None, None, :]
         r_mask = offs_r < R
-        b = tl.load(lb_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+        b = tl.load(lb_ptr + offs[:, :, None] * R + offs_r, mask=n_mask[:, :, None] & r_mask, other=0)
         a = tl.load(xa_ptr + m * R + offs_r, mask=r_mask, other=0).to(b.dtype)
-        acc += tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1) * scaling
-    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        acc += tl.sum(b.to(tl.float32) * a.to(tl.float32), axis=2) * scaling
+    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _tile(p, sc, acc0, acc1, acc2, acc3, x_ptr, stride_xm, xk, FMT: tl.constexpr, M: tl.constexpr,
-          XKIND: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr):
-    """One K tile: words p [BN, BKG, WPG], raw scales sc [BN, BKG]; acc_m [BN, BKG] += scale · group dot."""
+          XKIND: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr, ROWS: tl.constexpr, NW: tl.constexpr,
+          BKS: tl.constexpr):
+    """One K tile: words p [BN, 2·BKS], raw sub-group scales sc [BN, BKS] (row n = r·NW + w);
+    acc_m [ROWS, NW, BKS] += scale · (the 16-weight dot of each sub-group)."""
     if FMT == 0:
         sc = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         sc = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # E8M0 2^(e-127); e = 0 reads as 0
-    p = p.to(tl.uint32, bitcast=True)
-    t0 = tl.zeros(sc.shape, dtype=tl.float32)
-    t1 = tl.zeros(sc.shape, dtype=tl.float32)
-    t2 = tl.zeros(sc.shape, dtype=tl.float32)
-    t3 = tl.zeros(sc.shape, dtype=tl.float32)
-    if FMT == 0:  # NVFP4: a group is 2 words
-        q0, q1 = tl.split(p)
-        t0, t1, t2, t3 = _word(q0, t0, t1, t2, t3, x_ptr, stride_xm, xk, M, XKIND, ASM)
-        t0, t1, t2, t3 = _word(q1, t0, t1, t2, t3, x_ptr, stride_xm, xk + 8 // XW, M, XKIND, ASM)
-    else:  # MXFP4: 4 words
-        q0, q1, q2, q3 = _split4(p)
-        t0, t1, t2, t3 = _word(q0, t0, t1, t2, t3, x_ptr, stride_xm, xk, M, XKIND, ASM)
-        t0, t1, t2, t3 = _word(q1, t0, t1, t2, t3, x_ptr, stride_xm, xk + 8 // XW, M, XKIND, ASM)
-        t0, t1, t2, t3 = _word(q2, t0, t1, t2, t3, x_ptr, stride_xm, xk + 16 // XW, M, XKIND, ASM)
-        t0, t1, t2, t3 = _word(q3, t0, t1, t2, t3, x_ptr, stride_xm, xk + 24 // XW, M, XKIND, ASM)
+    sc = sc.reshape(ROWS, NW, BKS)
+    q0, q1 = tl.split(p.to(tl.uint32, bitcast=True).reshape(ROWS, NW, BKS, 2))
+    t0 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    t1 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    t2 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    t3 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    t0, t1, t2, t3 = _word(q0, t0, t1, t2, t3, x_ptr, stride_xm, xk, M, XKIND, ASM, NW, BKS)
+    t0, t1, t2, t3 = _word(q1, t0, t1, t2, t3, x_ptr, stride_xm, xk + 8 // XW, M, XKIND, ASM, NW, BKS)
     acc0 += t0 * sc
     if M > 1:
         acc1 += t1 * sc
@@ -195,15 +202,21 @@ def _tile(p, sc, acc0, acc1, acc2, acc3, x_ptr, stride_xm, xk, FMT: tl.constexpr
     return acc0, acc1, acc2, acc3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_q2", "stride_s"])
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, ws_ptr, cnt_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr,
-                 N, K, stride_q, stride_s, stride_xm, stride_ym, k_split, SPLIT_K, scaling, R, post,
+                 N, K, stride_q2, stride_s, stride_xm, stride_ym, k_split, SPLIT_K, scaling, R, post,
                  FMT: tl.constexpr, M: tl.constexpr, XKIND: tl.constexpr, ASM: tl.constexpr,
                  SPLIT_MODE: tl.constexpr, PREFETCH: tl.constexpr,
                  HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """q: int32 words [N, K/8] (stride_q = K/8), s: scale bytes [N, K/G] (stride_s = K/G).
+                 BLOCK_R: tl.constexpr, ROWS: tl.constexpr, NW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """q: int32 words [N, K/8] (row stride 2·stride_q2 = K/8), s: one scale byte per 16 weights [N, K/16]
+    (row stride stride_s; MXFP4's are repeated per 16). The program owns BN = ROWS·NW rows: warp w
+    holds rows r·NW + w (r < ROWS) and each lane one 16-weight sub-group of each of them per tile.
 
+    Every load is 2-D with one contiguous axis, so the coalescing pass puts the lanes on K whatever
+    its tie-breaking: words [BN, BLOCK_K/8] as 8-byte vectors (the row strides are left
+    unspecialised, so 8 bytes is all the alignment known), scale bytes [BN, BLOCK_K/16], and x
+    [NW, BLOCK_K/4] words as 16-byte vectors, one copy per warp, shared by the ROWS rows.
     x: [M, K] seen as int32 words (stride_xm in words): bf16 (XKIND 0) or fp16 (1) pairs, or fp32 (2).
     ASM: the fp16 -> fp32 conversions as inline PTX (GPU); else plain Triton (the interpreter).
     K and k_split are multiples of BLOCK_K (no masks in the loop).
@@ -211,62 +224,62 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, ws_ptr, cnt_ptr, y_ptr, gsinv_ptr, bias_pt
     SPLIT_MODE: 0 = one split (epilogue here), 1 = workspace + last split reduces (ticket in cnt_ptr),
     2 = workspace only (w4_matmul._splitk_reduce_kernel finishes).
     """
-    G: tl.constexpr = 16 if FMT == 0 else 32
-    WPG: tl.constexpr = G // 8  # int32 words per scale group
-    BKG: tl.constexpr = BLOCK_K // G
+    BN: tl.constexpr = ROWS * NW
+    BKS: tl.constexpr = BLOCK_K // 16  # 16-weight sub-groups (2 words, one scale byte) per tile
     XW: tl.constexpr = 1 if XKIND == 2 else 2  # x values per int32 word
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read the last one; never stored
-    offs_g = tl.arange(0, BKG)
-    q_base = q_ptr + rows[:, None, None] * stride_q + offs_g[None, :, None] * WPG + tl.arange(0, WPG)[None, None, :]
-    s_base = s_ptr + rows[:, None] * stride_s + offs_g[None, :]
-    # x words of each group's first 8 k, [BN, BKG, 4]: the same for every row (see _x8)
-    x_off = (offs_n * 0)[:, None, None] + offs_g[None, :, None] * (G // XW) + tl.arange(0, 4)[None, None, :]
+    q_base = q_ptr + (rows * stride_q2 * 2)[:, None] + tl.arange(0, 2 * BKS)[None, :]
+    s_base = s_ptr + (rows * stride_s)[:, None] + tl.arange(0, BKS)[None, :]
+    # x words of the first 8 k of each sub-group, [NW, 4·BKS], the same for every warp
+    j = tl.arange(0, 4 * BKS)
+    x_off = (tl.arange(0, NW) * 0)[:, None] + ((j // 4) * (16 // XW) + j % 4)[None, :]
 
-    acc0 = tl.zeros((BLOCK_N, BKG), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BKG), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BKG), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BKG), dtype=tl.float32)
+    acc0 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    acc1 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    acc2 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
+    acc3 = tl.zeros((ROWS, NW, BKS), dtype=tl.float32)
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if PREFETCH:
         p = tl.load(q_base + k_lo // 8, eviction_policy="evict_first")
-        sc = tl.load(s_base + k_lo // G, eviction_policy="evict_first")
+        sc = tl.load(s_base + k_lo // 16, eviction_policy="evict_first")
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kn = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last tile re-reads itself (cache hit)
             p_next = tl.load(q_base + kn // 8, eviction_policy="evict_first")
-            sc_next = tl.load(s_base + kn // G, eviction_policy="evict_first")
+            sc_next = tl.load(s_base + kn // 16, eviction_policy="evict_first")
             acc0, acc1, acc2, acc3 = _tile(p, sc, acc0, acc1, acc2, acc3, x_ptr, stride_xm, k0 // XW + x_off,
-                                           FMT, M, XKIND, ASM, XW)
+                                           FMT, M, XKIND, ASM, XW, ROWS, NW, BKS)
             p = p_next
             sc = sc_next
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             p = tl.load(q_base + k0 // 8, eviction_policy="evict_first")
-            sc = tl.load(s_base + k0 // G, eviction_policy="evict_first")
+            sc = tl.load(s_base + k0 // 16, eviction_policy="evict_first")
             acc0, acc1, acc2, acc3 = _tile(p, sc, acc0, acc1, acc2, acc3, x_ptr, stride_xm, k0 // XW + x_off,
-                                           FMT, M, XKIND, ASM, XW)
-    y0 = tl.sum(acc0, axis=1)
-    y1 = tl.sum(acc1, axis=1)
-    y2 = tl.sum(acc2, axis=1)
-    y3 = tl.sum(acc3, axis=1)
+                                           FMT, M, XKIND, ASM, XW, ROWS, NW, BKS)
+    y0 = tl.sum(acc0, axis=2)  # [ROWS, NW]
+    y1 = tl.sum(acc1, axis=2)
+    y2 = tl.sum(acc2, axis=2)
+    y3 = tl.sum(acc3, axis=2)
+    offs = pid_n * BN + tl.arange(0, ROWS)[:, None] * NW + tl.arange(0, NW)[None, :]  # feature of y_m[r, w]
 
     factor = post
     if HAS_GS:
         factor = factor * tl.load(gsinv_ptr)
     if SPLIT_MODE == 0:
-        _finish(y0, offs_n, 0, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
+        _finish(y0, offs, 0, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
         if M > 1:
-            _finish(y1, offs_n, 1, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
+            _finish(y1, offs, 1, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
         if M > 2:
-            _finish(y2, offs_n, 2, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
+            _finish(y2, offs, 2, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
         if M > 3:
-            _finish(y3, offs_n, 3, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
+            _finish(y3, offs, 3, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R, HAS_BIAS, HAS_LORA, BLOCK_R)
     else:
-        n_mask = offs_n < N
-        ws = ws_ptr + pid_k * M * N + offs_n
+        n_mask = offs < N
+        ws = ws_ptr + pid_k * M * N + offs
         if SPLIT_MODE == 2:  # the reduce kernel applies 1/gs only: the 2^14 goes in here (exact)
             y0 = y0 * post
             y1 = y1 * post
@@ -284,12 +297,12 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, ws_ptr, cnt_ptr, y_ptr, gsinv_ptr, bias_pt
             ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT_K - 1:  # the last split of this row block: sum all, in split order
                 tl.store(cnt_ptr + pid_n, 0)  # ready for the next call
-                z0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                z1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                z2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                z3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                z0 = tl.zeros((ROWS, NW), dtype=tl.float32)
+                z1 = tl.zeros((ROWS, NW), dtype=tl.float32)
+                z2 = tl.zeros((ROWS, NW), dtype=tl.float32)
+                z3 = tl.zeros((ROWS, NW), dtype=tl.float32)
                 for s in range(SPLIT_K):
-                    part = ws_ptr + s * M * N + offs_n
+                    part = ws_ptr + s * M * N + offs
                     z0 += tl.load(part, mask=n_mask, other=0, cache_modifier=".cg")
                     if M > 1:
                         z1 += tl.load(part + N, mask=n_mask, other=0, cache_modifier=".cg")
@@ -297,16 +310,16 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, ws_ptr, cnt_ptr, y_ptr, gsinv_ptr, bias_pt
                         z2 += tl.load(part + 2 * N, mask=n_mask, other=0, cache_modifier=".cg")
                     if M > 3:
                         z3 += tl.load(part + 3 * N, mask=n_mask, other=0, cache_modifier=".cg")
-                _finish(z0, offs_n, 0, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                _finish(z0, offs, 0, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                         HAS_BIAS, HAS_LORA, BLOCK_R)
                 if M > 1:
-                    _finish(z1, offs_n, 1, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                    _finish(z1, offs, 1, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                             HAS_BIAS, HAS_LORA, BLOCK_R)
                 if M > 2:
-                    _finish(z2, offs_n, 2, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                    _finish(z2, offs, 2, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                             HAS_BIAS, HAS_LORA, BLOCK_R)
                 if M > 3:
-                    _finish(z3, offs_n, 3, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                    _finish(z3, offs, 3, N, y_ptr, stride_ym, factor, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                             HAS_BIAS, HAS_LORA, BLOCK_R)
 
 
@@ -314,9 +327,10 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, ws_ptr, cnt_ptr, y_ptr, gsinv_ptr, bias_pt
 GROUP = {0: 16, 1: 32}
 # Largest M (rows of x) the kernel takes; triton_backend routes rows <= QERL_GEMV_MAX_M here.
 MAX_M = 4
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, split_k, prefetch), for every M <= 4. From the H200 sweep
-# (`python3 scripts/gemv_bench.py` prints this line); shapes not listed use `heuristic_config`.
-TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+# (N, K) or (M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, split_k, prefetch); an (M, N, K) entry overrides
+# the (N, K) one for that M. From the H200 sweep (`python3 scripts/gemv_bench.py` prints this line);
+# shapes not listed use `heuristic_config`.
+TILES: dict[tuple, tuple[int, int, int, int, int]] = {}
 SPLIT_MODE = int(os.environ.get("QERL_GEMV_SPLIT_MODE", "1"))  # 1: last split reduces; 2: reduce kernel
 USE_ASM = os.environ.get("QERL_GEMV_ASM", "1") == "1"  # inline-PTX fp16 -> fp32 on CUDA (else plain Triton)
 XKIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -347,31 +361,28 @@ def split_for(N: int, K: int, block_n: int, block_k: int, device, waves: float =
 def heuristic_config(M: int, N: int, K: int, fmt_id: int, device) -> tuple:
     """Tile and split for a shape not in TILES."""
     block_n, block_k, num_warps = 32, 512, 4
-    return (block_n, block_k, num_warps, split_for(N, K, block_n, fit_block_k(K, block_k, fmt_id), device), 1)
+    return (block_n, block_k, num_warps, split_for(N, K, block_n, fit_block_k(K, block_k), device), 1)
 
 
 def gemv_config(M: int, N: int, K: int, fmt_id: int, device) -> tuple:
-    return TILES.get((N, K)) or heuristic_config(M, N, K, fmt_id, device)
+    return TILES.get((M, N, K)) or TILES.get((N, K)) or heuristic_config(M, N, K, fmt_id, device)
 
 
-def fit_block_k(K: int, block_k: int, fmt_id: int) -> int:
-    """The largest power of two <= block_k that divides K (>= the scale group, which divides K)."""
-    bk = max(GROUP[fmt_id], triton.next_power_of_2(block_k))
+def fit_block_k(K: int, block_k: int, fmt_id: int = 0) -> int:
+    """The largest power of two <= block_k that divides K (at least 16, which divides K).
+
+    512 (one 16-weight sub-group per lane) and its multiples keep every lane on K; smaller tiles
+    (K not a multiple of 512) are correct but put lanes across rows, which costs layout conversions."""
+    bk = max(16, triton.next_power_of_2(block_k))
     while K % bk:
         bk //= 2
     return bk
 
 
-def fit_warps(block_n: int, block_k: int, num_warps: int, fmt_id: int) -> int:
-    """Fewer warps when the tile has fewer (row, group) pairs than threads: every thread must own whole
-    scale groups, or the words, scales and x land in different register layouts."""
-    while num_warps > 1 and block_n * (block_k // GROUP[fmt_id]) < 32 * num_warps:
-        num_warps //= 2
-    return num_warps
-
-
 # id(packed) -> (weakref to it, (int32 view [N, K/8], split tickets)): made once per weight.
 _STATE: dict[int, tuple] = {}
+# id(MXFP4 scale) -> (weakref, its bytes repeated per 16 weights [N, K/16]): made once per weight.
+_SCALE16: dict[int, tuple] = {}
 
 
 def _weight_state(packed: torch.Tensor, N: int):
@@ -383,6 +394,18 @@ def _weight_state(packed: torch.Tensor, N: int):
     kid = id(packed)
     _STATE[kid] = (weakref.ref(packed, lambda _, kid=kid: _STATE.pop(kid, None)), (q32, tickets))
     return q32, tickets
+
+
+def _scale16(scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4's per-32 scale bytes, each repeated for both 16-weight halves (+3 % bytes per weight):
+    the kernel then reads one scale byte per lane for either format."""
+    hit = _SCALE16.get(id(scale))
+    if hit is not None and hit[0]() is scale:
+        return hit[1]
+    s16 = scale.repeat_interleave(2, dim=1).contiguous()
+    kid = id(scale)
+    _SCALE16[kid] = (weakref.ref(scale, lambda _, kid=kid: _SCALE16.pop(kid, None)), s16)
+    return s16
 
 
 def supported(x2d: torch.Tensor, fmt_id: int, packed: torch.Tensor) -> bool:
@@ -397,22 +420,22 @@ def gemv(x2d, fmt_id, packed, scale, gs_inv, N, bias=None, lora=None, config=Non
     """x2d [M <= 4, K] -> [M, N] in x's dtype. packed [N, K/2] uint8, scale [N, K/G] raw bytes (uint8 view).
 
     gs_inv: NVFP4's 1/global-scale as a 1-element fp32 tensor (None for MXFP4).
-    lora = (xa [M, r], B [N, r], scaling). config = (BLOCK_N, BLOCK_K, num_warps, split_k, prefetch);
-    BLOCK_K is lowered to divide K, and num_warps to fit the tile.
+    lora = (xa [M, r], B [N, r], scaling). config = (BLOCK_N, BLOCK_K, num_warps, split_k, prefetch):
+    each of the num_warps warps holds BLOCK_N / num_warps rows; BLOCK_K is lowered to divide K.
     """
     M, K = x2d.shape
     assert 1 <= M <= MAX_M and fmt_id in GROUP, (M, fmt_id)
-    G = GROUP[fmt_id]
     block_n, block_k, num_warps, split, prefetch = config or gemv_config(M, N, K, fmt_id, x2d.device)
-    assert block_n >= 4 and triton.next_power_of_2(block_n) == block_n
-    block_k = fit_block_k(K, block_k, fmt_id)
-    num_warps = fit_warps(block_n, block_k, num_warps, fmt_id)
+    assert block_n >= 4 and block_n % num_warps == 0 and triton.next_power_of_2(block_n) == block_n
+    block_k = fit_block_k(K, block_k)
     mode = SPLIT_MODE if split_mode is None else split_mode
     k_steps = K // block_k
     split = max(1, min(split, k_steps))
     k_split = _cdiv(k_steps, split) * block_k
     split = _cdiv(K, k_split)
     q32, tickets = _weight_state(packed, N)
+    if fmt_id == 1:
+        scale = _scale16(scale)
     y = out if out is not None else torch.empty(M, N, device=x2d.device, dtype=x2d.dtype)
     if lora is not None:
         xa, lb, scaling = lora
@@ -431,9 +454,10 @@ def gemv(x2d, fmt_id, packed, scale, gs_inv, N, bias=None, lora=None, config=Non
     xw = 1 if xkind == 2 else 2  # x values per int32 word
     _gemv_kernel[(_cdiv(N, block_n), split)](
         x2d.view(torch.int32), q32, scale, ws, tickets, y, *ptrs,
-        N, K, K // 8, K // G, x2d.stride(0) // xw, y.stride(0), k_split, split, float(scaling), R, POST,
-        FMT=fmt_id, M=M, XKIND=xkind, ASM=USE_ASM and x2d.is_cuda, SPLIT_MODE=mode if split > 1 else 0, PREFETCH=bool(prefetch) and k_split > block_k, **flags,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
+        N, K, K // 16, K // 16, x2d.stride(0) // xw, y.stride(0), k_split, split, float(scaling), R, POST,
+        FMT=fmt_id, M=M, XKIND=xkind, ASM=USE_ASM and x2d.is_cuda, SPLIT_MODE=mode if split > 1 else 0,
+        PREFETCH=bool(prefetch) and k_split > block_k, **flags,
+        ROWS=block_n // num_warps, NW=num_warps, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
     if split > 1 and mode == 2:
         from .w4_matmul import _splitk_reduce_kernel
 
