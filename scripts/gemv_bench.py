@@ -39,8 +39,9 @@ SHAPES = {"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "do
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}  # projections of one decoder layer per shape
 MS = (1, 2, 4)
 # (BLOCK_N, BLOCK_K, num_warps, prefetch); the split-K comes from WAVES (programs per SM)
-# (rows per thread = BLOCK_N / num_warps: 8, 8, 4, 8, 4, 8)
-VARIANTS = [(32, 512, 4, 1), (32, 512, 4, 0), (16, 512, 4, 1), (64, 512, 8, 1), (32, 512, 8, 1), (8, 512, 1, 1)]
+# rows per thread = BLOCK_N / num_warps: 8, 8, 4, 8, 8, 4, 8, 4
+VARIANTS = [(32, 512, 4, 1), (32, 512, 4, 0), (16, 512, 4, 1), (16, 512, 2, 1), (64, 512, 8, 1), (32, 512, 8, 1),
+            (8, 512, 1, 1), (8, 512, 2, 1)]
 WAVES = (1, 2, 4)
 ROTATE_BYTES = 256 << 20  # weight bytes per rotation (H200 L2: 50 MB)
 LORA_R = 32
