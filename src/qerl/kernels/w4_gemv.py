@@ -51,6 +51,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from .w4_matmul import lora_args
 
 POST = 16384.0  # 2^14: the fp16 decode yields code·2^-14
 
@@ -437,14 +438,7 @@ def gemv(x2d, fmt_id, packed, scale, gs_inv, N, bias=None, lora=None, config=Non
     if fmt_id == 1:
         scale = _scale16(scale)
     y = out if out is not None else torch.empty(M, N, device=x2d.device, dtype=x2d.dtype)
-    if lora is not None:
-        xa, lb, scaling = lora
-        xa, lb = xa.reshape(M, -1).contiguous(), lb.contiguous()
-        R = lb.shape[1]
-    else:
-        xa = lb = None
-        scaling, R = 0.0, 0
-    block_r = max(16, triton.next_power_of_2(R)) if R else 16
+    xa, lb, scaling, R, block_r = lora_args(lora, M)
     dummy = x2d  # pointer arguments whose branch is compiled out
     ws = torch.empty(split, M, N, device=x2d.device, dtype=torch.float32) if split > 1 else dummy
     flags = dict(HAS_GS=gs_inv is not None, HAS_BIAS=bias is not None, HAS_LORA=lora is not None, BLOCK_R=block_r)

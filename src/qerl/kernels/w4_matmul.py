@@ -170,6 +170,15 @@ def use_asm(x2d, fmt_id) -> bool:
 USE_ASM = True  # the PTX decode on CUDA for bf16 (the portable decode is kept for tests and fp16/fp32)
 
 
+def lora_args(lora, M):
+    """(xa [M, r], B [N, r], scaling, r, BLOCK_R) for a kernel's LoRA-expand epilogue (r = 0: none)."""
+    if lora is None:
+        return None, None, 0.0, 0, 16
+    xa, lb, scaling = lora
+    R = lb.shape[1]
+    return xa.reshape(M, -1).contiguous(), lb.contiguous(), scaling, R, max(16, triton.next_power_of_2(R))
+
+
 def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=None, config=None, out=None,
                  asm=None):
     """x2d [M, K] (contiguous rows) -> [M, N]. packed [N, K/2] uint8, scale [N, K/G].
@@ -186,14 +195,7 @@ def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=Non
         gs_inv, mx_shift = asm
     y = out if out is not None else torch.empty(M, N, device=x2d.device, dtype=x2d.dtype)
     bf16 = x2d.dtype == torch.bfloat16
-    if lora is not None:
-        xa, lb, scaling = lora
-        xa, lb = xa.reshape(M, -1).contiguous(), lb.contiguous()
-        R = lb.shape[1]
-    else:
-        xa = lb = None
-        scaling, R = 0.0, 0
-    block_r = max(16, triton.next_power_of_2(R)) if R else 16
+    xa, lb, scaling, R, block_r = lora_args(lora, M)
     dummy = x2d  # unused pointer arguments (their branch is compiled out)
     ws = torch.empty(split, M, N, device=x2d.device, dtype=torch.float32) if split > 1 else dummy
     flags = dict(HAS_GS=gs_inv is not None, HAS_BIAS=bias is not None, HAS_LORA=lora is not None, BLOCK_R=block_r)
