@@ -48,10 +48,11 @@ def test_train_resume_and_plot(tmp_path):
     save_tiny(tmp_path / "m", "qwen2")
     tiny_tokenizer().save_pretrained(tmp_path / "m")
     run = tmp_path / "run"
+    (tmp_path / "my.yaml").write_text("dataset_name: arithmetic\n")  # with a CONFIG, GRPOConfig's defaults apply
     common = ["--generation_batch_size", "8", "--num_generations", "4", "--per_device_train_batch_size", "8",
               "--max_completion_length", "8", "--lora_r", "4", "--report_to", "none", "--dataset_config",
               "{size: 20}"]
-    out = qerl("train", "--model_name_or_path", tmp_path / "m", "--output_dir", run, "--max_steps", "2",
+    out = qerl("train", tmp_path / "my.yaml", "--model_name_or_path", tmp_path / "m", "--output_dir", run, "--max_steps", "2",
                "--save_steps", "1", *common)
     assert "2 steps to step 2" in out.stdout
     assert (run / "checkpoint-2" / "trainer_state.json").exists() and (run / "adapter" / "adapter_config.json").exists()
@@ -63,3 +64,26 @@ def test_train_resume_and_plot(tmp_path):
     assert png.endswith("curves.png") and (run / "curves.png").stat().st_size > 10_000
     bad = qerl("train", "--learning_rat", "1e-5", check=False)
     assert bad.returncode == 2 and "did you mean '--learning_rate'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_default_run_cut_short_writes_finite_metrics_and_curves(tmp_path):
+    """`qerl train` with no arguments is the embedded default run; here cut to 2 steps and 8
+    held-out problems (CI): evaluations before and after, finite metrics, the summary, the PNG."""
+    import math
+
+    run = tmp_path / "run"
+    out = qerl("train", "--output_dir", run, "--max_steps", "2", "--aqn_stages", "2", "--eval_limit", "8",
+               "--eval_num_samples", "1", "--generation_batch_size", "16", "--per_device_train_batch_size", "16",
+               "--device", "cpu")
+    assert "| before | 0 |" in out.stdout and "| after | 2 |" in out.stdout and "change" in out.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [0, 1]
+    assert [r["step"] for r in rows if "eval_pass_at_1" in r] == [0, 2]
+    for r in rows:
+        for k, v in r.items():
+            assert v is not None and (not isinstance(v, float) or math.isfinite(v)), (k, v)
+    assert rows[1]["sigma"] == 0 and rows[2]["sigma"] > 0  # AQN: stage 0 clean, then noise
+    assert (run / "curves.png").stat().st_size > 10_000 and (run / "adapter" / "adapter_model.safetensors").exists()
+    rep = json.loads((run / "eval" / "step_2.json").read_text())
+    assert rep["dataset"] == "reasoning_gym/chain_sum" and rep["problems"] == 8

@@ -197,7 +197,7 @@ def test_reward_errors_score_zero_and_are_counted(tmp_path):
     def picky(completions, **_):
         out = []
         for c in completions:
-            if "1" in c:
+            if sum(map(ord, c)) % 3 == 0:  # about a third of the completions, whatever they say
                 raise ValueError("no ones")
             out.append(1.0)
         return out
@@ -253,4 +253,9 @@ def test_the_shipped_yaml_documents_every_default():
 
     path = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert GRPOConfig.from_yaml(path) == GRPOConfig()
-    assert path.read_text() == GRPOConfig().to_yaml()  # regenerate: qerl train --print_config > configs/default.yaml
+    # regenerate: python -c "from qerl.rl import GRPOConfig; print(GRPOConfig().to_yaml(), end='')" > configs/default.yaml
+    assert path.read_text() == GRPOConfig().to_yaml()
+    from qerl.rl.default_run import default_run_config
+
+    run = path.parent / "default_run.yaml"  # = qerl train --device cpu --print_config (the embedded run on a CPU)
+    assert run.read_text() == default_run_config("cpu").to_yaml()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, export, generate, inspect, plot, quantize, train
+from . import bench, evaluate, export, generate, inspect, plot, quantize, train
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
-            "train": train, "plot": plot}
+            "train": train, "eval": evaluate, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> int:

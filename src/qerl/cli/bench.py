@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run a benchmark: kernels | rollout | memory (pass --help after the name for its options)"
-NAMES = ("kernels", "rollout", "memory")
+HELP = "run a benchmark: kernels | rollout | memory | default_run (pass --help after the name for its options)"
+NAMES = ("kernels", "rollout", "memory", "default_run")
 
 
 def add_arguments(p):

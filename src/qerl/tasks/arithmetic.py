@@ -48,5 +48,5 @@ def task(size: int = 2000, eval_size: int = 100, digits: int = 2, seed: int = 0)
     rows = []
     for _ in range(size + eval_size):
         q, v = _problem(rng, digits)
-        rows.append({"prompt": [{"role": "user", "content": q}], "answer": str(v)})
+        rows.append({"prompt": [{"role": "user", "content": q}], "question": q, "answer": str(v)})
     return Task("arithmetic", rows[:size], rows[size:], [accuracy])

@@ -1,0 +1,95 @@
+"""The embedded default run, timed and scored over seeds, as a user runs it.
+
+    python -m qerl.bench.default_run [--seeds 0,1,2] [--record] [--out DIR] [-- extra qerl train args]
+
+Each seed is one `qerl train --seed S` process (model load, both evaluations and the
+plot included in its wall time). Records per seed and the mean over seeds: wall time and the
+held-out pass@1 change (points, absolute). Targets: CPU <= 15 min and >= +5 points; GPU <= 3 min
+and >= +10 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .record import RESULTS, record, render, tee_log
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="qerl bench default_run")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default="runs/bench_default")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="more `qerl train` arguments after --")
+    args = ap.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    case = "gpu" if gpu else "cpu"
+    target_time, target_gain = ("<=180", ">=10") if gpu else ("<=900", ">=5")
+    out = Path(args.out)
+    log = tee_log(out / "bench.log")
+    extra = [a for a in args.extra if a != "--"]
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        run_dir = out / f"seed{seed}"
+        cmd = [sys.executable, "-m", "qerl", "train", "--seed", str(seed), "--output_dir", str(run_dir), *extra]
+        log(f"$ {' '.join(map(shlex.quote, cmd))}")
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        (run_dir / "stdout.log").parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / "stdout.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
+        if p.returncode:
+            log(f"seed {seed}: failed ({p.returncode}); see {run_dir}/stdout.log\n{p.stderr[-2000:]}")
+            return 1
+        evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_pass_at_1" in x]
+        before, after = evals[0], evals[-1]
+        gain = 100 * (after["eval_pass_at_1"] - before["eval_pass_at_1"])
+        r = dict(seed=seed, wall_s=wall, before=100 * before["eval_pass_at_1"], after=100 * after["eval_pass_at_1"],
+                 gain=gain, se=100 * (before["eval_stderr"] ** 2 + after["eval_stderr"] ** 2) ** 0.5,
+                 steps=after["step"])
+        rows.append(r)
+        log(f"seed {seed}: {wall / 60:.1f} min, held-out {r['before']:.1f} -> {r['after']:.1f} % "
+            f"({gain:+.1f} ± {r['se']:.1f} points), {r['steps']} steps")
+    n = len(rows)
+    mean_wall = statistics.mean(r["wall_s"] for r in rows)
+    mean_gain = statistics.mean(r["gain"] for r in rows)
+    log("")
+    log("| seed | wall (min) | before (%) | after (%) | change (points) |")
+    log("|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['seed']} | {r['wall_s'] / 60:.1f} | {r['before']:.1f} | {r['after']:.1f} | {r['gain']:+.1f} ± {r['se']:.1f} |")
+    log(f"| mean of {n} | {mean_wall / 60:.1f} | {statistics.mean(r['before'] for r in rows):.1f} | "
+        f"{statistics.mean(r['after'] for r in rows):.1f} | {mean_gain:+.1f} |")
+    if args.record:
+        cmd = "python -m qerl.bench.default_run " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:]))
+        rd = Path(args.results_dir)
+        for r in rows:
+            record("default_run", f"{case} seed {r['seed']}", "wall_time", round(r["wall_s"], 1), "s", None,
+                   command=cmd, results_dir=rd)
+            record("default_run", f"{case} seed {r['seed']}", "heldout_gain", round(r["gain"], 2), "points", None,
+                   command=cmd, results_dir=rd)
+        record("default_run", f"{case} mean of {n} seeds", "wall_time", round(mean_wall, 1), "s", target_time,
+               command=cmd, results_dir=rd)
+        record("default_run", f"{case} mean of {n} seeds", "heldout_gain", round(mean_gain, 2), "points", target_gain,
+               command=cmd, results_dir=rd)
+        record("default_run", f"{case} mean of {n} seeds", "heldout_before", round(statistics.mean(r["before"] for r in rows), 2),
+               "%", None, command=cmd, results_dir=rd)
+        record("default_run", f"{case} mean of {n} seeds", "heldout_after", round(statistics.mean(r["after"] for r in rows), 2),
+               "%", None, command=cmd, results_dir=rd)
+        if rd == RESULTS:
+            render()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
