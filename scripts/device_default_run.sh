@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # On the device: the default run's learning-rate/steps sweep (parallel, not timed) or its timed
-# 3-seed benchmark. The SmolLM2 NVFP4 checkpoint arrives in two carried parts (.dev_p1, .dev_p2:
-# a call carries at most 64 MiB) plus .dev_small; reasoning-gym and its needs arrive as .whl.
+# 3-seed benchmark. The SmolLM2 NVFP4 checkpoint arrives in two parts carried by two earlier calls
+# into /tmp/parts (a call carries at most 64 MiB) plus .dev_small; reasoning-gym and its needs as .whl.
 #   bash scripts/device_default_run.sh sweep|bench
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown} QERL_CACHE=/tmp/qerl_cache
 M=$QERL_CACHE/SmolLM2-135M-Instruct
-mkdir -p $M && cp .dev_small/* $M/ && cat .dev_p1/part .dev_p2/part > $M/model.safetensors
+P=/tmp/parts; [ -f .dev_p1/part ] && cp .dev_p1/part $P/p1; [ -f .dev_p2/part ] && cp .dev_p2/part $P/p2  # carried in earlier calls
+mkdir -p $M && cp .dev_small/* $M/ && cat $P/p1 $P/p2 > $M/model.safetensors
 [ "$(sha256sum $M/model.safetensors | cut -d' ' -f1)" = "$(cat $M/model.sha256)" ] || { echo "model parts corrupt"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case "${1:-sweep}" in
