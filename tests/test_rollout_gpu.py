@@ -70,3 +70,19 @@ def test_seeded_graph_sampling_repeats():
     x = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=p)]
     y = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=p)]
     assert x == y and len({tuple(t) for t in x}) > 1
+
+
+def test_alternating_sampling_settings_reuse_their_graphs():
+    """Training and evaluation alternate settings (T=1 vs T=0.6, top-p): each keeps its graphs, and
+    a setting's seeded samples are the same before and after the other ran (this used to trip the
+    CUDA caching allocator when the first setting's graphs were dropped)."""
+    pol = _policy("nvfp4")
+    eng = Engine(pol.model, max_len=96, max_slots=8)
+    a = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    b = SamplingParams(max_new_tokens=24, temperature=0.6, top_p=0.95, seed=5, ignore_eos=True)
+    xa = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=a)]
+    xb = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=b)]
+    n = len(eng._graphs)
+    assert xa == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=a)]
+    assert xb == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=b)]
+    assert len(eng._graphs) == n  # nothing recaptured

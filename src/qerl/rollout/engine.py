@@ -179,7 +179,12 @@ class Engine:
     def _setup(self, p: SamplingParams):
         key = (p.greedy, p.temperature, p.top_p, p.top_k, p.ignore_eos, tuple(p.stop_token_ids or ()))
         if key != self._graph_key:
-            self._graphs.clear()
+            # graphs bake the sampling settings in: keep each setting's graphs (training and evaluation
+            # alternate); past a few settings drop them all and start a fresh memory pool (capturing
+            # into the pool of destroyed graphs trips the CUDA caching allocator)
+            if len({k[0] for k in self._graphs} | {key}) > 4:
+                self._graphs.clear()
+                self._pool = None
             self._graph_key = key
         if p.max_new_tokens > self.max_len:
             raise ValueError(f"max_new_tokens {p.max_new_tokens} exceeds the engine's max_len {self.max_len}")
@@ -224,7 +229,7 @@ class Engine:
     def _run_step(self, b, keys, p):
         if not self.cuda_graphs:
             return self._step(b, keys, p)
-        g = self._graphs.get((b, keys))
+        g = self._graphs.get((self._graph_key, b, keys))
         if g is None:
             state = [t.clone() for t in (self.tokens, self.pos, self.count, self.done, self.reason, self.out_tok,
                                          self.out_lp)]
@@ -243,7 +248,7 @@ class Engine:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
                 self._step(b, keys, p)
-            self._graphs[(b, keys)] = g
+            self._graphs[(self._graph_key, b, keys)] = g
             self.stats.graphs_captured += 1
         g.replay()
 
