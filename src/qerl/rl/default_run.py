@@ -17,7 +17,7 @@ TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "size"
 CPU = dict(
     model_name_or_path="smollm2", quant="nvfp4", lora_r=32, lora_alpha=64.0,
     dataset_name="rg:chain_sum", dataset_config=TASK,
-    learning_rate=1e-4, max_steps=20, generation_batch_size=32, num_generations=8, per_device_train_batch_size=32,
+    learning_rate=1e-4, max_steps=36, generation_batch_size=32, num_generations=8, per_device_train_batch_size=32,
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
