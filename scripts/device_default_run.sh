@@ -42,7 +42,7 @@ for d in sorted(glob.glob(os.environ["OUT"] + "/sweep/*")):
 PY
   ;;
 bench)
-  python3 -m qerl.bench.default_run --record --results-dir $OUT/results --out /tmp/bench_default ${SEEDS:+--seeds $SEEDS}
+  timeout ${T:-560} python3 -m qerl.bench.default_run --record --results-dir $OUT/results --out /tmp/bench_default ${SEEDS:+--seeds $SEEDS} || echo "bench: exit $?"
   mkdir -p $OUT/bench && cp /tmp/bench_default/bench.log $OUT/bench/ && for d in /tmp/bench_default/seed*; do
     mkdir -p $OUT/bench/$(basename $d) && cp $d/metrics.jsonl $d/stdout.log $d/curves.png $OUT/bench/$(basename $d)/ 2>/dev/null || true; done
   ;;

@@ -39,6 +39,8 @@ def main(argv=None):
     log = tee_log(out / "bench.log")
     extra = [a for a in args.extra if a != "--"]
     rows = []
+    cmd_text = "python -m qerl.bench.default_run " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:]))
+    rd = Path(args.results_dir)
     for seed in [int(s) for s in args.seeds.split(",")]:
         run_dir = out / f"seed{seed}"
         cmd = [sys.executable, "-m", "qerl", "train", "--seed", str(seed), "--output_dir", str(run_dir), *extra]
@@ -60,6 +62,11 @@ def main(argv=None):
         rows.append(r)
         log(f"seed {seed}: {wall / 60:.1f} min, held-out {r['before']:.1f} -> {r['after']:.1f} % "
             f"({gain:+.1f} ± {r['se']:.1f} points), {r['steps']} steps")
+        if args.record:  # each seed as soon as it is measured (a run cut off keeps its finished seeds)
+            record("default_run", f"{case} seed {seed}", "wall_time", round(wall, 1), "s", None, command=cmd_text,
+                   results_dir=rd)
+            record("default_run", f"{case} seed {seed}", "heldout_gain", round(gain, 2), "points", None,
+                   command=cmd_text, results_dir=rd)
     n = len(rows)
     mean_wall = statistics.mean(r["wall_s"] for r in rows)
     mean_gain = statistics.mean(r["gain"] for r in rows)
@@ -71,13 +78,7 @@ def main(argv=None):
     log(f"| mean of {n} | {mean_wall / 60:.1f} | {statistics.mean(r['before'] for r in rows):.1f} | "
         f"{statistics.mean(r['after'] for r in rows):.1f} | {mean_gain:+.1f} |")
     if args.record:
-        cmd = "python -m qerl.bench.default_run " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:]))
-        rd = Path(args.results_dir)
-        for r in rows:
-            record("default_run", f"{case} seed {r['seed']}", "wall_time", round(r["wall_s"], 1), "s", None,
-                   command=cmd, results_dir=rd)
-            record("default_run", f"{case} seed {r['seed']}", "heldout_gain", round(r["gain"], 2), "points", None,
-                   command=cmd, results_dir=rd)
+        cmd = cmd_text
         record("default_run", f"{case} mean of {n} seeds", "wall_time", round(mean_wall, 1), "s", target_time,
                command=cmd, results_dir=rd)
         record("default_run", f"{case} mean of {n} seeds", "heldout_gain", round(mean_gain, 2), "points", target_gain,
