@@ -130,7 +130,7 @@ def test_chunked_logprobs_and_grads_equal_a_full_forward(chunk):
 
 # ---- the loop -----------------------------------------------------------------------------------
 def test_two_steps_write_metrics_checkpoints_and_a_peft_adapter(tmp_path):
-    tr = _trainer(tmp_path, max_steps=2, save_steps=1, num_iterations=2)
+    tr = _trainer(tmp_path, max_steps=2, save_steps=1, num_iterations=2, dynamic_sampling=False)
     before = _trainable(tr)
     rows = tr.train()
     for key in ("reward_mean", "reward_std", "accuracy", "rewards/sevens", "entropy", "completion_length_mean",
@@ -184,7 +184,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
 
 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tmp_path):
-    tr = _trainer(tmp_path, max_steps=3, save_steps=1)
+    tr = _trainer(tmp_path, max_steps=3, save_steps=1, dynamic_sampling=False)  # NaN weights give all-equal rewards
     tr.train(stop_after=1)
     with torch.no_grad():
         next(p for n, p in tr.model.named_parameters() if "lora_B" in n).fill_(float("nan"))
@@ -211,7 +211,16 @@ def test_dynamic_sampling_resamples_and_reports_filtered_groups(tmp_path):
     const = lambda completions, **_: [1.0] * len(completions)  # noqa: E731
     rows = _trainer(tmp_path, reward_funcs=(const,), max_steps=1, max_resample_rounds=2).train()
     assert rows[0]["rollout_rounds"] == 3 and rows[0]["filtered_group_fraction"] == 1.0
-    assert rows[0]["grad_norm"] == 0.0  # every advantage is 0: nothing to learn
+    assert rows[0]["grad_norm"] == 0.0 and rows[0]["updates"] == 0  # every advantage is 0: nothing to learn
+
+
+def test_dynamic_sampling_trains_on_informative_groups_only(tmp_path):
+    """DAPO: groups whose rewards are all equal are left out of the update (not padded back in)."""
+    rows = _trainer(tmp_path, max_steps=3, max_resample_rounds=0).train()
+    for r in rows:
+        kept = round(16 / 4 * (1 - r["filtered_group_fraction"]))
+        assert r["completions"] == 4 * kept
+    assert any(0 < r["completions"] < 16 for r in rows)  # some groups were filtered, some kept
 
 
 def test_kl_and_importance_sampling_options_run(tmp_path):

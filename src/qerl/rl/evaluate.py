@@ -59,16 +59,18 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
         raise ValueError(f"{dataset or 'evaluation set'}: no problems to evaluate")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
                             seed=seed)
-    chunk = chunk or max(1, engine.n_slots // samples)
+    # one generate call for everything by default: continuous batching refills the slots, where
+    # chunks would each wait for their longest completion
+    chunk = chunk or len(rows)
     funcs = [accuracy_func] + ([format_func] if format_func is not None else [])
     per, t0, new_tokens, truncated, lengths, errors = [], time.perf_counter(), 0, 0, [], 0
-    bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress)
+    bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress or chunk >= len(rows))
     for s in range(0, len(rows), chunk):
         part = rows[s: s + chunk]
         ids = [encode_prompt(tok, r["prompt"], system_prompt=system_prompt, suffix=prompt_suffix,
                              max_length=max_prompt_length) for r in part]
         params.seed = seed + s  # each chunk its own stream, the whole run reproducible
-        outs = engine.generate(ids, n=samples, params=params)
+        outs = engine.generate(ids, n=samples, params=params, progress=progress and chunk >= len(rows))
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
         cols = {k: [part[c.prompt_index][k] for c in outs] for k in part[0] if k != "prompt"}
         cols["prompts"] = [part[c.prompt_index]["prompt"] for c in outs]

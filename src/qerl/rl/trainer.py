@@ -151,7 +151,7 @@ class GRPOTrainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                             max_slots=cfg.generation_batch_size,
+                             max_slots=max(cfg.generation_batch_size, min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
@@ -216,6 +216,10 @@ class GRPOTrainer:
             rounds.append(self._rollout_round(self.sampler.take(P - n_info), sigma, base_seed + len(rounds)))
             _, n_info = self._select(rounds, P)
         groups, n_info = self._select(rounds, P)
+        if cfg.dynamic_sampling:
+            # DAPO trains on informative groups only; an all-equal group has zero advantage and would
+            # only dilute the token mean (and cost a forward and backward)
+            groups = groups[:n_info]
         t_roll = time.perf_counter() - t0
 
         # flatten the chosen groups into completions
@@ -228,7 +232,7 @@ class GRPOTrainer:
                 adv.append(float(a[0, j]))
                 rollout_lp.append(c.logprobs)
         adv_t = torch.tensor(adv)
-        if cfg.scale_rewards == "batch":
+        if cfg.scale_rewards == "batch" and groups:
             allr = torch.cat([r["rewards"][g] for r, g in groups])
             adv_t = adv_t / (allr.std() + 1e-4)
         truncated = torch.tensor([c.finish_reason == "length" for c in comp])
@@ -254,7 +258,11 @@ class GRPOTrainer:
             m["reward_first_error"] = errs[0]
 
         # the update
-        m.update(self._update(comp, adv_t, rollout_lp, truncated, sigma, base_seed))
+        if comp:
+            m.update(self._update(comp, adv_t, rollout_lp, truncated, sigma, base_seed))
+        else:  # nothing informative this step: no update
+            m.update({"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "entropy": 0.0, "logprob_mismatch_mean": 0.0,
+                      "logprob_mismatch_max": 0.0, "time_logprob": 0.0, "time_update": 0.0, "updates": 0})
         m["time_rollout"] = t_roll
         m["time_step"] = time.perf_counter() - t0
         m["completions"] = N
@@ -275,8 +283,7 @@ class GRPOTrainer:
         cfg, dev = self.cfg, self.device
         N = len(comp)
         mb = cfg.per_device_train_batch_size
-        per_update = mb * cfg.gradient_accumulation_steps
-        n_updates = max(1, N // per_update)
+        n_updates = max(1, math.ceil(math.ceil(N / mb) / cfg.gradient_accumulation_steps))
         single = cfg.num_iterations == 1 and n_updates == 1
         import contextlib
 
@@ -381,6 +388,11 @@ class GRPOTrainer:
         return f"step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
 
     # ---- evaluation ------------------------------------------------------------------------
+    def _eval_slots(self) -> int:
+        cfg = self.cfg
+        evaluates = cfg.eval_steps or cfg.eval_on_start or cfg.eval_on_end
+        return cfg.eval_num_samples * (cfg.eval_limit or 256) if evaluates else 0
+
     def eval_set(self):
         """(rows, accuracy function, name) of the held-out set."""
         cfg = self.cfg
