@@ -43,7 +43,7 @@ PY
   ;;
 bench)
   timeout ${T:-560} python3 -m qerl.bench.default_run --record --results-dir $OUT/results --out /tmp/bench_default ${SEEDS:+--seeds $SEEDS} || echo "bench: exit $?"
-  mkdir -p $OUT/bench && cp /tmp/bench_default/bench.log $OUT/bench/ && for d in /tmp/bench_default/seed*; do
-    mkdir -p $OUT/bench/$(basename $d) && cp $d/metrics.jsonl $d/stdout.log $d/curves.png $OUT/bench/$(basename $d)/ 2>/dev/null || true; done
+  # one archive: the device returns at most 8 files a call
+  (cd /tmp/bench_default && tar czf $OUT/bench.tgz bench.log seed*/metrics.jsonl seed*/stdout.log seed*/curves.png 2>/dev/null || true)
   ;;
 esac
