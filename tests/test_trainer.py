@@ -211,7 +211,7 @@ def test_dynamic_sampling_resamples_and_reports_filtered_groups(tmp_path):
     const = lambda completions, **_: [1.0] * len(completions)  # noqa: E731
     rows = _trainer(tmp_path, reward_funcs=(const,), max_steps=1, max_resample_rounds=2).train()
     assert rows[0]["rollout_rounds"] == 3 and rows[0]["filtered_group_fraction"] == 1.0
-    assert rows[0]["grad_norm"] == 0.0 and rows[0]["updates"] == 0  # every advantage is 0: nothing to learn
+    assert rows[0]["updates"] == 0 and "grad_norm" not in rows[0]  # every advantage is 0: nothing to learn
 
 
 def test_dynamic_sampling_trains_on_informative_groups_only(tmp_path):

@@ -260,9 +260,8 @@ class GRPOTrainer:
         # the update
         if comp:
             m.update(self._update(comp, adv_t, rollout_lp, truncated, sigma, base_seed))
-        else:  # nothing informative this step: no update
-            m.update({"loss": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "entropy": 0.0, "logprob_mismatch_mean": 0.0,
-                      "logprob_mismatch_max": 0.0, "time_logprob": 0.0, "time_update": 0.0, "updates": 0})
+        else:  # nothing informative this step: no update (loss, entropy, grad norm are not logged)
+            m.update({"time_logprob": 0.0, "time_update": 0.0, "updates": 0})
         m["time_rollout"] = t_roll
         m["time_step"] = time.perf_counter() - t0
         m["completions"] = N
