@@ -87,3 +87,14 @@ def test_the_default_run_cut_short_writes_finite_metrics_and_curves(tmp_path):
     assert (run / "curves.png").stat().st_size > 10_000 and (run / "adapter" / "adapter_model.safetensors").exists()
     rep = json.loads((run / "eval" / "step_2.json").read_text())
     assert rep["dataset"] == "reasoning_gym/chain_sum" and rep["problems"] == 8
+
+
+def test_generate_json_lines(tmp_path):
+    save_tiny(tmp_path / "m", "qwen2")
+    tiny_tok = __import__("tiny_models").tiny_tokenizer()
+    tiny_tok.save_pretrained(tmp_path / "m")
+    out = qerl("generate", tmp_path / "m", "--prompt", "hi", "--prompt", "ho", "--n", "2", "--max-new-tokens", "4",
+               "--seed", "0", "--json")
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(1 <= len(r["token_ids"]) <= 4 and len(r["logprobs"]) == len(r["token_ids"]) for r in rows)

@@ -30,14 +30,13 @@ def add_arguments(p):
 
 
 def run(args):
-    import torch
     import yaml
 
-    from ..model import load_policy
     from ..rl.evaluate import evaluate
     from ..rollout import Engine
     from ..tasks import get_task
     from ..tasks.rewards import format_reward
+    from .policy import load_cli_policy
 
     opts = yaml.safe_load(args.dataset_config) or {}
     if not isinstance(opts, dict):
@@ -45,20 +44,7 @@ def run(args):
     task = get_task(args.dataset, **opts)
     rows = task.eval if args.split == "eval" else task.train
     rows = rows[:args.limit] if args.limit else rows
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    rank = 0
-    if args.adapter:
-        from pathlib import Path
-
-        from ..checkpoint.peft_adapter import _read_config
-
-        rank = int(_read_config(Path(args.adapter))["r"])
-    pol = load_policy(args.model, args.quant, lora_rank=rank, device=device, dtype=dtype, progress=False)
-    if args.adapter:
-        from ..checkpoint import load_adapter
-
-        load_adapter(pol, args.adapter)
+    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device)
     from ..tasks.prompts import encode_prompt
 
     longest = max(len(encode_prompt(pol.tokenizer, r["prompt"], system_prompt=args.system_prompt,

@@ -26,24 +26,11 @@ def add_arguments(p):
 
 
 def run(args):
-    import torch
 
-    from ..model import load_policy
     from ..rollout import Engine, SamplingParams
+    from .policy import load_cli_policy
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    rank = 0
-    if args.adapter:
-        from ..checkpoint.peft_adapter import _read_config
-        from pathlib import Path
-
-        rank = int(_read_config(Path(args.adapter))["r"])
-    pol = load_policy(args.model, args.quant, lora_rank=rank, device=device, dtype=dtype, progress=False)
-    if args.adapter:
-        from ..checkpoint import load_adapter
-
-        load_adapter(pol, args.adapter)
+    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device)
     tok = pol.tokenizer
     prompts = args.prompt
     if tok is not None and not args.no_chat_template and getattr(tok, "chat_template", None):

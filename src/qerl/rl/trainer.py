@@ -170,8 +170,6 @@ class GRPOTrainer:
 
     # ---- one step --------------------------------------------------------------------------
     def _noise(self, sigma: float, seed: int):
-        import contextlib
-
         return self.aqn.applied(sigma, seed) if self.aqn is not None and sigma > 0 else contextlib.nullcontext()
 
     def _rollout_round(self, rows_idx, sigma, seed):
@@ -284,7 +282,6 @@ class GRPOTrainer:
         mb = cfg.per_device_train_batch_size
         n_updates = max(1, math.ceil(math.ceil(N / mb) / cfg.gradient_accumulation_steps))
         single = cfg.num_iterations == 1 and n_updates == 1
-        import contextlib
 
         def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
             return self._noise(sigma, seed) if cfg.aqn_in_training else contextlib.nullcontext()
