@@ -51,7 +51,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from .w4_matmul import lora_args
+from .w4_matmul import _num_sms as num_sms, lora_args
 
 POST = 16384.0  # 2^14: the fp16 decode yields code·2^-14
 
@@ -336,20 +336,9 @@ SPLIT_MODE = int(os.environ.get("QERL_GEMV_SPLIT_MODE", "1"))  # 1: last split r
 USE_ASM = os.environ.get("QERL_GEMV_ASM", "1") == "1"  # inline-PTX fp16 -> fp32 on CUDA (else plain Triton)
 XKIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-_SMS: dict[int, int] = {}
-
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
 
 
 def split_for(N: int, K: int, block_n: int, block_k: int, device, waves: float = 2.0) -> int:
