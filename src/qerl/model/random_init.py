@@ -21,6 +21,7 @@ QWEN25 = {
     "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064),
     "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064),
     "qwen2.5-72b": (8192, 29568, 80, 64, 8, 152064),
+    "tiny": (64, 128, 2, 4, 2, 1024),  # Qwen2 layout at toy size: CPU tests of the benchmarks
 }
 
 
@@ -31,7 +32,7 @@ def qwen25_config(name: str, num_hidden_layers: int | None = None):
     return Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=h, intermediate_size=i,
                        num_hidden_layers=num_hidden_layers or n, num_attention_heads=heads, num_key_value_heads=kv,
                        vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                       tie_word_embeddings=name == "qwen2.5-0.5b", eos_token_id=151645)
+                       tie_word_embeddings=name == "qwen2.5-0.5b", eos_token_id=151645 if vocab > 151645 else 1)
 
 
 def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alpha: float | None = None,

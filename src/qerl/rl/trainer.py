@@ -148,7 +148,11 @@ class GRPOTrainer:
         if not self.params:
             raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kw = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
                              max_slots=max(cfg.generation_batch_size, min(256, self._eval_slots())),

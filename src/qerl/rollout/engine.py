@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..device_memory import free_bytes
 from ..kernels import dispatch
 from .forward import ModelView, decode, glue_ops, prefill
 from .kv_cache import KVCache, slots_for_budget
@@ -71,8 +72,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
         self.max_len, self.sync_every, self.prefill_tokens = max_len, sync_every, prefill_tokens
-        if kv_cache_gb is None:  # half of what is free now on a GPU; 1 GiB on the CPU
-            kv_cache_gb = torch.cuda.mem_get_info(dev)[0] * 0.5 / 2**30 if dev.type == "cuda" else 1.0
+        if kv_cache_gb is None:  # half of what is free now on a GPU (under a memory cap); 1 GiB on the CPU
+            kv_cache_gb = free_bytes(dev) * 0.5 / 2**30 if dev.type == "cuda" else 1.0
         self.n_slots = slots_for_budget(self.view, max_len, int(kv_cache_gb * 2**30), max_slots)
         self.cache = KVCache(self.view, self.n_slots, max_len)
         self.rope = self.view.rope_tables(max_len)

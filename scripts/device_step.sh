@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On the device: full GRPO steps at 7B-72B shapes (issue 7). Each case is its own process
+# (clean peak-memory counters, a crash or OOM costs only that case); JSON per case, the records
+# and the log are bundled into $OUT/bundle.tgz after each case (a call returns at most 8 files,
+# and one cut off at its time limit keeps what finished). Comparisons can be recorded here too
+# (`qerl bench step --compare`), from the JSON files.
+#   bash scripts/device_step.sh a|b|c      (a: 7B + TRL + levers, b: 14B + 32B rollout, c: 32B and 72B under caps)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
+W=/tmp/o; J=$W/json; R=$W/results; L=$W/step.log; mkdir -p $J $R  # bundled into $OUT after each case
+S="--prompts 8 --num-generations 8 --prompt-len 256"
+run() {  # name, timeout, module, args...
+  local name=$1 t=$2 mod=$3; shift 3
+  echo "### $name: $mod $*" | tee -a $L
+  timeout $t python3 -m qerl.bench.$mod "$@" --json $J/$name.json --record --results-dir $R --out /tmp/bs_$name \
+    2>&1 | grep -v -i "warn" >> $L
+  echo "### $name: exit $?" >> $L
+  grep -E "^(== |   )" $L | tail -4
+  tar czf $OUT/bundle.tgz -C $W .
+}
+cmp() {  # a, b, metric, target
+  python3 -m qerl.bench.step --compare $J/$1.json $J/$2.json --metric $3 ${4:+--target "$4"} --record --results-dir $R \
+    2>&1 | tee -a $L
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case "$1" in
+a)
+  timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_device_memory_gpu.py 2>&1 | tail -3 | tee -a $L
+  run 7b_trl_256 200 trl_step --shape qwen2.5-7b --max-new-tokens 256 $S
+  run 7b_nvfp4 200 step --shape qwen2.5-7b --max-new-tokens 2048 $S
+  run 7b_bf16 200 step --shape qwen2.5-7b --quant bf16 --max-new-tokens 2048 $S
+  run 7b_levers_256 240 step --shape qwen2.5-7b --max-new-tokens 256 $S --sweep-levers
+  cmp 7b_levers_256 7b_trl_256 step_s ">=5"
+  cmp 7b_nvfp4 7b_bf16 step_s ">=1.8"
+  cmp 7b_nvfp4 7b_bf16 rollout_s
+  cmp 7b_nvfp4 7b_bf16 update_s
+  ;;
+b)
+  run 14b_nvfp4 260 step --shape qwen2.5-14b --max-new-tokens 2048 $S
+  run 14b_bf16 260 step --shape qwen2.5-14b --quant bf16 --max-new-tokens 2048 $S
+  cmp 14b_nvfp4 14b_bf16 step_s ">=1.8"
+  cmp 14b_nvfp4 14b_bf16 rollout_s
+  cmp 14b_nvfp4 14b_bf16 update_s
+  timeout 200 python3 -m qerl.bench.rollout --model qwen2.5-32b --batches 8 --new-tokens 512 --skip-hf --ratio-targets "8:>=2.5" --record \
+    --results-dir $R --out $W 2>&1 | grep -v -i warn | tee -a $L | tail -12
+  ;;
+c)
+  # caps in GiB equal to 40 GB and 80 GB (decimal); expandable segments keep reserved close to allocated
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  run 32b_cap40GB 240 step --shape qwen2.5-32b --prompts 8 --num-generations 2 --prompt-len 256 --max-new-tokens 2048 \
+    --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 --peak-target "<=37.25"
+  run 72b_cap80GB 420 step --shape qwen2.5-72b --prompts 8 --num-generations 2 --prompt-len 256 --max-new-tokens 2048 \
+    --micro-batch 1 --kv-cache-gb 11.26 --memory-cap-gb 74.5 --peak-target "<=74.5"
+  ;;
+esac
+tar czf $OUT/bundle.tgz -C $W .
+echo "=== summary"; grep -E "^(== |   step|   memory|   OUT|### .*exit|.* vs .*->)" $L | tail -60

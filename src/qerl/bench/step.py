@@ -1,0 +1,330 @@
+"""Full GRPO steps at a real model's shape on one GPU: time per phase, tokens/s, peak memory.
+
+    qerl bench step --shape qwen2.5-7b --quant nvfp4 [--memory-cap-gb 80] [levers] [--json F] [--record]
+    qerl bench step --compare A.json B.json --target ">=1.8"     # speedup of A over B, recorded
+
+Random weights in the shape (built and quantized one decoder layer at a time on the GPU, so
+the bf16 model never exists in full), the synthetic tokenizer and verifier (bench/synthetic.py),
+and the trainer's own `train_step`: the same rollout engine, logprobs, loss, optimizer and
+AQN as `qerl train`. One warm-up step with short completions (Triton compiles, decode graphs
+are captured) precedes the timed steps. The memory levers are the trainer's own settings:
+gradient checkpointing, logprob chunk, micro-batch, KV-cache budget, 8-bit AdamW; the memory
+cap makes the 139 GB H200 fail as a smaller card would. An out-of-memory error is a result
+(fits = false, with the phase it hit), not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .record import RESULTS, record
+
+CMD = "qerl bench step"
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments qerl's step and the TRL baseline share (same names, same defaults)."""
+    ap.add_argument("--shape", default="qwen2.5-7b", help="qwen2.5-0.5b | 7b | 14b | 32b | 72b (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--num-generations", type=int, default=8, help="G: completions per prompt")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
+    ap.add_argument("--num-iterations", type=int, default=1, help="mu: policy updates per rollout batch")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-cap-gb", type=float, default=None, help="cap this process's GPU memory (GiB)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--record", action="store_true", help="append figures to benchmarks/results/step.jsonl")
+    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--peak-target", default=None, help='target of the peak allocated GiB, e.g. "<=40"')
+    ap.add_argument("--out", default="runs/bench_step", help="scratch run directory")
+
+
+def shape_config(a):
+    from ..model import qwen25_config
+
+    cfg = qwen25_config(a.shape, a.layers)
+    cfg.eos_token_id = 1  # the synthetic tokenizer's <eos>
+    return cfg
+
+
+def case_name(a, quant: str) -> str:
+    lv = [f"mb{a.micro_batch}", "ckpt" if a.gradient_checkpointing else "no-ckpt"]
+    for key, tag in (("logprob_chunk", "chunk"), ("kv_cache_gb", "kv"), ("kv_fraction", "kv-rows")):
+        if getattr(a, key, None) is not None:
+            lv.append(f"{tag}{getattr(a, key):g}")
+    if getattr(a, "optim", None):
+        lv.append(a.optim)
+    if a.memory_cap_gb:
+        lv.append(f"cap{a.memory_cap_gb:g}GiB")
+    layers = f" {a.layers}L" if a.layers else ""
+    return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
+            f"mu{a.num_iterations} " + " ".join(lv))
+
+
+def _mem(dev):
+    if dev.type != "cuda":
+        return {}
+    from ..device_memory import peaks
+
+    return peaks(dev)
+
+
+def _reset(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def build_policy(a):
+    """The random-weight policy in the shape, with the synthetic tokenizer."""
+    from ..model import random_policy
+    from .synthetic import synthetic_tokenizer
+
+    dev = torch.device(a.device)
+    cfg = shape_config(a)
+    t0 = time.perf_counter()
+    pol = random_policy(cfg, a.quant, lora_rank=a.lora_rank, device=dev,
+                        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=a.seed)
+    pol.tokenizer = synthetic_tokenizer(cfg.vocab_size)
+    return pol, time.perf_counter() - t0
+
+
+def run_case(a, pol=None, build_s: float | None = None) -> dict:
+    """Build (or reuse) the policy, then a warm-up step and a.steps timed steps of the trainer."""
+    from ..rl import GRPOConfig, GRPOTrainer
+    from ..rollout import SamplingParams
+    from .synthetic import random_prompts, synthetic_verifier
+
+    dev = torch.device(a.device)
+    res = {"case": case_name(a, a.quant), "shape": a.shape, "quant": a.quant, "rows": a.prompts * a.num_generations,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "fits": True,
+           "memory_cap_gib": a.memory_cap_gb}
+    if a.memory_cap_gb:
+        from ..device_memory import set_memory_cap
+
+        set_memory_cap(a.memory_cap_gb, dev)
+    phase = "build"
+    tr = None
+    try:
+        if pol is None:
+            pol, build_s = build_policy(a)
+        res["build_s"] = build_s
+        if dev.type == "cuda":
+            res["model_gib"] = torch.cuda.memory_allocated(dev) / 2**30
+        off = getattr(pol.model, "activation_checkpointing_disable", None) or \
+            getattr(pol.model, "gradient_checkpointing_disable", None)
+        if off is not None and getattr(pol.model, "is_gradient_checkpointing", False):
+            off()  # a reused policy: the case decides
+        n_rows = a.prompts * a.num_generations
+        kv_gb = a.kv_cache_gb
+        if getattr(a, "kv_fraction", None):  # a KV budget holding this fraction of the step's rows at once
+            from ..rollout.forward import ModelView
+            from ..rollout.kv_cache import bytes_per_slot
+
+            per_slot = bytes_per_slot(ModelView(pol.model), a.prompt_len + 1 + a.max_new_tokens)
+            kv_gb = per_slot * max(1, round(n_rows * a.kv_fraction)) * 1.0001 / 2**30
+        gcfg = GRPOConfig(
+            model_name_or_path=f"random:{a.shape}", quant=a.quant, lora_r=a.lora_rank, lora_alpha=2.0 * a.lora_rank,
+            device=a.device, max_steps=a.steps + 1, num_generations=a.num_generations, generation_batch_size=n_rows,
+            per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=n_rows // a.micro_batch,
+            num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
+            gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
+            rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo",
+            learning_rate=1e-5, save_steps=10**9, report_to="none", output_dir=str(Path(a.out) / "run"), seed=a.seed)
+        phase = "setup"
+        tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
+                         train_dataset=random_prompts(a.prompts * (a.steps + 1), a.prompt_len, pol.config.vocab_size,
+                                                      a.seed))
+        eng = tr.engine
+        res.update(optim=tr.optim_name, kv_slots=eng.n_slots, kv_cache_gib=eng.cache.nbytes() / 2**30,
+                   trainable_params=sum(p.numel() for p in tr.params))
+        if dev.type == "cuda":
+            res["setup_gib"] = torch.cuda.memory_allocated(dev) / 2**30
+        # warm-up: kernels compile, the training path runs once, decode graphs for the step's batch
+        phase = "warm-up"
+        t0 = time.perf_counter()
+        tr.cfg.max_completion_length = min(16, a.max_new_tokens)
+        tr.train_step()
+        tr.cfg.max_completion_length = a.max_new_tokens
+        res["graphs_warmup"] = eng.warmup([min(n_rows, eng.n_slots)], SamplingParams(temperature=gcfg.temperature))
+        res["warmup_s"] = time.perf_counter() - t0
+        steps = []
+        for _ in range(a.steps):
+            phase = "rollout"
+            _reset(dev)
+            peak = {}
+            update = tr._update
+
+            def timed_update(*x, **k):  # the rollout's peak, then the update's on its own
+                nonlocal phase
+                phase = "update"
+                peak["rollout"] = _mem(dev)
+                _reset(dev)
+                return update(*x, **k)
+
+            tr._update = timed_update
+            m = tr.train_step()
+            tr._update = update
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            peak["update"] = _mem(dev)
+            new_tokens = int(round(m["completion_length_mean"] * n_rows))
+            steps.append({"step_s": m["time_step"], "rollout_s": m["time_rollout"], "logprob_s": m["time_logprob"],
+                          "update_s": m["time_update"], "new_tokens": new_tokens,
+                          "rollout_tokens_per_s": new_tokens / m["time_rollout"],
+                          "step_tokens_per_s": (new_tokens + n_rows * a.prompt_len) / m["time_step"],
+                          "graphs_captured": eng.stats.graphs_captured, "reward_mean": m["reward_mean"],
+                          "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "peak": peak})
+        res["steps"] = steps
+        for k in ("step_s", "rollout_s", "logprob_s", "update_s", "rollout_tokens_per_s", "step_tokens_per_s"):
+            res[k] = sum(s[k] for s in steps) / len(steps)
+        res["new_tokens"] = steps[-1]["new_tokens"]
+        if dev.type == "cuda":
+            res["peak_allocated_gib"] = max(p["peak_allocated_gib"] for s in steps for p in s["peak"].values())
+            res["peak_reserved_gib"] = max(p["peak_reserved_gib"] for s in steps for p in s["peak"].values())
+            res["rollout_peak_gib"] = max(s["peak"]["rollout"]["peak_allocated_gib"] for s in steps)
+            res["update_peak_gib"] = max(s["peak"]["update"]["peak_allocated_gib"] for s in steps)
+    except torch.OutOfMemoryError as e:
+        res.update(fits=False, oom_phase=phase, error=str(e).splitlines()[0][:400], **_mem(dev))
+    finally:
+        if tr is not None:  # free the KV cache and the optimizer state before another case
+            tr.engine = tr.optimizer = None
+        del tr
+        if dev.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+    return res
+
+
+# The memory levers, one at a time from the case's settings (--sweep-levers).
+LEVERS = {
+    "no-ckpt": {"gradient_checkpointing": False},
+    "micro-batch 2": {"micro_batch": 2},
+    "logprob chunk 256": {"logprob_chunk": 256},
+    "logprob chunk 16384": {"logprob_chunk": 16384},
+    "adamw_torch": {"optim": "adamw_torch"},
+    "KV for a quarter of the rows": {"kv_fraction": 0.25},
+}
+
+
+def report(res: dict, log=print) -> None:
+    log(f"== {res['case']} on {res['device']}")
+    if not res["fits"]:
+        log(f"   OUT OF MEMORY in {res['oom_phase']}: {res['error']}")
+        return
+    log(f"   build {res['build_s']:.1f} s, warm-up {res['warmup_s']:.1f} s, optimizer {res['optim']}, "
+        f"KV {res['kv_slots']} slots ({res['kv_cache_gib']:.2f} GiB)")
+    log(f"   step {res['step_s']:.2f} s = rollout {res['rollout_s']:.2f} + logprob {res['logprob_s']:.2f} + "
+        f"update {res['update_s']:.2f}; {res['new_tokens']} new tokens, rollout {res['rollout_tokens_per_s']:.0f} tok/s, "
+        f"step {res['step_tokens_per_s']:.0f} tok/s")
+    if "peak_allocated_gib" in res:
+        log(f"   memory: model {res['model_gib']:.2f} GiB, after setup {res['setup_gib']:.2f}, peak allocated "
+            f"{res['peak_allocated_gib']:.2f} (rollout {res['rollout_peak_gib']:.2f}, update {res['update_peak_gib']:.2f}), "
+            f"peak reserved {res['peak_reserved_gib']:.2f}")
+
+
+def record_case(res: dict, command: str, results_dir: Path, peak_target: str | None = None) -> None:
+    rec = lambda m, v, u, t=None: record("step", res["case"], m, v, u, t, command=command,  # noqa: E731
+                                         results_dir=results_dir)
+    rec("fits", float(res["fits"]), "bool", "==1" if peak_target else None)
+    if not res["fits"]:
+        return
+    for m in ("step_s", "rollout_s", "logprob_s", "update_s"):
+        rec(m.replace("_s", "_time"), res[m], "s")
+    rec("rollout_tokens_per_s", res["rollout_tokens_per_s"], "tok/s")
+    rec("step_tokens_per_s", res["step_tokens_per_s"], "tok/s")
+    if "peak_allocated_gib" in res:
+        rec("peak_allocated", res["peak_allocated_gib"], "GiB", peak_target)
+        rec("peak_reserved", res["peak_reserved_gib"], "GiB")
+
+
+def compare(a_path: str, b_path: str, target: str | None, metric: str, command: str, results_dir: Path | None,
+            log=print) -> float | None:
+    """Speedup of case A over case B: B's time over A's (step time, or rollout time with --metric rollout_s)."""
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    a, b = (x[0] if isinstance(x, list) else x for x in (a, b))  # a lever sweep: the case as given
+    if not (a.get("fits") and b.get("fits")) or a.get(metric) is None or b.get(metric) is None:
+        log(f"compare: {a_path} or {b_path} has no {metric} (out of memory or failed); no speedup")
+        return None
+    v = b[metric] / a[metric]
+    log(f"{a['case']}  vs  {b['case']}: {metric} {a[metric]:.2f} s vs {b[metric]:.2f} s -> {v:.2f}x "
+        f"(target {target or '-'})")
+    if results_dir is not None:
+        record("step", f"{a['case']} vs {b['case']}", f"speedup_{metric.removesuffix('_s')}", v, "x", target,
+               device=a.get("device"), command=command, results_dir=results_dir)
+    return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.splitlines()[0])
+    add_shape_args(ap)
+    ap.add_argument("--quant", default="nvfp4", help="nvfp4 | mxfp4 | nf4 | bf16 (the bf16 LoRA baseline)")
+    ap.add_argument("--logprob-chunk", type=int, default=None, help="tokens per logprob chunk (default 1024)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="rollout KV budget (default: half the free memory)")
+    ap.add_argument("--optim", default="adamw_8bit", help="adamw_8bit (bitsandbytes) | adamw_torch")
+    ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")
+    ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="record A's speedup over B")
+    ap.add_argument("--metric", default="step_s", help="with --compare: step_s | rollout_s | update_s")
+    ap.add_argument("--target", default=None, help='with --compare: target of the speedup, e.g. ">=1.8"')
+    a = ap.parse_args(argv)
+    rdir = Path(a.results_dir) if a.results_dir else RESULTS
+    command = CMD + " " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    if a.compare:
+        compare(*a.compare, a.target, a.metric, command, rdir if a.record else None)
+        return 0
+    if not a.sweep_levers:
+        res = run_case(a)
+        report(res)
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        if a.record:
+            record_case(res, command, rdir, a.peak_target)
+        return 0 if res["fits"] else 3
+    # one policy, the case's settings and then each lever changed alone
+    pol, build_s = build_policy(a)
+    results = []
+    for name, change in [("as given", {})] + list(LEVERS.items()):
+        v = argparse.Namespace(**{**vars(a), **change})
+        res = run_case(v, pol, build_s)
+        res["lever"] = name
+        report(res)
+        results.append(res)
+        if a.record:
+            record_case(res, command, rdir)
+    print(lever_table(results))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def lever_table(results: list[dict]) -> str:
+    rows = ["| lever | fits | step s | rollout s | update s | KV slots | peak allocated GiB (rollout / update) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if not r["fits"]:
+            rows.append(f"| {r['lever']} | no ({r['oom_phase']}) | | | | | |")
+            continue
+        pk = (f"{r['peak_allocated_gib']:.2f} ({r['rollout_peak_gib']:.2f} / {r['update_peak_gib']:.2f})"
+              if "peak_allocated_gib" in r else "")
+        rows.append(f"| {r['lever']} | yes | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} "
+                    f"| {r['kv_slots']} | {pk} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

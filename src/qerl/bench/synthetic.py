@@ -1,0 +1,43 @@
+"""A tokenizer, prompts and a verifier for benchmarks on random-weight models.
+
+Random weights produce random token ids over the whole vocabulary, which a real tokenizer of
+another vocabulary cannot decode. `synthetic_tokenizer` is a real Hugging Face fast tokenizer
+(word-level, one word per id: "t0" ... "tN") over the model's vocabulary size, so every id
+decodes and every prompt of n words is exactly n tokens; qerl and TRL both take it as they take
+any tokenizer. `synthetic_verifier` is a reward both call with their own reward signature.
+"""
+
+from __future__ import annotations
+
+import random
+
+PAD, EOS = "<pad>", "<eos>"
+
+
+def synthetic_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, eos_token=EOS, unk_token=PAD,
+                                   padding_side="left")
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[dict]:
+    """n rows {"prompt": text of `length` words}, each word one token of the synthetic tokenizer."""
+    r = random.Random(seed)
+    return [{"prompt": " ".join(f"t{r.randrange(2, vocab_size)}" for _ in range(length))} for _ in range(n)]
+
+
+def synthetic_verifier(completions, **kwargs) -> list[float]:
+    """1 when the completion's last token has an even id, else 0: a verifiable 0/1 reward that a
+    random policy gets right half of the time, so groups of G >= 2 are informative."""
+    out = []
+    for c in completions:
+        if isinstance(c, list):  # TRL conversational format
+            c = c[-1]["content"] if c else ""
+        words = c.split()
+        out.append(float(bool(words) and words[-1][1:].isdigit() and int(words[-1][1:]) % 2 == 0))
+    return out
