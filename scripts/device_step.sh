@@ -23,6 +23,11 @@ cmp() {  # a, b, metric, target
   python3 -m qerl.bench.step --compare $J/$1.json $J/$2.json --metric $3 ${4:+--target "$4"} --record --results-dir $R \
     2>&1 | tee -a $L
 }
+rollout32() {  # the rollout at the 32B shape, batch 8: NVFP4 vs bf16 LoRA on the same engine
+  timeout ${T32:-200} python3 -m qerl.bench.rollout --model qwen2.5-32b --batches 8 --new-tokens 512 --skip-hf \
+    --ratio-targets "8:>=2.5" --record --results-dir $R --out $W 2>&1 | grep -v -i warn | tee -a $L | tail -12
+  tar czf $OUT/bundle.tgz -C $W .
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case "$1" in
 a)
@@ -42,16 +47,17 @@ b)
   cmp 14b_nvfp4 14b_bf16 step_s ">=1.8"
   cmp 14b_nvfp4 14b_bf16 rollout_s
   cmp 14b_nvfp4 14b_bf16 update_s
-  timeout 200 python3 -m qerl.bench.rollout --model qwen2.5-32b --batches 8 --new-tokens 512 --skip-hf --ratio-targets "8:>=2.5" --record \
-    --results-dir $R --out $W 2>&1 | grep -v -i warn | tee -a $L | tail -12
+  rollout32
   ;;
 c)
   # caps in GiB equal to 40 GB and 80 GB (decimal); expandable segments keep reserved close to allocated
-  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  run 32b_cap40GB 240 step --shape qwen2.5-32b --prompts 8 --num-generations 2 --prompt-len 256 --max-new-tokens 2048 \
-    --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 --peak-target "<=37.25"
-  run 72b_cap80GB 420 step --shape qwen2.5-72b --prompts 8 --num-generations 2 --prompt-len 256 --max-new-tokens 2048 \
-    --micro-batch 1 --kv-cache-gb 11.26 --memory-cap-gb 74.5 --peak-target "<=74.5"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 72b_cap80GB 330 step --shape qwen2.5-72b --prompts 8 \
+    --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 11.26 --memory-cap-gb 74.5 \
+    --peak-target "<=74.5"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 32b_cap40GB 170 step --shape qwen2.5-32b --prompts 8 \
+    --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 \
+    --peak-target "<=37.25"
+  rollout32
   ;;
 esac
 tar czf $OUT/bundle.tgz -C $W .
