@@ -49,6 +49,10 @@ b)
   cmp 14b_nvfp4 14b_bf16 update_s
   rollout32
   ;;
+levers)  # the GPU tests of the cap, then the 7B lever sweep on its own
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_device_memory_gpu.py 2>&1 | tail -4
+  run 7b_levers_256 150 step --shape qwen2.5-7b --max-new-tokens 256 $S --sweep-levers
+  ;;
 c)
   # caps in GiB equal to 40 GB and 80 GB (decimal); expandable segments keep reserved close to allocated
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 72b_cap80GB 330 step --shape qwen2.5-72b --prompts 8 \

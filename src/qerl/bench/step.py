@@ -100,8 +100,7 @@ def build_policy(a):
     return pol, time.perf_counter() - t0
 
 
-def run_case(a, pol=None, build_s: float | None = None) -> dict:
-    """Build (or reuse) the policy, then a warm-up step and a.steps timed steps of the trainer."""
+def _run_case(a, pol, build_s) -> dict:
     from ..rl import GRPOConfig, GRPOTrainer
     from ..rollout import SamplingParams
     from .synthetic import random_prompts, synthetic_verifier
@@ -115,7 +114,6 @@ def run_case(a, pol=None, build_s: float | None = None) -> dict:
 
         set_memory_cap(a.memory_cap_gb, dev)
     phase = "build"
-    tr = None
     try:
         if pol is None:
             pol, build_s = build_policy(a)
@@ -197,15 +195,18 @@ def run_case(a, pol=None, build_s: float | None = None) -> dict:
             res["update_peak_gib"] = max(s["peak"]["update"]["peak_allocated_gib"] for s in steps)
     except torch.OutOfMemoryError as e:
         res.update(fits=False, oom_phase=phase, error=str(e).splitlines()[0][:400], **_mem(dev))
-    finally:
-        if tr is not None:  # free the KV cache and the optimizer state before another case
-            tr.engine = tr.optimizer = None
-        del tr
-        if dev.type == "cuda":
-            import gc
+    return res
 
-            gc.collect()
-            torch.cuda.empty_cache()
+
+def run_case(a, pol=None, build_s: float | None = None) -> dict:
+    """Build (or reuse) the policy, then a warm-up step and a.steps timed steps of the trainer. The
+    trainer, its KV cache and optimizer state are freed on return (a lever sweep reuses the policy)."""
+    import gc
+
+    res = _run_case(a, pol, build_s)
+    gc.collect()  # the trainer's frame is gone: reference cycles through it can be collected now
+    if torch.device(a.device).type == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
