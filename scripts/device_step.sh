@@ -4,7 +4,7 @@
 # and the log are bundled into $OUT/bundle.tgz after each case (a call returns at most 8 files,
 # and one cut off at its time limit keeps what finished). Comparisons can be recorded here too
 # (`qerl bench step --compare`), from the JSON files.
-#   bash scripts/device_step.sh a|b|c      (a: 7B + TRL + levers, b: 14B + 32B rollout, c: 32B and 72B under caps)
+#   bash scripts/device_step.sh a|b|c|levers  (a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
