@@ -13,7 +13,7 @@ TINY = ["--shape", "tiny", "--device", "cpu", "--prompts", "2", "--num-generatio
         "--max-new-tokens", "10", "--micro-batch", "4", "--optim", "adamw_torch"]
 
 
-def _args(extra=(), parser_of=bstep):
+def _args(extra=()):
     ap = argparse.ArgumentParser()
     bstep.add_shape_args(ap)
     ap.add_argument("--quant", default="nvfp4")
