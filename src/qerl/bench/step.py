@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -68,8 +69,24 @@ def case_name(a, quant: str) -> str:
     if a.memory_cap_gb:
         lv.append(f"cap{a.memory_cap_gb:g}GiB")
     layers = f" {a.layers}L" if a.layers else ""
+    if _world() > 1:
+        lv.append(f"dp{_world()}")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
             f"mu{a.num_iterations} " + " ".join(lv))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank_device(a) -> torch.device:
+    """Under torchrun each rank builds its policy on its own GPU (LOCAL_RANK)."""
+    dev = torch.device(a.device)
+    if _world() > 1 and dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        a.device = str(dev)
+    return dev
 
 
 def _mem(dev):
@@ -91,7 +108,7 @@ def build_policy(a):
     from ..model import random_policy
     from .synthetic import synthetic_tokenizer
 
-    dev = torch.device(a.device)
+    dev = _rank_device(a)
     cfg = shape_config(a)
     t0 = time.perf_counter()
     pol = random_policy(cfg, a.quant, lora_rank=a.lora_rank, device=dev,
@@ -105,7 +122,7 @@ def _run_case(a, pol, build_s) -> dict:
     from ..rollout import SamplingParams
     from .synthetic import random_prompts, synthetic_verifier
 
-    dev = torch.device(a.device)
+    dev = _rank_device(a)
     res = {"case": case_name(a, a.quant), "shape": a.shape, "quant": a.quant, "rows": a.prompts * a.num_generations,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "fits": True,
            "memory_cap_gib": a.memory_cap_gb}
@@ -135,7 +152,8 @@ def _run_case(a, pol, build_s) -> dict:
         gcfg = GRPOConfig(
             model_name_or_path=f"random:{a.shape}", quant=a.quant, lora_r=a.lora_rank, lora_alpha=2.0 * a.lora_rank,
             device=a.device, max_steps=a.steps + 1, num_generations=a.num_generations, generation_batch_size=n_rows,
-            per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=n_rows // a.micro_batch,
+            per_device_train_batch_size=a.micro_batch,
+            gradient_accumulation_steps=max(1, n_rows // _world() // a.micro_batch),  # one update a step
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
             gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
             rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo",
@@ -286,6 +304,9 @@ def main(argv=None):
     if a.compare:
         compare(*a.compare, a.target, a.metric, command, rdir if a.record else None)
         return 0
+    if int(os.environ.get("RANK", "0")):  # under torchrun: every rank trains, rank 0 reports
+        a.json, a.record = None, False
+        globals()["report"] = lambda *x, **k: None
     if not a.sweep_levers:
         res = run_case(a)
         report(res)

@@ -74,12 +74,16 @@ def run(args):
     trainer = GRPOTrainer(cfg)
     if args.resume:
         step = trainer.resume()
-        print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
+        if trainer.dist.is_main:
+            print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
     import time
 
     t0 = time.perf_counter()
     rows = trainer.train()
     wall = time.perf_counter() - t0
+    if not trainer.dist.is_main:  # under torchrun, rank 0 reports
+        trainer.dist.close()
+        return 0
     if rows:
         last = rows[-1]
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
@@ -92,6 +96,7 @@ def run(args):
         print(f"curves: {plot(cfg.output_dir)}")
     except ValueError as e:  # no metrics rows (nothing ran)
         print(f"qerl train: no curves ({e})")
+    trainer.dist.close()
     return 0
 
 

@@ -107,6 +107,9 @@ class GRPOConfig:
     save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
     report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
+    # --- several GPUs / processes (torchrun) -------------------------------------------------
+    ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
+    ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
 
     def __post_init__(self):
         self.validate()
@@ -134,6 +137,8 @@ class GRPOConfig:
                      "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.ddp_timeout < 1:
+            bad("ddp_timeout", f"must be >= 1 second, got {self.ddp_timeout}")
         if self.eval_steps < 0:
             bad("eval_steps", f"must be >= 0, got {self.eval_steps}")
         if self.eval_num_samples < 1:

@@ -23,6 +23,7 @@ from . import state as ckpt
 from .advantages import group_advantages, informative_groups, overlong_penalty
 from .aqn import AQN, sigma_at
 from .config import GRPOConfig
+from .distributed import Dist
 from .logprobs import completion_logprobs, pad_batch
 from .loss import policy_loss
 from .metrics import MetricsLog
@@ -113,6 +114,15 @@ class GRPOTrainer:
         random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
         torch.manual_seed(cfg.seed)
         self.device, self.dtype = _resolve_device_dtype(cfg)
+        self.dist = Dist.from_env(self.device.type, cfg.ddp_timeout, cfg.ddp_backend)
+        if self.dist.world > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.dist.local_rank)
+            W, P = self.dist.world, cfg.generation_batch_size // cfg.num_generations
+            if P % W or (cfg.generation_batch_size // W) % (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps):
+                raise ValueError(f"config field 'generation_batch_size': {cfg.generation_batch_size} completions "
+                                 f"({P} prompts) must split over {W} ranks into whole prompts and whole updates of "
+                                 f"per_device_train_batch_size x gradient_accumulation_steps")
         if policy is None:
             from ..model import load_policy
 
@@ -147,6 +157,7 @@ class GRPOTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
+        self.dist.broadcast_(self.params)  # every rank starts from rank 0's adapter
         if cfg.gradient_checkpointing:
             kw = {"use_reentrant": False}
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
@@ -155,11 +166,11 @@ class GRPOTrainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                             max_slots=max(cfg.generation_batch_size, min(256, self._eval_slots())),
+                             max_slots=max(cfg.generation_batch_size // self.dist.world, min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
-        total_updates = cfg.max_steps * cfg.updates_per_step
+        total_updates = cfg.max_steps * max(1, cfg.updates_per_step // self.dist.world)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_updates))
         self.aqn = AQN(self.model) if cfg.aqn else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
@@ -176,13 +187,18 @@ class GRPOTrainer:
     def _noise(self, sigma: float, seed: int):
         return self.aqn.applied(sigma, seed) if self.aqn is not None and sigma > 0 else contextlib.nullcontext()
 
-    def _rollout_round(self, rows_idx, sigma, seed):
+    def _rollout_round(self, rows_idx, sigma, seed, key_offset: int = 0):
+        """Roll out this rank's prompts. The AQN noise uses `seed` on every rank (all ranks perturb
+        the same policy); samples are keyed by their index in the global batch on the CPU (the same
+        tokens in any split over ranks), and on CUDA come from a per-rank generator stream."""
         cfg = self.cfg
         rows = [self.train_rows[i] for i in rows_idx]
         prompts = [self.encode_prompt(r) for r in rows]
+        rseed = seed if self.device.type != "cuda" else seed + 7919 * self.dist.rank
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
-        outs = self.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=self._noise(sigma, seed))
+                                top_p=cfg.top_p, top_k=cfg.top_k, seed=rseed)
+        outs = self.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=self._noise(sigma, seed),
+                                    prompt_keys=[key_offset + i for i in range(len(prompts))])
         texts = [self.tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
         G = cfg.num_generations
         cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
@@ -205,17 +221,23 @@ class GRPOTrainer:
         return (keep + rest)[:P], len(keep)
 
     def train_step(self) -> dict:
-        cfg, step, G = self.cfg, self.step, self.cfg.num_generations
-        P = cfg.generation_batch_size // G
+        cfg, step, G, D = self.cfg, self.step, self.cfg.num_generations, self.dist
+        P = cfg.generation_batch_size // G // D.world  # this rank's prompts (the step's share)
         t0 = time.perf_counter()
         sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start, cfg.aqn_sigma_end,
                                 cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
         base_seed = cfg.seed * 1_000_003 + step * 101
-        rounds, n_info = [self._rollout_round(self.sampler.take(P), sigma, base_seed)], 0
+        off, mine = D.shard(self.sampler.take(P * D.world))  # every rank draws the same global prompts
+        rounds, n_info = [self._rollout_round(mine, sigma, base_seed, off)], 0
         eff_sigma = self.aqn.last_effective_sigma if self.aqn is not None else 0.0
         _, n_info = self._select(rounds, P)
-        while cfg.dynamic_sampling and n_info < P and len(rounds) <= cfg.max_resample_rounds:
-            rounds.append(self._rollout_round(self.sampler.take(P - n_info), sigma, base_seed + len(rounds)))
+        while cfg.dynamic_sampling and len(rounds) <= cfg.max_resample_rounds:
+            # DAPO: every rank tops up its own share; the ranks agree on how many prompts to draw
+            need = int(D.sum(P - n_info, self.device))
+            if need == 0:
+                break
+            off, mine = D.shard(self.sampler.take(-(-need // D.world) * D.world))
+            rounds.append(self._rollout_round(mine, sigma, base_seed + len(rounds), off))
             _, n_info = self._select(rounds, P)
         groups, n_info = self._select(rounds, P)
         if cfg.dynamic_sampling:
@@ -234,39 +256,53 @@ class GRPOTrainer:
                 adv.append(float(a[0, j]))
                 rollout_lp.append(c.logprobs)
         adv_t = torch.tensor(adv)
-        if cfg.scale_rewards == "batch" and groups:
-            allr = torch.cat([r["rewards"][g] for r, g in groups])
-            adv_t = adv_t / (allr.std() + 1e-4)
+        if cfg.scale_rewards == "batch":  # the std of the whole step's chosen rewards, over all ranks
+            mine_r = [float(x) for r, g in groups for x in r["rewards"][g]]
+            allr = torch.tensor([x for part in D.gather(mine_r) for x in part])
+            if len(allr) > 1:
+                adv_t = adv_t / (allr.std() + 1e-4)
         truncated = torch.tensor([c.finish_reason == "length" for c in comp])
         N = len(comp)
 
-        # metrics over everything sampled this step (before filtering)
-        all_r = torch.cat([r["rewards"].flatten() for r in rounds])
-        all_len = torch.cat([r["lengths"] for r in rounds]).float()
+        # metrics over everything sampled this step (before filtering), over all ranks
+        mine_m = {"r": [float(x) for r in rounds for x in r["rewards"].flatten()],
+                  "len": [int(x) for r in rounds for x in r["lengths"]],
+                  "trunc": sum((c.finish_reason == "length") for r in rounds for c in r["outs"]),
+                  "groups": sum(len(r["rewards"]) for r in rounds), "info": n_info, "rounds": len(rounds),
+                  "errors": sum(r["scores"].errors for r in rounds),
+                  "tokens": sum(r["stats"].new_tokens for r in rounds), "seconds": sum(r["stats"].seconds for r in rounds),
+                  "per_func": {k: [v for r in rounds for v in r["scores"].per_func[k]] for k in rounds[0]["scores"].per_func},
+                  "first_error": next((r["scores"].first_error for r in rounds if r["scores"].first_error), None)}
+        parts = D.gather(mine_m)
+        all_r = torch.tensor([x for q in parts for x in q["r"]])
+        all_len = torch.tensor([x for q in parts for x in q["len"]], dtype=torch.float32)
         m = {"step": step, "sigma": sigma, "aqn_stage": stage, "aqn_sigma_effective": eff_sigma,
              "lr": self.scheduler.get_last_lr()[0], "reward_mean": float(all_r.mean()), "reward_std": float(all_r.std()),
              "completion_length_mean": float(all_len.mean()), "completion_length_max": float(all_len.max()),
-             "truncated_fraction": float(sum((c.finish_reason == "length") for r in rounds for c in r["outs"]) / len(all_len)),
-             "rollout_rounds": len(rounds),
-             "filtered_group_fraction": 1 - n_info / sum(len(r["rewards"]) for r in rounds),
-             "reward_errors": sum(r["scores"].errors for r in rounds),
-             "rollout_tokens_per_s": sum(r["stats"].new_tokens for r in rounds) / max(1e-9, sum(r["stats"].seconds for r in rounds))}
-        for name in rounds[0]["scores"].per_func:
-            vals = [v for r in rounds for v in r["scores"].per_func[name]]
+             "truncated_fraction": sum(q["trunc"] for q in parts) / len(all_len),
+             "rollout_rounds": max(q["rounds"] for q in parts),
+             "filtered_group_fraction": 1 - sum(q["info"] for q in parts) / sum(q["groups"] for q in parts),
+             "reward_errors": sum(q["errors"] for q in parts),
+             # all ranks' new tokens over the slowest rank's rollout time
+             "rollout_tokens_per_s": sum(q["tokens"] for q in parts) / max(1e-9, max(q["seconds"] for q in parts))}
+        for name in parts[0]["per_func"]:
+            vals = [v for q in parts for v in q["per_func"][name]]
             key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
             m[key] = sum(vals) / len(vals)
-        errs = [r["scores"].first_error for r in rounds if r["scores"].first_error]
+        errs = [q["first_error"] for q in parts if q["first_error"]]
         if errs:
             m["reward_first_error"] = errs[0]
+        if D.world > 1:
+            m["world_size"] = D.world
 
-        # the update
-        if comp:
+        # the update (every rank enters it: the gradient average is collective, even for an empty share)
+        if D.sum(len(comp), self.device):
             m.update(self._update(comp, adv_t, rollout_lp, truncated, sigma, base_seed))
         else:  # nothing informative this step: no update (loss, entropy, grad norm are not logged)
             m.update({"time_logprob": 0.0, "time_update": 0.0, "updates": 0})
         m["time_rollout"] = t_roll
         m["time_step"] = time.perf_counter() - t0
-        m["completions"] = N
+        m["completions"] = int(D.sum(N, self.device))
         self.step += 1
         return m
 
@@ -281,10 +317,11 @@ class GRPOTrainer:
                                        chunk=self.cfg.logprob_chunk_size)
 
     def _update(self, comp, adv, rollout_lp, truncated, sigma, seed) -> dict:
-        cfg, dev = self.cfg, self.device
+        cfg, dev, D = self.cfg, self.device, self.dist
         N = len(comp)
         mb = cfg.per_device_train_batch_size
-        n_updates = max(1, math.ceil(math.ceil(N / mb) / cfg.gradient_accumulation_steps))
+        # the ranks step the optimizer together: as many updates as the rank with the most completions
+        n_updates = int(D.max(max(1, math.ceil(math.ceil(N / mb) / cfg.gradient_accumulation_steps)), dev))
         single = cfg.num_iterations == 1 and n_updates == 1
 
         def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
@@ -325,8 +362,10 @@ class GRPOTrainer:
         for it in range(cfg.num_iterations):
             for u in range(n_updates):
                 group = order[u * cfg.gradient_accumulation_steps:(u + 1) * cfg.gradient_accumulation_steps]
-                norm_tokens = float(sum(int(batches[k][4].sum()) for k in group))
-                upd_loss = 0.0
+                # dapo's token mean over the whole update, all ranks: gradients are averaged over the
+                # ranks below, so each rank divides its token sum by (all tokens / world size)
+                norm_tokens = D.sum(sum(int(batches[k][4].sum()) for k in group), dev) / D.world
+                upd_loss, bad = 0.0, None
                 for k in group:
                     b = batches[k]
                     mask = b[4].to(dev)
@@ -352,13 +391,17 @@ class GRPOTrainer:
                         if cfg.loss_type != "dapo":
                             loss = loss / len(group)
                         if not torch.isfinite(loss.detach()):
-                            self.optimizer.zero_grad(set_to_none=True)
-                            raise TrainingError(self._bad(f"loss is {float(loss.detach())}"))
+                            bad = f"loss is {float(loss.detach())}"
+                            continue  # no backward; all ranks learn of it below and stop together
                         loss.backward()
                         upd_loss += float(loss.detach())
                     stats["clip_fraction"].append(st["clip_fraction"])
                     if "kl" in st:
                         stats["kl"].append(st["kl"])
+                if D.max(1.0 if bad else 0.0, dev):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise TrainingError(self._bad(bad or "the loss is not finite on another rank"))
+                D.mean_grads_(self.params)
                 gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
                 if not torch.isfinite(gn):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -370,16 +413,26 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        allm = torch.cat(mism) if mism else torch.zeros(1)
-        out = {"loss": mean(stats["loss"]),
-               "clip_fraction": mean(stats["clip_fraction"]), "grad_norm": mean(stats["grad_norm"]),
-               "entropy": float(torch.cat(ent).mean()) if ent else 0.0,
-               "logprob_mismatch_mean": float(allm.mean()), "logprob_mismatch_max": mism_max,
+        allm = torch.cat(mism) if mism else torch.zeros(0)
+        ent_t = torch.cat(ent) if ent else torch.zeros(0)
+        parts = D.gather({"loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"], "is": is_mean,
+                          "ent": (float(ent_t.sum()), ent_t.numel()), "mism": (float(allm.sum()), allm.numel()),
+                          "mism_max": mism_max})
+        # each rank's update loss is its share of the global mean (gradients are averaged): average them
+        losses = [mean([q["loss"][i] for q in parts]) for i in range(len(stats["loss"]))]
+        cat = lambda k: [x for q in parts for x in q[k]]  # noqa: E731
+        tot = lambda k: (sum(q[k][0] for q in parts), sum(q[k][1] for q in parts))  # noqa: E731
+        (es, en), (ms, mn) = tot("ent"), tot("mism")
+        out = {"loss": mean(losses),
+               "clip_fraction": mean(cat("clip")), "grad_norm": mean(stats["grad_norm"]),
+               "entropy": es / en if en else 0.0,
+               "logprob_mismatch_mean": ms / mn if mn else 0.0,
+               "logprob_mismatch_max": max(q["mism_max"] for q in parts),
                "time_logprob": t_lp, "time_update": time.perf_counter() - t1, "updates": cfg.num_iterations * n_updates}
-        if stats["kl"]:
-            out["kl"] = mean(stats["kl"])
-        if is_mean:
-            out["is_weight_mean"] = mean(is_mean)
+        if cat("kl"):
+            out["kl"] = mean(cat("kl"))
+        if cat("is"):
+            out["is_weight_mean"] = mean(cat("is"))
         return out
 
     def _bad(self, what: str) -> str:
@@ -433,10 +486,17 @@ class GRPOTrainer:
         return rep
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self) -> Path:
-        extra = {"data": self.sampler.state(), "config": self.cfg.to_dict()}
-        return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                    base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (the ranks' adapters, optimizer states and data positions
+        are identical); the others wait for it. A checkpoint holds nothing per rank, so a run
+        resumes with the same or a different number of ranks."""
+        path = None
+        if self.dist.is_main:
+            extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world}
+            path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
+                                        base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
+        self.dist.barrier()
+        return path
 
     def resume(self, folder=None) -> int:
         """Continue from `folder`, or the run directory's latest checkpoint. Returns the step."""
@@ -455,13 +515,16 @@ class GRPOTrainer:
     def train(self, stop_after: int | None = None) -> list[dict]:
         """Run to max_steps (or stop after `stop_after` more steps, as a killed run would, but with a
         checkpoint at the stop); returns the metrics rows of this run."""
-        cfg = self.cfg
+        cfg, main = self.cfg, self.dist.is_main
         end = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(cfg.to_yaml())
-        log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if self._resumed_from else None)
+        log = None
+        if main:  # rank 0 logs; the metrics it writes are already aggregated over the ranks
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(cfg.to_yaml())
+            log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if self._resumed_from else None)
         rows = []
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.progress and main))
         # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
         # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
         from ..kernels import dispatch
@@ -470,14 +533,15 @@ class GRPOTrainer:
         cache.__enter__()
         try:
             if cfg.eval_on_start and self.step == 0 and self._resumed_from is None:
-                self.evaluate(log)
+                self._evaluate_on_main(log)
             while self.step < end:
                 m = self.train_step()
-                log.write(m)
+                if log is not None:
+                    log.write(m)
                 rows.append(m)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", sigma=f"{m['sigma']:.1e}", len=f"{m['completion_length_mean']:.0f}")
-                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and not self.progress:
+                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and not self.progress and main:
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
                                    if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
                                             "completion_length_mean", "time_step")), flush=True)
@@ -485,12 +549,21 @@ class GRPOTrainer:
                     self.save()
                 last = self.step == cfg.max_steps
                 if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
-                    self.evaluate(log)
+                    self._evaluate_on_main(log)
         finally:
             cache.__exit__(None, None, None)
             bar.close()
-            log.close()
+            if log is not None:
+                log.close()
         from ..checkpoint.peft_adapter import save_adapter
 
-        save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+        if main:
+            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+        self.dist.barrier()
         return rows
+
+    def _evaluate_on_main(self, log):
+        """Rank 0 evaluates (its adapter is every rank's); the others wait at the barrier."""
+        if self.dist.is_main:
+            self.evaluate(log)
+        self.dist.barrier()

@@ -85,6 +85,7 @@ class Engine:
         S = self.n_slots
         z = lambda dt: torch.zeros(S, dtype=dt, device=dev)  # noqa: E731
         self.tokens, self.pos, self.count = z(torch.long), z(torch.long), z(torch.long)
+        self.skey = z(torch.long)  # each slot's sample key (keyed CPU sampling)
         self.active, self.done, self.reason = z(torch.bool), z(torch.bool), z(torch.int8)
         self.out_tok = torch.zeros(S, max_len, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(S, max_len, dtype=torch.float32, device=dev)
@@ -106,11 +107,13 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts, n: int = 1, params: SamplingParams | None = None, *, perturb=None,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, prompt_keys: list[int] | None = None) -> list[Completion]:
         """prompts: strings (tokenized as they are: apply a chat template first) or token-id lists.
 
         Returns len(prompts)·n completions, ordered by prompt then sample. perturb: a context
-        manager entered around the whole rollout (AQN's noise on the norm weights).
+        manager entered around the whole rollout (AQN's noise on the norm weights). On the CPU with
+        a seed, sample j of prompt i draws from keyed_uniform(seed, prompt_keys[i]·n + j, position)
+        (prompt_keys default to 0..len-1), so its tokens depend on neither batch nor slot.
         """
         p = params or SamplingParams()
         ids = [self._encode(x) for x in prompts]
@@ -120,6 +123,10 @@ class Engine:
             if len(x) >= self.max_len:
                 raise ValueError(f"prompt {i} has {len(x)} tokens; the engine's max_len is {self.max_len}")
         self._setup(p)
+        self._keys = list(prompt_keys) if prompt_keys is not None else list(range(len(ids)))
+        if len(self._keys) != len(ids):
+            raise ValueError(f"{len(self._keys)} prompt_keys for {len(ids)} prompts")
+        self._n = n
         t0 = time.perf_counter()
         self.stats = RolloutStats()
         waiting = [(i, j) for i in range(len(ids)) for j in range(n)]
@@ -203,6 +210,12 @@ class Engine:
                 self.gen = torch.Generator(device=dev).manual_seed(p.seed)
         self.active.zero_(), self.done.zero_(), self.count.zero_()
 
+    def _keyed(self, p: SamplingParams, keys, pos):
+        """Keyed sampling on the CPU with a seed; CUDA keeps the generator stream its graphs replay."""
+        if p.seed is None or self.view.device.type == "cuda":
+            return None
+        return (p.seed, keys, pos)
+
     def _finish_flags(self, tok, count, pos):
         """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos)."""
         eos = torch.isin(tok, self.eos_t)
@@ -213,7 +226,7 @@ class Engine:
 
     def _step(self, b: int, keys: int, p: SamplingParams):
         logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope, self.ops)
-        tok, lp = sample(logits, p, self.gen)
+        tok, lp = sample(logits, p, self.gen, self._keyed(p, self.skey[:b], self.count[:b]))
         act = self.active[:b] & ~self.done[:b]
         idx = self.count[:b].clamp(max=self.max_len - 1)[:, None]
         self.out_tok[:b].scatter_(1, idx, torch.where(act, tok, self.out_tok[:b].gather(1, idx)[:, 0])[:, None])
@@ -279,7 +292,9 @@ class Engine:
         dev = self.view.device
         rows = torch.tensor(admitted, device=dev)
         logits = torch.stack([prompt_logits[slots[s].prompt] for s in admitted])
-        tok, lp = sample(logits, p, self.gen)
+        self.skey[rows] = torch.tensor([self._keys[slots[s].prompt] * self._n + slots[s].sample for s in admitted],
+                                       device=dev)
+        tok, lp = sample(logits, p, self.gen, self._keyed(p, self.skey[rows], torch.zeros_like(rows)))
         self.tokens[rows] = tok
         self.pos[rows] = torch.tensor([slots[s].length for s in admitted], device=dev)
         self.count[rows] = 1
@@ -366,7 +381,8 @@ class Engine:
             src, dst = live[-1], holes[0]
             n = int(self.pos[src]) + 1
             self.cache.copy_slot(src, dst, min(n, self.max_len))
-            for t in (self.tokens, self.pos, self.count, self.active, self.done, self.reason, self.out_tok, self.out_lp):
+            for t in (self.tokens, self.pos, self.count, self.active, self.done, self.reason, self.out_tok, self.out_lp,
+                      self.skey):
                 t[dst] = t[src]
             self.active[src] = False
             slots[dst], slots[src] = slots[src], None

@@ -55,14 +55,40 @@ def processed_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (token ids [B], their log-probability under the sampled distribution [B])."""
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors: values stay below 2^32 and
+    the multipliers below 2^31, so no product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def keyed_uniform(seed: int, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) in float64, a pure function of (seed, sample key, token position): a sample's draws do
+    not depend on which batch, slot or rank it runs in (data-parallel rollouts equal one process's)."""
+    x = _mix32(torch.full_like(keys, seed & _M32) ^ (keys & _M32))
+    x = _mix32(x ^ (pos & _M32))
+    return (x.double() + 0.5) / 2**32
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator=None, keyed=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (token ids [B], their log-probability under the sampled distribution [B]).
+
+    keyed = (seed, keys [B], positions [B]): on the CPU each row's uniform is keyed_uniform's."""
     lp = processed_logprobs(logits, p)
     if p.greedy:
         tok = torch.argmax(lp, -1)
     elif lp.device.type == "cpu":
         cdf = lp.exp().cumsum_(-1)
-        u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+        if keyed is not None:
+            u = keyed_uniform(*keyed).to(cdf.dtype)[:, None] * cdf[:, -1:]
+        else:
+            u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
         tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     else:
         e = torch.empty_like(lp).exponential_(generator=generator)
