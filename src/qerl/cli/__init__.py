@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, evaluate, export, generate, inspect, plot, quantize, train
+from . import bench, evaluate, export, generate, inspect, plot, quantize, study, train
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
-            "train": train, "eval": evaluate, "plot": plot}
+            "train": train, "eval": evaluate, "plot": plot, "study": study}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, mod in COMMANDS.items():
         mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
     args, extra = parser.parse_known_args(argv)
-    if extra:  # only `train` takes free --field value pairs (any config field)
-        if args.command != "train":
+    if extra:  # only `train` (and `study run`, for its runs) take free --field value pairs (any config field)
+        if args.command == "train":
+            args.overrides = extra
+        elif args.command == "study":
+            args.train_args = [a for a in extra if a != "--"]
+        else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = extra
     try:
         return COMMANDS[args.command].run(args) or 0
     except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as e:

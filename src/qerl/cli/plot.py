@@ -5,6 +5,7 @@ from __future__ import annotations
 HELP = "plot a training run's curves (reward, entropy, length, sigma) to RUN_DIR/curves.png"
 
 PANELS = [("reward_mean", "reward"), ("accuracy", "accuracy"), ("eval_pass_at_1", "held-out pass@1"), ("entropy", "token entropy"),
+          ("rollout_entropy", "sampling entropy"),
           ("completion_length_mean", "completion length"), ("sigma", "AQN sigma"), ("logprob_mismatch_mean",
                                                                                    "|logprob engine - trainer|")]
 

@@ -271,6 +271,7 @@ class GRPOTrainer:
                   "groups": sum(len(r["rewards"]) for r in rounds), "info": n_info, "rounds": len(rounds),
                   "errors": sum(r["scores"].errors for r in rounds),
                   "tokens": sum(r["stats"].new_tokens for r in rounds), "seconds": sum(r["stats"].seconds for r in rounds),
+                  "nll": sum(-x for r in rounds for c in r["outs"] for x in c.logprobs),
                   "per_func": {k: [v for r in rounds for v in r["scores"].per_func[k]] for k in rounds[0]["scores"].per_func},
                   "first_error": next((r["scores"].first_error for r in rounds if r["scores"].first_error), None)}
         parts = D.gather(mine_m)
@@ -283,6 +284,9 @@ class GRPOTrainer:
              "rollout_rounds": max(q["rounds"] for q in parts),
              "filtered_group_fraction": 1 - sum(q["info"] for q in parts) / sum(q["groups"] for q in parts),
              "reward_errors": sum(q["errors"] for q in parts),
+             # mean -log p of the sampled tokens: the behaviour policy's entropy (AQN noise included) as
+             # sampled, an estimate of `entropy` (the noiseless training forward's) when top-p/top-k are off
+             "rollout_entropy": sum(q["nll"] for q in parts) / max(1, sum(q["tokens"] for q in parts)),
              # all ranks' new tokens over the slowest rank's rollout time
              "rollout_tokens_per_s": sum(q["tokens"] for q in parts) / max(1e-9, max(q["seconds"] for q in parts))}
         for name in parts[0]["per_func"]:

@@ -1,0 +1,39 @@
+"""qerl study run|report: the quantization-noise study (qerl.study)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HELP = "the quantization-noise study: run the arms x seeds grid, or write its report (docs/study.md)"
+
+
+def add_arguments(p):
+    from ..study import ARMS, LOSSES
+
+    p.add_argument("action", choices=["run", "report"])
+    p.add_argument("--out", default="runs/study", help="the study's run directory")
+    p.add_argument("--losses", default=",".join(LOSSES))
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (a GPU holds many of these small runs)")
+    p.add_argument("--max-minutes", type=float, default=None, help="launch no run after this many minutes")
+    p.add_argument("--lr", type=float, default=None, help="the common learning rate (default: the default run's)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs' commands")
+    p.add_argument("--doc", default="docs/study.md", help="report: the Markdown file (plots beside it)")
+    p.add_argument("--header", default=None, help="report: a Markdown file to put above the tables")
+    p.set_defaults(train_args=[])  # run: more `qerl train` --field value pairs (collected by the main parser)
+
+
+def run(args):
+    if args.action == "report":
+        from ..study.report import write_report
+
+        header = Path(args.header).read_text() if args.header else ""
+        print(write_report(Path(args.out), Path(args.doc), header))
+        return 0
+    from ..study.runner import run_grid
+
+    extra = [a for a in args.train_args if a != "--"]
+    r = run_grid(args.losses.split(","), args.arms.split(","), [int(s) for s in args.seeds.split(",")], args.out,
+                 args.parallel, extra, args.max_minutes, args.lr, args.dry_run)
+    return 1 if r["failed"] else 0

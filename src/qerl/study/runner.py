@@ -1,0 +1,98 @@
+"""Run the study's grid: loss x arm x seed, each a `qerl train` process, several at once.
+
+A run whose directory already holds its final adapter and end-of-run evaluation is skipped, so
+the study can be split over several device calls (`--max-minutes` stops launching new runs in
+time for the call to end) and resumed. Each finished run appends one line to summary.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import ARMS, LOSSES
+
+
+def _arg(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def jobs(losses, arms, seeds, out: Path, extra: list[str], lr: float | None = None):
+    """(run directory, qerl train argument list) of every run of the grid."""
+    from . import COMMON_LR
+
+    for loss in losses:
+        for arm in arms:
+            if arm not in ARMS:
+                raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
+            if loss not in LOSSES:
+                raise ValueError(f"unknown loss {loss!r}; losses: {', '.join(LOSSES)}")
+            ov = {"learning_rate": lr or COMMON_LR, **LOSSES[loss], **ARMS[arm][1]}
+            for seed in seeds:
+                d = out / loss / arm / f"seed{seed}"
+                args = ["--seed", str(seed), "--output_dir", str(d), "--report_to", "none"]
+                for k, v in ov.items():
+                    args += [f"--{k}", _arg(v)]
+                yield d, args + list(extra)
+
+
+def finished(run_dir: Path) -> bool:
+    """The run trained to its end and evaluated there (its adapter, or the runner's mark when the
+    weights were left behind on the device)."""
+    m = run_dir / "metrics.jsonl"
+    if not m.exists() or not ((run_dir / "adapter" / "adapter_model.safetensors").exists()
+                              or (run_dir / "study_done").exists()):
+        return False
+    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+    steps = max((r["step"] for r in rows if "reward_mean" in r), default=-1) + 1
+    return any("eval_pass_at_1" in r and r["step"] == steps for r in rows)
+
+
+def run_grid(losses, arms, seeds, out, parallel: int = 1, extra=(), max_minutes: float | None = None,
+             lr: float | None = None, dry_run: bool = False, log=print) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [(d, a) for d, a in jobs(losses, arms, seeds, out, list(extra), lr) if not finished(d)]
+    total = len(list(jobs(losses, arms, seeds, out, list(extra), lr)))
+    log(f"study: {total} runs, {total - len(todo)} already finished, {len(todo)} to run, {parallel} at a time")
+    if dry_run:
+        for d, a in todo:
+            log("qerl train " + " ".join(map(shlex.quote, a)))
+        return {"total": total, "todo": len(todo), "ran": 0, "failed": 0}
+    t_start, running, ran, failed = time.perf_counter(), [], 0, 0
+    deadline = t_start + 60 * max_minutes if max_minutes else None
+    while todo or running:
+        while todo and len(running) < parallel and (deadline is None or time.perf_counter() < deadline):
+            d, a = todo.pop(0)
+            d.mkdir(parents=True, exist_ok=True)
+            f = open(d / "stdout.log", "w")
+            p = subprocess.Popen([sys.executable, "-m", "qerl", "train", *a], stdout=f, stderr=subprocess.STDOUT)
+            running.append((p, d, a, time.perf_counter(), f))
+        if deadline is not None and time.perf_counter() >= deadline and todo:
+            log(f"study: --max-minutes reached; {len(todo)} runs left for a later call")
+            todo = []
+        for item in list(running):
+            p, d, a, t0, f = item
+            if p.poll() is None:
+                continue
+            running.remove(item)
+            f.close()
+            wall = time.perf_counter() - t0
+            ok = p.returncode == 0 and finished(d)
+            if ok:
+                (d / "study_done").write_text(f"{wall:.1f}\n")
+            ran += ok
+            failed += not ok
+            row = {"run": str(d.relative_to(out)), "ok": ok, "returncode": p.returncode, "wall_s": round(wall, 1),
+                   "parallel": parallel, "args": a}
+            with open(out / "summary.jsonl", "a") as s:
+                s.write(json.dumps(row) + "\n")
+            log(f"  {'done' if ok else 'FAILED'} {d.relative_to(out)} in {wall / 60:.1f} min"
+                + ("" if ok else f" (exit {p.returncode}; see {d}/stdout.log)"))
+        time.sleep(0.5)
+    log(f"study: {ran} runs finished, {failed} failed, {(time.perf_counter() - t_start) / 60:.1f} min")
+    return {"total": total, "todo": len(todo), "ran": ran, "failed": failed}

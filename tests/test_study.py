@@ -1,0 +1,103 @@
+"""The study's runner (real `qerl train` runs on a tiny model) and its report's statistics."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from qerl.study import ARMS, LOSSES
+from qerl.study.report import T95, collect, paired, run_figures, write_report
+from qerl.study.runner import finished, jobs
+from tiny_models import save_tiny, tiny_tokenizer
+
+
+def _fake_run(d, rewards, entropies, before, after, nll=None):
+    d.mkdir(parents=True)
+    (d / "adapter").mkdir()
+    (d / "adapter" / "adapter_model.safetensors").write_bytes(b"x")
+    rows = [{"step": 0, "eval_pass_at_1": before, "eval_stderr": 0.01}]
+    for s, (r, e) in enumerate(zip(rewards, entropies)):
+        rows.append({"step": s, "reward_mean": r, "entropy": e, "updates": 1,
+                     "rollout_entropy": (nll or entropies)[s]})
+    rows.append({"step": len(rewards), "eval_pass_at_1": after, "eval_stderr": 0.02})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_run_figures_and_paired_claims(tmp_path):
+    out = tmp_path / "study"
+    base_r = {0: [0.1, 0.2, 0.3, 0.4], 1: [0.0, 0.1, 0.3, 0.2], 2: [0.2, 0.2, 0.3, 0.5]}
+    for seed, rs in base_r.items():
+        _fake_run(out / "dapo" / "bf16" / f"seed{seed}", rs, [1.0 + seed, 1, 1, 1], 0.10, 0.20)
+        _fake_run(out / "dapo" / "nvfp4" / f"seed{seed}", [r + 0.1 + 0.01 * seed for r in rs], [1.5 + seed, 1, 1, 1],
+                  0.10, 0.25)
+    fig = run_figures(out / "dapo" / "nvfp4" / "seed1")
+    assert fig["steps"] == 4 and fig["entropy_start"] == 2.5
+    assert fig["reward_mean"] == pytest.approx(statistics.mean([0.11, 0.21, 0.41, 0.31]))
+    assert fig["reward_late"] == pytest.approx(0.31)  # the last quarter of 4 steps: one step
+    assert fig["heldout_gain"] == pytest.approx(15.0)
+    res = collect(out)
+    p = paired(res["dapo"]["nvfp4"], res["dapo"]["bf16"], "reward_mean")
+    d = [0.1 + 0.01 * s for s in range(3)]
+    assert p["n"] == 3 and p["diff"] == pytest.approx(statistics.mean(d))
+    assert p["se"] == pytest.approx(statistics.stdev(d) / math.sqrt(3))
+    assert p["lo"] == pytest.approx(p["diff"] - T95[1] * p["se"]) and p["verdict"] == "holds"
+    assert paired(res["dapo"]["bf16"], res["dapo"]["nvfp4"], "reward_mean")["verdict"] == "contradicted"
+    e = paired(res["dapo"]["nvfp4"], res["dapo"]["bf16"], "entropy_start")  # +0.5 on every seed: no spread
+    assert e["diff"] == pytest.approx(0.5) and e["se"] == pytest.approx(0.0, abs=1e-12)
+    text = write_report(out, tmp_path / "docs" / "study.md", "# header\n")
+    assert text.startswith("# header") and "| NVFP4 LoRA | 3 |" in text and "**holds**" in text
+    assert (tmp_path / "docs" / "study" / "dapo.png").stat().st_size > 10_000
+    # an unfinished run (no end-of-run evaluation) is neither counted nor skipped by the runner
+    d = out / "dapo" / "nf4" / "seed0"
+    _fake_run(d, [0.1], [1.0], 0.1, 0.1)
+    (d / "metrics.jsonl").write_text((d / "metrics.jsonl").read_text().splitlines()[1] + "\n")
+    assert not finished(d) and "nf4" not in collect(out)["dapo"]
+
+
+def test_one_seed_gives_no_verdict():
+    a = {0: {"m": 1.0}}
+    assert paired(a, {0: {"m": 0.0}}, "m")["verdict"].startswith("not shown")
+
+
+def test_the_grid_changes_one_thing_per_arm(tmp_path):
+    js = list(jobs(list(LOSSES), list(ARMS), [0, 1, 2], tmp_path, ["--max_steps", "3"]))
+    assert len(js) == len(LOSSES) * len(ARMS) * 3 and len({d for d, _ in js}) == len(js)
+    args = {str(d.relative_to(tmp_path)): a for d, a in js}
+
+    def opt(a, k):
+        return a[a.index(f"--{k}") + 1]
+
+    assert opt(args["dapo/nvfp4_aqn/seed1"], "quant") == "nvfp4" and opt(args["dapo/nvfp4_aqn/seed1"], "aqn") == "true"
+    assert opt(args["grpo/bf16/seed0"], "loss_type") == "grpo" and opt(args["grpo/bf16/seed0"], "epsilon_high") == "null"
+    assert opt(args["dapo/bf16_lr5e-6/seed2"], "learning_rate") == "5e-06"
+    assert opt(args["dapo/nf4/seed2"], "learning_rate") == opt(args["dapo/bf16/seed2"], "learning_rate")
+    with pytest.raises(ValueError, match="unknown arm"):
+        list(jobs(["dapo"], ["fp8"], [0], tmp_path, []))
+
+
+def test_study_runs_real_training_and_resumes_the_grid(tmp_path):
+    save_tiny(tmp_path / "m", "qwen2")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "qerl", "study", "run", "--losses", "dapo", "--arms", "bf16,nvfp4_aqn", "--seeds", "0",
+           "--parallel", "2", "--out", str(out), "--", "--device", "cpu", "--model_name_or_path", str(tmp_path / "m"),
+           "--dataset_name", "arithmetic", "--dataset_config", "{size: 24, eval_size: 8}", "--max_steps", "2",
+           "--aqn_stages", "2", "--generation_batch_size", "8", "--num_generations", "4",
+           "--per_device_train_batch_size", "8", "--max_completion_length", "6", "--lora_r", "4", "--eval_limit", "4",
+           "--eval_num_samples", "1"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = collect(out)
+    assert set(res["dapo"]) == {"bf16", "nvfp4_aqn"}
+    cfg = (out / "dapo" / "bf16" / "seed0" / "config.yaml").read_text()
+    assert "quant: bf16" in cfg and "aqn: false" in cfg
+    rows = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["ok"] for r in rows)
+    # as the device bundle leaves the weights behind: the runner's mark still says finished
+    for f in out.rglob("*.safetensors"):
+        f.unlink()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert "2 already finished, 0 to run" in again.stdout
