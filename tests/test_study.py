@@ -47,6 +47,11 @@ def test_run_figures_and_paired_claims(tmp_path):
     assert paired(res["dapo"]["bf16"], res["dapo"]["nvfp4"], "reward_mean")["verdict"] == "contradicted"
     e = paired(res["dapo"]["nvfp4"], res["dapo"]["bf16"], "entropy_start")  # +0.5 on every seed: no spread
     assert e["diff"] == pytest.approx(0.5) and e["se"] == pytest.approx(0.0, abs=1e-12)
+    # held-out +5 points on every seed: no spread over seeds, but each evaluation has its own
+    # sampling error (s.e. 2 points here): the interval keeps it and gives no verdict
+    h = paired(res["dapo"]["nvfp4"], res["dapo"]["bf16"], "heldout_after")
+    assert h["diff"] == pytest.approx(5.0) and h["se"] == pytest.approx(math.sqrt(3 * (2**2 + 2**2)) / 3)
+    assert h["verdict"] == "not shown"
     text = write_report(out, tmp_path / "docs" / "study.md", "# header\n")
     assert text.startswith("# header") and "| NVFP4 LoRA | 3 |" in text and "**holds**" in text
     assert (tmp_path / "docs" / "study" / "dapo.png").stat().st_size > 10_000

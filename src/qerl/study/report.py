@@ -21,15 +21,16 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
 CLAIMS = [  # (claim, metric, arm, baseline)
     ("NVFP4 raises the policy's token entropy at the start", "entropy_start", "nvfp4", "bf16"),
     ("NVFP4 makes the training reward grow faster (mean reward over the run)", "reward_mean", "nvfp4", "bf16"),
-    ("AQN adds sampling entropy on top of NVFP4 (first quarter of the run)", "rollout_entropy_early", "nvfp4_aqn",
-     "nvfp4"),
+    ("AQN adds sampling entropy on top of NVFP4 (noisy steps of the first half)", "rollout_entropy_noisy",
+     "nvfp4_aqn", "nvfp4"),
     ("AQN adds reward on top of NVFP4", "reward_mean", "nvfp4_aqn", "nvfp4"),
     ("noise without quantization (bf16 + AQN) raises the reward", "reward_mean", "bf16_aqn", "bf16"),
     ("QeRL (NVFP4 + AQN) ends at least as accurate on held-out problems as bf16 LoRA", "heldout_after", "nvfp4_aqn",
      "bf16"),
     ("QeRL gains more held-out accuracy than bf16 LoRA", "heldout_gain", "nvfp4_aqn", "bf16"),
 ]
-METRICS = [("entropy_start", "entropy at step 0", 3), ("rollout_entropy_early", "sampling entropy, first 1/4", 3),
+METRICS = [("entropy_start", "entropy at step 0", 3),
+           ("rollout_entropy_noisy", "sampling entropy, AQN steps of the first half", 3),
            ("reward_mean", "reward, mean over steps", 3), ("reward_late", "reward, last 1/4", 3),
            ("heldout_before", "held-out before (%)", 1), ("heldout_after", "held-out after (%)", 1),
            ("heldout_gain", "change (points)", 1), ("wall_min", "wall (min)", 1)]
@@ -44,18 +45,28 @@ def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_pass_at_1" in r]
     q = max(1, len(train) // 4)
+    # AQN's stage 0 is noiseless: its noisy steps start at ceil(max_steps / aqn_stages) (sigma_at)
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    n_steps = cfg.get("max_steps", len(train))
+    first_noisy = -(-n_steps // max(1, min(cfg.get("aqn_stages", 1), n_steps)))
+    noisy = [r["rollout_entropy"] for r in train if first_noisy <= r["step"] < n_steps / 2 and "rollout_entropy" in r]
     ent = [r for r in train if r.get("entropy") is not None and r.get("updates", 1)]
     out = {"steps": len(train),
            "entropy_start": ent[0]["entropy"] if ent else float("nan"),
-           "rollout_entropy_early": _mean([r["rollout_entropy"] for r in train[:q] if "rollout_entropy" in r]),
+           "rollout_entropy_noisy": _mean(noisy),
            "reward_mean": _mean([r["reward_mean"] for r in train]),
            "reward_late": _mean([r["reward_mean"] for r in train[-q:]]),
            "curves": {k: [(r["step"], r.get(k)) for r in train] for k in ("reward_mean", "entropy", "rollout_entropy")},
            "wall_min": wall_s / 60 if wall_s else float("nan")}
     if evals:
-        out.update(heldout_before=100 * evals[0]["eval_pass_at_1"], heldout_after=100 * evals[-1]["eval_pass_at_1"],
-                   heldout_gain=100 * (evals[-1]["eval_pass_at_1"] - evals[0]["eval_pass_at_1"]),
-                   heldout_se=100 * evals[-1]["eval_stderr"])
+        b, a = evals[0], evals[-1]
+        out.update(heldout_before=100 * b["eval_pass_at_1"], heldout_after=100 * a["eval_pass_at_1"],
+                   heldout_gain=100 * (a["eval_pass_at_1"] - b["eval_pass_at_1"]),
+                   # within-run sampling error of the evaluations (pass@1 over a finite set and samples)
+                   heldout_after_se=100 * a["eval_stderr"],
+                   heldout_gain_se=100 * math.hypot(a["eval_stderr"], b["eval_stderr"]))
     return out
 
 
@@ -91,6 +102,10 @@ def paired(a: dict, b: dict, metric: str) -> dict:
     d = [a[s][metric] - b[s][metric] for s in seeds if metric in a[s] and metric in b[s]]
     d = [x for x in d if not math.isnan(x)]
     m, se, n = mean_se(d)
+    if n and all(f"{metric}_se" in x[s] for x in (a, b) for s in seeds):
+        # seeds that happen to agree must not hide the evaluations' own sampling error
+        within = math.sqrt(sum(a[s][f"{metric}_se"] ** 2 + b[s][f"{metric}_se"] ** 2 for s in seeds)) / n
+        se = within if math.isnan(se) else max(se, within)
     if n < 2 or math.isnan(se):
         return {"n": n, "diff": m, "se": se, "lo": float("nan"), "hi": float("nan"), "verdict": "not shown (fewer than 2 seeds)"}
     t = T95[min(n - 1, len(T95)) - 1]
@@ -167,7 +182,8 @@ def write_report(out: Path, doc: Path, header: str = "") -> str:
                 continue
             p = paired(arms[a], arms[b], metric)
             iv = "–" if math.isnan(p["lo"]) else f"[{p['lo']:+.3g}, {p['hi']:+.3g}]"
-            lines.append(f"| {claim} | {metric} | {p['diff']:+.3g} | {iv} | {p['n']} | **{p['verdict']}** |")
+            diff = "–" if math.isnan(p["diff"]) else f"{p['diff']:+.3g}"
+            lines.append(f"| {claim} | {metric} | {diff} | {iv} | {p['n']} | **{p['verdict']}** |")
         lines.append("")
     if not res:
         lines.append("No finished runs yet.")
