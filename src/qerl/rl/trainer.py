@@ -233,8 +233,8 @@ class GRPOTrainer:
         _, n_info = self._select(rounds, P)
         while cfg.dynamic_sampling and len(rounds) <= cfg.max_resample_rounds:
             # DAPO: every rank tops up its own share; the ranks agree on how many prompts to draw
-            need = int(D.sum(P - n_info, self.device))
-            if need == 0:
+            need = int(D.sum(max(0, P - n_info), self.device))  # a rank with a surplus needs none
+            if need <= 0:
                 break
             off, mine = D.shard(self.sampler.take(-(-need // D.world) * D.world))
             rounds.append(self._rollout_round(mine, sigma, base_seed + len(rounds), off))
