@@ -30,13 +30,15 @@ def main():
     ap.add_argument("config", help="GRPOConfig fields as JSON")
     ap.add_argument("--die-at", type=int, default=None, help="rank 1 exits at the start of this step")
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--task-rewards", action="store_true", help="the task's 0/1 rewards (all-equal groups happen)")
     a = ap.parse_args()
     torch.manual_seed(0)
     pol = random_policy(config("qwen2"), "nvfp4", lora_rank=8, device="cpu", dtype=torch.float32, std=0.05,
                         progress=False)
     pol.tokenizer = tiny_tokenizer()
     cfg = GRPOConfig(**{"output_dir": a.out, "report_to": "none", "device": "cpu", **json.loads(a.config)})
-    tr = GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=40), reward_funcs=[sevens], progress=False)
+    tr = GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=40),
+                     reward_funcs=None if a.task_rewards else [sevens], progress=False)
     if a.resume:
         tr.resume(a.resume)
     if a.die_at is not None and tr.dist.rank == 1:

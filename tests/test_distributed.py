@@ -142,3 +142,15 @@ def test_bench_step_under_torchrun_reports_the_global_step(tmp_path):
     assert res["fits"] and "dp2" in res["case"] and res["rows"] == 8
     assert res["kv_slots"] == 4  # each rank holds its own half of the rows
     assert 0 < res["new_tokens"] <= 8 * 6
+
+
+def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
+    # DAPO's top-up rounds differ per rank; the ranks still update together and stay identical
+    cfg = {**BASE, "dynamic_sampling": True, "max_resample_rounds": 2, "scale_rewards": "group"}
+    p, _ = _run(tmp_path, cfg, nproc=2, extra=["--task-rewards"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    a, b = (load_file(str(tmp_path / f"adapter_rank{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = _metrics(tmp_path)
+    assert [m["step"] for m in rows] == [0, 1]
+    assert any(m["rollout_rounds"] > 1 for m in rows)  # the 0/1 task reward made groups all-equal: top-ups ran
