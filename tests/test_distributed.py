@@ -154,3 +154,28 @@ def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
     rows = _metrics(tmp_path)
     assert [m["step"] for m in rows] == [0, 1]
     assert any(m["rollout_rounds"] > 1 for m in rows)  # the 0/1 task reward made groups all-equal: top-ups ran
+
+
+def test_resume_on_another_rank_count_keeps_the_lr_schedule(tmp_path):
+    # same per-rank settings: one process makes twice the updates a step that each of two ranks
+    # makes; the schedule must continue from the same step, not the same update count
+    cfg = {**BASE, "max_steps": 4, "lr_scheduler_type": "linear", "save_steps": 2}
+    p, _ = _run(tmp_path / "dp", cfg, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p, _ = _run(tmp_path / "one", cfg, extra=["--resume", str(tmp_path / "dp" / "checkpoint-2")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    lr_dp = {m["step"]: m["lr"] for m in _metrics(tmp_path / "dp")}
+    lr_one = {m["step"]: m["lr"] for m in _metrics(tmp_path / "one")}
+    assert lr_one[2] == pytest.approx(lr_dp[2]) and lr_dp[2] > 0
+
+
+def test_a_draw_at_the_top_of_the_unit_interval_stays_in_the_distribution(monkeypatch):
+    from qerl.rollout import sampling
+
+    # float32 rounds the highest keyed draws to 1.0; the token must still have probability > 0
+    monkeypatch.setattr(sampling, "keyed_uniform", lambda *a: torch.ones(2, dtype=torch.float64))
+    logits = torch.tensor([[0.0, 1.0, 2.0, -50.0], [3.0, 0.0, 0.0, 0.0]])
+    p = sampling.SamplingParams(top_k=2)
+    tok, lp = sampling.sample(logits, p, keyed=(0, torch.arange(2), torch.zeros(2, dtype=torch.long)))
+    assert torch.isfinite(lp).all()
+    assert tok.tolist()[0] in (1, 2)

@@ -213,6 +213,10 @@ def _run_case(a, pol, build_s) -> dict:
             res["update_peak_gib"] = max(s["peak"]["update"]["peak_allocated_gib"] for s in steps)
     except torch.OutOfMemoryError as e:
         res.update(fits=False, oom_phase=phase, error=str(e).splitlines()[0][:400], **_mem(dev))
+        if pol is not None:  # a reused policy must not carry this case's gradients into the next
+            for p in pol.model.parameters():
+                p.grad = None
+            pol.model.eval()
     return res
 
 

@@ -170,7 +170,8 @@ class GRPOTrainer:
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
-        total_updates = cfg.max_steps * max(1, cfg.updates_per_step // self.dist.world)
+        self._updates_per_step = max(1, cfg.updates_per_step // self.dist.world)  # on each rank
+        total_updates = cfg.max_steps * self._updates_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_updates))
         self.aqn = AQN(self.model) if cfg.aqn else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
@@ -369,6 +370,9 @@ class GRPOTrainer:
                 # dapo's token mean over the whole update, all ranks: gradients are averaged over the
                 # ranks below, so each rank divides its token sum by (all tokens / world size)
                 norm_tokens = D.sum(sum(int(batches[k][4].sum()) for k in group), dev) / D.world
+                # the other losses average over the update's micro-batches, all ranks' (a rank with fewer
+                # or none must not weigh its own more): divide by their count / world size
+                n_micro = D.sum(len(group), dev) / D.world if cfg.loss_type != "dapo" else 1.0
                 upd_loss, bad = 0.0, None
                 for k in group:
                     b = batches[k]
@@ -393,7 +397,7 @@ class GRPOTrainer:
                                                ref_logp=ref[k] if ref is not None else None, is_weights=isw,
                                                norm_tokens=norm_tokens, max_completion_length=cfg.max_completion_length)
                         if cfg.loss_type != "dapo":
-                            loss = loss / len(group)
+                            loss = loss / n_micro
                         if not torch.isfinite(loss.detach()):
                             bad = f"loss is {float(loss.detach())}"
                             continue  # no backward; all ranks learn of it below and stop together
@@ -496,7 +500,8 @@ class GRPOTrainer:
         resumes with the same or a different number of ranks."""
         path = None
         if self.dist.is_main:
-            extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world}
+            extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world,
+                     "updates_per_step": self._updates_per_step}
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
                                         base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
         self.dist.barrier()
@@ -511,6 +516,15 @@ class GRPOTrainer:
             folder = found[-1]
         st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
         self.step = st["step"]
+        then = st.get("updates_per_step", self._updates_per_step)
+        if then != self._updates_per_step:
+            # another number of ranks makes another number of updates a step: the schedule's position
+            # counts updates, so move it to the same step of the schedule
+            sch = self.scheduler
+            sch.last_epoch = round(sch.last_epoch * self._updates_per_step / then)
+            for g, base, f in zip(self.optimizer.param_groups, sch.base_lrs, sch.lr_lambdas):
+                g["lr"] = base * f(sch.last_epoch)
+            sch._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.sampler = PromptSampler(len(self.train_rows), self.cfg.seed, st["data"]["epoch"], st["data"]["pos"])
         self._resumed_from = Path(folder)
         return self.step

@@ -71,7 +71,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def keyed_uniform(seed: int, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """U(0, 1) in float64, a pure function of (seed, sample key, token position): a sample's draws do
     not depend on which batch, slot or rank it runs in (data-parallel rollouts equal one process's)."""
-    x = _mix32(torch.full_like(keys, seed & _M32) ^ (keys & _M32))
+    # the seed is hashed before it meets the key: seed ^ key alone would give (s, k) and (s ^ d, k ^ d)
+    # the same draws, and the trainer's seeds differ by small numbers from round to round
+    x = _mix32(_mix32(torch.full_like(keys, seed & _M32)) ^ (keys & _M32))
     x = _mix32(x ^ (pos & _M32))
     return (x.double() + 0.5) / 2**32
 
@@ -86,7 +88,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator=None, keyed=None) 
     elif lp.device.type == "cpu":
         cdf = lp.exp().cumsum_(-1)
         if keyed is not None:
-            u = keyed_uniform(*keyed).to(cdf.dtype)[:, None] * cdf[:, -1:]
+            # float32 rounds the top draws to 1.0, where the search would fall past the last token
+            u = keyed_uniform(*keyed).to(cdf.dtype).clamp_(max=1 - 2**-24)[:, None] * cdf[:, -1:]
         else:
             u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
         tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)

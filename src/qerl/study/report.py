@@ -37,6 +37,7 @@ METRICS = [("entropy_start", "entropy at step 0", 3),
 
 
 def _mean(xs):
+    xs = [x for x in xs if x is not None]  # a non-finite metric is logged as null
     return sum(xs) / len(xs) if xs else float("nan")
 
 
@@ -98,9 +99,9 @@ def mean_se(xs) -> tuple[float, float, int]:
 
 def paired(a: dict, b: dict, metric: str) -> dict:
     """Mean difference a - b over the seeds both have, its standard error, 95 % t interval, verdict."""
-    seeds = sorted(set(a) & set(b))
-    d = [a[s][metric] - b[s][metric] for s in seeds if metric in a[s] and metric in b[s]]
-    d = [x for x in d if not math.isnan(x)]
+    seeds = [s for s in sorted(set(a) & set(b)) if metric in a[s] and metric in b[s]
+             and not math.isnan(a[s][metric] - b[s][metric])]
+    d = [a[s][metric] - b[s][metric] for s in seeds]
     m, se, n = mean_se(d)
     if n and all(f"{metric}_se" in x[s] for x in (a, b) for s in seeds):
         # seeds that happen to agree must not hide the evaluations' own sampling error
