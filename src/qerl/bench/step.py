@@ -308,12 +308,13 @@ def main(argv=None):
     if a.compare:
         compare(*a.compare, a.target, a.metric, command, rdir if a.record else None)
         return 0
-    if int(os.environ.get("RANK", "0")):  # under torchrun: every rank trains, rank 0 reports
+    main_rank = not int(os.environ.get("RANK", "0"))  # under torchrun: every rank trains, rank 0 reports
+    show = report if main_rank else (lambda *x, **k: None)
+    if not main_rank:
         a.json, a.record = None, False
-        globals()["report"] = lambda *x, **k: None
     if not a.sweep_levers:
         res = run_case(a)
-        report(res)
+        show(res)
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(res, indent=1))
@@ -327,11 +328,12 @@ def main(argv=None):
         v = argparse.Namespace(**{**vars(a), **change})
         res = run_case(v, pol, build_s)
         res["lever"] = name
-        report(res)
+        show(res)
         results.append(res)
         if a.record:
             record_case(res, command, rdir)
-    print(lever_table(results))
+    show_table = print if main_rank else (lambda *x: None)
+    show_table(lever_table(results))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(results, indent=1))
