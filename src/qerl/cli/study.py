@@ -17,6 +17,8 @@ def add_arguments(p):
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (a GPU holds many of these small runs)")
     p.add_argument("--max-minutes", type=float, default=None, help="launch no run after this many minutes")
+    p.add_argument("--stop-minutes", type=float, default=None,
+                   help="stop the running runs after this many minutes (a later call resumes them from their checkpoints)")
     p.add_argument("--lr", type=float, default=None, help="the common learning rate (default: the default run's)")
     p.add_argument("--dry-run", action="store_true", help="print the runs' commands")
     p.add_argument("--doc", default="docs/study.md", help="report: the Markdown file (plots beside it)")
@@ -35,5 +37,6 @@ def run(args):
 
     extra = [a for a in args.train_args if a != "--"]
     r = run_grid(args.losses.split(","), args.arms.split(","), [int(s) for s in args.seeds.split(",")], args.out,
-                 args.parallel, extra, args.max_minutes, args.lr, args.dry_run)
+                 args.parallel, extra, args.max_minutes, args.lr, args.dry_run,
+                 stop_minutes=args.stop_minutes)
     return 1 if r["failed"] else 0

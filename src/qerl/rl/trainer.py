@@ -552,6 +552,8 @@ class GRPOTrainer:
         try:
             if cfg.eval_on_start and self.step == 0 and self._resumed_from is None:
                 self._evaluate_on_main(log)
+            if cfg.eval_on_end and self._resumed_from is not None and self.step == cfg.max_steps == end:
+                self._evaluate_on_main(log)  # stopped after its last checkpoint, before its last evaluation
             while self.step < end:
                 m = self.train_step()
                 if log is not None:
