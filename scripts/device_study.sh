@@ -10,6 +10,7 @@
 # skips the runs that finished (and restarts the others from step 0).
 #   bash scripts/device_study.sh carry1        # first call (carry .dev_w1 .whl)
 #   bash scripts/device_study.sh run           # then, again and again (carry .dev_w2 [runs/study.tgz])
+#   GRPO_ARMS=bf16,nvfp4_aqn bash scripts/device_study.sh run   # and a GRPO grid beside the DAPO one
 set -uo pipefail
 P=/tmp/parts; mkdir -p $P
 [ -f .dev_w1/part ] && cp .dev_w1/part $P/w1
@@ -31,8 +32,14 @@ END=${END:-570}  # seconds into this call by which the runs must have stopped
 STOP=$(awk "BEGIN{print ($END - $SECONDS) / 60}")
 LAUNCH=$(awk "BEGIN{print ($END - 90 - $SECONDS) / 60}")  # a run's start (model, first evaluation) is not wasted
 echo "study: stop in $STOP min, launch until $LAUNCH min"
-OMP_NUM_THREADS=1 timeout $((END + 15 - SECONDS)) python3 -m qerl study run --losses ${LOSSES:-dapo,grpo} \
-  --seeds ${SEEDS:-0,1,2} --parallel ${PAR:-16} --max-minutes $LAUNCH --stop-minutes $STOP --out $S \
-  -- --rollout_kv_cache_gb 2 --save_steps 10 2>&1 | tail -70
+export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+TRAIN="--rollout_kv_cache_gb 1 --logprob_chunk_size 256 --save_steps 5"  # ~6 GB a run: 16 fit in 140 GB
+if [ -n "${GRPO_ARMS:-}" ]; then  # a second grid beside the first, on its own slots
+  timeout $((END + 15 - SECONDS)) python3 -m qerl study run --losses grpo --arms $GRPO_ARMS --seeds ${SEEDS:-0,1,2} \
+    --parallel ${GPAR:-6} --max-minutes $LAUNCH --stop-minutes $STOP --out $S -- $TRAIN > /tmp/grpo_grid.log 2>&1 &
+fi
+timeout $((END + 15 - SECONDS)) python3 -m qerl study run --losses ${LOSSES:-dapo} --arms ${ARMS:-bf16,bf16_lr1e-5,bf16_lr5e-6,bf16_aqn,nvfp4,nvfp4_aqn,mxfp4,nf4} \
+  --seeds ${SEEDS:-0,1,2} --parallel ${PAR:-16} --max-minutes $LAUNCH --stop-minutes $STOP --out $S -- $TRAIN 2>&1 | tail -60
+wait; [ -f /tmp/grpo_grid.log ] && tail -30 /tmp/grpo_grid.log
 tar czf $OUT/study.tgz -C $S --exclude='*.safetensors' --exclude='checkpoint-*' --exclude=.unpacked . ; ls -la $OUT
 nvidia-smi --query-gpu=memory.used --format=csv
