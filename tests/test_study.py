@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from qerl.study import ARMS, LOSSES
-from qerl.study.report import T95, collect, paired, run_figures, write_report
+from qerl.study.report import T95, collect, paired, record_figures, run_figures, write_report
 from qerl.study.runner import finished, jobs
 from tiny_models import save_tiny, tiny_tokenizer
 
@@ -56,6 +56,14 @@ def test_run_figures_and_paired_claims(tmp_path):
     text = write_report(out, tmp_path / "docs" / "study.md", "# header\n")
     assert text.startswith("# header") and "| NVFP4 LoRA | 3 |" in text and "**holds**" in text
     assert (tmp_path / "docs" / "study" / "dapo.png").stat().st_size > 10_000
+    # the record: each arm's mean over seeds, each claim's difference and interval, as the report has them
+    n = record_figures(res, "test device", "qerl study report", tmp_path / "results")
+    rows = [json.loads(x) for x in (tmp_path / "results" / "study.jsonl").read_text().splitlines()]
+    assert len(rows) == n and all(r["device"] == "test device" and r["bench"] == "study" for r in rows)
+    got = {(r["case"], r["metric"]): r["value"] for r in rows}
+    assert got[("dapo nvfp4 (3 seeds)", "heldout_after")] == pytest.approx(25.0)
+    assert got[("dapo nvfp4 - bf16 (3 seeds)", "reward_mean_diff")] == pytest.approx(statistics.mean(d), abs=1e-4)
+    assert got[("dapo nvfp4 - bf16 (3 seeds)", "reward_mean_diff_ci95_lo")] == pytest.approx(p["lo"], abs=1e-4)
     # an unfinished run (no end-of-run evaluation) is neither counted nor skipped by the runner
     d = out / "dapo" / "nf4" / "seed0"
     _fake_run(d, [0.1], [1.0], 0.1, 0.1)
@@ -118,3 +126,33 @@ def test_study_runs_real_training_and_resumes_the_grid(tmp_path):
         f.unlink()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert "2 already finished, 0 to run" in again.stdout
+
+
+def test_held_out_claims_pair_the_evaluations_problem_by_problem(tmp_path):
+    # two arms evaluated on the same 50 problems: most problems agree (easy or hard for both), a few
+    # differ; the paired floor counts only the disagreements, the independent one all the spread
+    out = tmp_path / "study"
+    n_p = 50
+    for seed in range(3):
+        for arm, shift in (("bf16", 0), ("nvfp4", 1)):
+            d = out / "dapo" / arm / f"seed{seed}"
+            _fake_run(d, [0.1, 0.2], [1.0, 1.0], 0.3, 0.4)
+            (d / "eval").mkdir()
+            for step in (0, 2):
+                pp = [{"index": i, "scores": [1.0] * 4 if i < 15 else [0.0] * 4} for i in range(n_p)]
+                for i in range(seed, n_p, 10):  # this arm's own disagreements
+                    pp[i]["scores"] = [1.0, 0.0, 1.0, 1.0] if (shift + step + i) % 2 else [0.0, 0.0, 1.0, 0.0]
+                (d / "eval" / f"step_{step}.json").write_text(json.dumps({"per_problem": pp}))
+    res = collect(out)["dapo"]
+    assert "problems" in res["nvfp4"][0]
+    p = paired(res["nvfp4"], res["bf16"], "heldout_after")
+    ses = []
+    for seed in range(3):
+        a = json.loads((out / "dapo" / "nvfp4" / f"seed{seed}" / "eval" / "step_2.json").read_text())["per_problem"]
+        b = json.loads((out / "dapo" / "bf16" / f"seed{seed}" / "eval" / "step_2.json").read_text())["per_problem"]
+        diffs = [100 * (sum(x["scores"]) - sum(y["scores"])) / 4 for x, y in zip(a, b)]
+        ses.append(statistics.stdev(diffs) / math.sqrt(n_p))
+    floor = math.sqrt(sum(e * e for e in ses)) / 3
+    assert floor > 0 and p["se"] == pytest.approx(floor)  # the metrics' "after" agree on every seed: only the floor
+    # the unpaired floor (eval_stderr 2 points per run) would be far wider
+    assert p["se"] < math.sqrt(3 * (2**2 + 2**2)) / 3

@@ -23,6 +23,8 @@ def add_arguments(p):
     p.add_argument("--dry-run", action="store_true", help="print the runs' commands")
     p.add_argument("--doc", default="docs/study.md", help="report: the Markdown file (plots beside it)")
     p.add_argument("--header", default=None, help="report: a Markdown file to put above the tables")
+    p.add_argument("--record", action="store_true", help="report: append its figures to benchmarks/results/study.jsonl")
+    p.add_argument("--device", default=None, help="report --record: the machine the runs ran on (default: this one)")
     p.set_defaults(train_args=[])  # run: more `qerl train` --field value pairs (collected by the main parser)
 
 
@@ -32,6 +34,16 @@ def run(args):
 
         header = Path(args.header).read_text() if args.header else ""
         print(write_report(Path(args.out), Path(args.doc), header))
+        if args.record:
+            import shlex
+            import sys
+
+            from ..bench.record import device_name
+            from ..study.report import collect, record_figures
+
+            n = record_figures(collect(Path(args.out)), args.device or device_name(),
+                               "qerl study report " + " ".join(map(shlex.quote, sys.argv[3:])))
+            print(f"study: {n} figures appended to benchmarks/results/study.jsonl")
         return 0
     from ..study.runner import run_grid
 

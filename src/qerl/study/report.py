@@ -28,6 +28,9 @@ CLAIMS = [  # (claim, metric, arm, baseline)
     ("QeRL (NVFP4 + AQN) ends at least as accurate on held-out problems as bf16 LoRA", "heldout_after", "nvfp4_aqn",
      "bf16"),
     ("QeRL gains more held-out accuracy than bf16 LoRA", "heldout_gain", "nvfp4_aqn", "bf16"),
+    ("NVFP4 LoRA ends more accurate than NF4 LoRA (QLoRA)", "heldout_after", "nvfp4", "nf4"),
+    ("QeRL gains more than bf16 LoRA at the paper's bf16 rate 5e-6 (rates differ, as in the paper)", "heldout_gain",
+     "nvfp4_aqn", "bf16_lr5e-6"),
 ]
 METRICS = [("entropy_start", "entropy at step 0", 3),
            ("rollout_entropy_noisy", "sampling entropy, AQN steps of the first half", 3),
@@ -39,6 +42,24 @@ METRICS = [("entropy_start", "entropy at step 0", 3),
 def _mean(xs):
     xs = [x for x in xs if x is not None]  # a non-finite metric is logged as null
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _problem_scores(run_dir: Path, step: int) -> dict | None:
+    """{problem index: pass rate over its samples, in %} of the evaluation at `step`, if it kept them."""
+    f = run_dir / "eval" / f"step_{step}.json"
+    if not f.exists():
+        return None
+    rep = json.loads(f.read_text())
+    pp = rep.get("per_problem")
+    return {p["index"]: 100 * statistics.mean(p["scores"]) for p in pp} if pp else None
+
+
+def _paired_eval_se(x: dict, y: dict) -> float:
+    """Standard error of mean(x - y) over the problems both evaluations scored: the two share the
+    problem set, so problem difficulty cancels and only the sampling disagreement is left."""
+    common = sorted(x.keys() & y.keys())
+    d = [x[i] - y[i] for i in common]
+    return statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
 
 
 def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
@@ -68,6 +89,10 @@ def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
                    # within-run sampling error of the evaluations (pass@1 over a finite set and samples)
                    heldout_after_se=100 * a["eval_stderr"],
                    heldout_gain_se=100 * math.hypot(a["eval_stderr"], b["eval_stderr"]))
+        pb, pa = _problem_scores(run_dir, b["step"]), _problem_scores(run_dir, a["step"])
+        if pb and pa:  # per-problem pass rates (%): paired comparisons on the same problems
+            out["problems"] = {"heldout_before": pb, "heldout_after": pa,
+                               "heldout_gain": {i: pa[i] - pb[i] for i in pa.keys() & pb.keys()}}
     return out
 
 
@@ -103,7 +128,12 @@ def paired(a: dict, b: dict, metric: str) -> dict:
              and not math.isnan(a[s][metric] - b[s][metric])]
     d = [a[s][metric] - b[s][metric] for s in seeds]
     m, se, n = mean_se(d)
-    if n and all(f"{metric}_se" in x[s] for x in (a, b) for s in seeds):
+    if n and all(metric in x[s].get("problems", {}) for x in (a, b) for s in seeds):
+        # the evaluations' own sampling error, paired problem by problem within each seed
+        within = math.sqrt(sum(_paired_eval_se(a[s]["problems"][metric], b[s]["problems"][metric]) ** 2
+                               for s in seeds)) / n
+        se = within if math.isnan(se) else max(se, within)
+    elif n and all(f"{metric}_se" in x[s] for x in (a, b) for s in seeds):
         # seeds that happen to agree must not hide the evaluations' own sampling error
         within = math.sqrt(sum(a[s][f"{metric}_se"] ** 2 + b[s][f"{metric}_se"] ** 2 for s in seeds)) / n
         se = within if math.isnan(se) else max(se, within)
@@ -165,12 +195,44 @@ def _fmt(m, se, digits):
     return f"{m:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
 
 
+UNITS = {"entropy_start": "nats", "rollout_entropy_noisy": "nats", "reward_mean": "reward", "reward_late": "reward",
+         "heldout_before": "%", "heldout_after": "%", "heldout_gain": "points", "wall_min": "min"}
+
+
+def record_figures(res: dict, device: str, command: str, results_dir: Path | None = None) -> int:
+    """Append the report's figures to benchmarks/results/study.jsonl: each arm's mean over seeds,
+    each claim's difference and the ends of its 95 % interval. Returns the number of rows."""
+    from ..bench.record import RESULTS, record
+
+    kw = dict(device=device, command=command, results_dir=results_dir or RESULTS)
+    n = 0
+    for loss, arms in res.items():
+        for arm, runs in arms.items():
+            for k, _, _ in METRICS:
+                m, _, seeds = mean_se([r.get(k) for r in runs.values()])
+                if seeds:
+                    record("study", f"{loss} {arm} ({seeds} seeds)", k, round(m, 4), UNITS[k], None, **kw)
+                    n += 1
+        for _, metric, a, b in CLAIMS:
+            if a in arms and b in arms:
+                p = paired(arms[a], arms[b], metric)
+                if math.isnan(p["lo"]):
+                    continue
+                for what in ("diff", "lo", "hi"):
+                    record("study", f"{loss} {a} - {b} ({p['n']} seeds)", f"{metric}_{what}" if what == "diff"
+                           else f"{metric}_diff_ci95_{what}", round(p[what], 4), UNITS[metric], None, **kw)
+                    n += 1
+    return n
+
+
 def write_report(out: Path, doc: Path, header: str = "") -> str:
+    """The report in `doc`, its plots and figures.json in a folder named after it (docs/study.md: docs/study/)."""
     res = collect(out)
+    fig_dir = doc.parent / doc.stem
     lines = [header.rstrip(), ""] if header else []
     for loss, arms in res.items():
-        png = plot(arms, doc.parent / "study" / f"{loss}.png", f"{loss.upper()}: mean over seeds, bands ± s.e.")
-        lines += [f"## {loss.upper()}", "", f"![{loss}](study/{png.name})", "",
+        png = plot(arms, fig_dir / f"{loss}.png", f"{loss.upper()}: mean over seeds, bands ± s.e.")
+        lines += [f"## {loss.upper()}", "", f"![{loss}]({doc.stem}/{png.name})", "",
                   "| arm | seeds | " + " | ".join(t for _, t, _ in METRICS) + " |",
                   "|---|---|" + "---|" * len(METRICS)]
         for arm, runs in arms.items():
@@ -191,7 +253,8 @@ def write_report(out: Path, doc: Path, header: str = "") -> str:
     text = "\n".join(lines) + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
-    (doc.parent / "study" / "figures.json").write_text(json.dumps(
-        {loss: {arm: {s: {k: v for k, v in r.items() if k != "curves"} for s, r in runs.items()}
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    (fig_dir / "figures.json").write_text(json.dumps(
+        {loss: {arm: {s: {k: v for k, v in r.items() if k not in ("curves", "problems")} for s, r in runs.items()}
                 for arm, runs in arms.items()} for loss, arms in res.items()}, indent=1))
     return text
