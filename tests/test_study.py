@@ -156,3 +156,22 @@ def test_held_out_claims_pair_the_evaluations_problem_by_problem(tmp_path):
     assert floor > 0 and p["se"] == pytest.approx(floor)  # the metrics' "after" agree on every seed: only the floor
     # the unpaired floor (eval_stderr 2 points per run) would be far wider
     assert p["se"] < math.sqrt(3 * (2**2 + 2**2)) / 3
+
+
+def test_report_joins_grids_run_apart(tmp_path):
+    """DAPO and GRPO grids run in different device calls land in different directories; the report
+    reads both, and refuses a run that is finished in both (which one would count is arbitrary)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for seed in (0, 1):
+        _fake_run(a / "dapo" / "bf16" / f"seed{seed}", [0.1, 0.2], [1.0, 1.0], 0.1, 0.2)
+        _fake_run(b / "grpo" / "nvfp4" / f"seed{seed}", [0.3, 0.4], [2.0, 1.0], 0.1, 0.3)
+    res = collect([a, b])
+    assert set(res) == {"dapo", "grpo"} and set(res["grpo"]["nvfp4"]) == {0, 1}
+    assert res["grpo"]["nvfp4"][1]["heldout_gain"] == pytest.approx(20.0)
+    text = write_report([a, b], tmp_path / "docs" / "study.md")
+    assert "## DAPO" in text and "## GRPO" in text
+    _fake_run(b / "dapo" / "bf16" / "seed1", [0.5, 0.5], [1.0, 1.0], 0.1, 0.2)
+    with pytest.raises(ValueError, match="dapo/bf16/seed1"):
+        collect([a, b])
+    with pytest.raises(FileNotFoundError, match="missing"):
+        collect([a, tmp_path / "missing"])

@@ -11,7 +11,8 @@ def add_arguments(p):
     from ..study import ARMS, LOSSES
 
     p.add_argument("action", choices=["run", "report"])
-    p.add_argument("--out", default="runs/study", help="the study's run directory")
+    p.add_argument("--out", action="append", default=None,
+                   help="the study's run directory (default runs/study); report: give it again to join grids run apart")
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--seeds", default="0,1,2")
@@ -29,11 +30,12 @@ def add_arguments(p):
 
 
 def run(args):
+    outs = [Path(o) for o in (args.out or ["runs/study"])]
     if args.action == "report":
         from ..study.report import write_report
 
         header = Path(args.header).read_text() if args.header else ""
-        print(write_report(Path(args.out), Path(args.doc), header))
+        print(write_report(outs, Path(args.doc), header))
         if args.record:
             import shlex
             import sys
@@ -41,14 +43,16 @@ def run(args):
             from ..bench.record import device_name
             from ..study.report import collect, record_figures
 
-            n = record_figures(collect(Path(args.out)), args.device or device_name(),
+            n = record_figures(collect(outs), args.device or device_name(),
                                "qerl study report " + " ".join(map(shlex.quote, sys.argv[3:])))
             print(f"study: {n} figures appended to benchmarks/results/study.jsonl")
         return 0
     from ..study.runner import run_grid
 
+    if len(outs) > 1:
+        raise SystemExit("qerl study run: one --out directory (several are for report)")
     extra = [a for a in args.train_args if a != "--"]
-    r = run_grid(args.losses.split(","), args.arms.split(","), [int(s) for s in args.seeds.split(",")], args.out,
+    r = run_grid(args.losses.split(","), args.arms.split(","), [int(s) for s in args.seeds.split(",")], outs[0],
                  args.parallel, extra, args.max_minutes, args.lr, args.dry_run,
                  stop_minutes=args.stop_minutes)
     return 1 if r["failed"] else 0

@@ -96,22 +96,30 @@ def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
     return out
 
 
-def collect(out: Path) -> dict:
-    """{loss: {arm: {seed: figures}}} of the finished runs under `out`."""
-    walls = {}
-    if (out / "summary.jsonl").exists():
-        for line in (out / "summary.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r["ok"]:
-                walls[r["run"]] = r["wall_s"]
+def collect(outs: Path | list[Path]) -> dict:
+    """{loss: {arm: {seed: figures}}} of the finished runs under `outs` (one study directory, or
+    several: grids run in different calls). The same run finished in two directories is ambiguous."""
     res: dict = {}
-    for loss in LOSSES:
-        for arm in ARMS:
-            for d in sorted((out / loss / arm).glob("seed*")):
-                if finished(d):
-                    seed = int(d.name[4:])
-                    res.setdefault(loss, {}).setdefault(arm, {})[seed] = run_figures(
-                        d, walls.get(str(d.relative_to(out))))
+    for out in [outs] if isinstance(outs, (str, Path)) else outs:
+        out = Path(out)
+        if not out.is_dir():
+            raise FileNotFoundError(f"study directory {out} does not exist")
+        walls = {}
+        if (out / "summary.jsonl").exists():
+            for line in (out / "summary.jsonl").read_text().splitlines():
+                r = json.loads(line)
+                if r["ok"]:
+                    walls[r["run"]] = r["wall_s"]
+        for loss in LOSSES:
+            for arm in ARMS:
+                for d in sorted((out / loss / arm).glob("seed*")):
+                    if finished(d):
+                        seed = int(d.name[4:])
+                        runs = res.setdefault(loss, {}).setdefault(arm, {})
+                        if seed in runs:
+                            raise ValueError(f"{loss}/{arm}/{d.name} is finished in more than one study directory "
+                                             f"(the second: {out}); keep one")
+                        runs[seed] = run_figures(d, walls.get(str(d.relative_to(out))))
     return res
 
 
@@ -225,8 +233,9 @@ def record_figures(res: dict, device: str, command: str, results_dir: Path | Non
     return n
 
 
-def write_report(out: Path, doc: Path, header: str = "") -> str:
-    """The report in `doc`, its plots and figures.json in a folder named after it (docs/study.md: docs/study/)."""
+def write_report(out: Path | list[Path], doc: Path, header: str = "") -> str:
+    """The report of the runs under `out` (one directory or several) in `doc`, its plots and
+    figures.json in a folder named after it (docs/study.md: docs/study/)."""
     res = collect(out)
     fig_dir = doc.parent / doc.stem
     lines = [header.rstrip(), ""] if header else []
