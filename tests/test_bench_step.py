@@ -107,3 +107,21 @@ def test_cli_routes_bench_step(tmp_path, capsys):
 
     assert main(["bench", "step", *TINY, "--out", str(tmp_path), "--steps", "1"]) == 0
     assert "rollout" in capsys.readouterr().out
+
+
+def test_scaling_refuses_files_that_are_not_one_case(tmp_path):
+    from qerl.bench import scaling
+
+    def case(name, world, step_s):
+        f = tmp_path / f"{name}{world}.json"
+        suffix = f" dp{world}" if world > 1 else ""
+        f.write_text(json.dumps({"case": name + suffix, "world_size": world, "fits": True, "step_s": step_s,
+                                 "rollout_s": 1.0, "update_s": 1.0, "step_tokens_per_s": 10.0, "device": "x"}))
+        return str(f)
+
+    rows = scaling.scaling(scaling.load([case("a", 8, 2.0), case("a", 1, 12.0)]))
+    assert [r["gpus"] for r in rows] == [1, 8] and rows[1]["efficiency"] == pytest.approx(12.0 / 2.0 / 8)
+    with pytest.raises(ValueError, match="different cases"):
+        scaling.load([case("a", 1, 1.0), case("b", 2, 1.0)])
+    with pytest.raises(ValueError, match="same GPU count"):
+        scaling.load([case("a", 1, 1.0), case("a", 1, 2.0)])

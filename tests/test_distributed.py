@@ -142,6 +142,24 @@ def test_bench_step_under_torchrun_reports_the_global_step(tmp_path):
     assert res["fits"] and "dp2" in res["case"] and res["rows"] == 8
     assert res["kv_slots"] == 4  # each rank holds its own half of the rows
     assert 0 < res["new_tokens"] <= 8 * 6
+    # the same case on one rank, then the scaling report over both: speedup and efficiency from the
+    # two step times, recorded with the 2-GPU target
+    js1 = tmp_path / "r1.json"
+    cmd1 = [a.replace("--nproc_per_node=2", "--nproc_per_node=1") for a in cmd[:-1]] + [str(js1)]
+    p = subprocess.run(cmd1, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = json.loads(js1.read_text())
+    assert one["world_size"] == 1 and res["world_size"] == 2 and "dp" not in one["case"]
+    from qerl.bench import scaling
+
+    rdir = tmp_path / "results"
+    assert scaling.main([str(js), str(js1), "--record", "--results-dir", str(rdir)]) == 0
+    rows = {r["metric"]: r for r in map(json.loads, (rdir / "scaling.jsonl").read_text().splitlines())}
+    eff = one["step_s"] / res["step_s"] / 2
+    assert rows["efficiency"]["value"] == pytest.approx(eff, abs=1e-4)
+    assert rows["efficiency"]["target"] == ">=0.85" and rows["efficiency"]["met"] == (eff >= 0.85)
+    assert rows["speedup"]["value"] == pytest.approx(2 * eff, abs=1e-4)
+    assert scaling.main([str(js)]) == 2  # no one-GPU case: refused, not a made-up baseline
 
 
 def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):

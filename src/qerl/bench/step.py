@@ -2,6 +2,7 @@
 
     qerl bench step --shape qwen2.5-7b --quant nvfp4 [--memory-cap-gb 80] [levers] [--json F] [--record]
     qerl bench step --compare A.json B.json --target ">=1.8"     # speedup of A over B, recorded
+    torchrun --nproc_per_node N -m qerl bench step ...          # data-parallel (qerl bench scaling)
 
 Random weights in the shape (built and quantized one decoder layer at a time on the GPU, so
 the bf16 model never exists in full), the synthetic tokenizer and verifier (bench/synthetic.py),
@@ -125,7 +126,7 @@ def _run_case(a, pol, build_s) -> dict:
     dev = _rank_device(a)
     res = {"case": case_name(a, a.quant), "shape": a.shape, "quant": a.quant, "rows": a.prompts * a.num_generations,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "fits": True,
-           "memory_cap_gib": a.memory_cap_gb}
+           "memory_cap_gib": a.memory_cap_gb, "world_size": _world()}
     if a.memory_cap_gb:
         from ..device_memory import set_memory_cap
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run a benchmark: kernels | rollout | memory | default_run | step | trl_step (pass --help after the name for its options)"
-NAMES = ("kernels", "rollout", "memory", "default_run", "step", "trl_step")
+HELP = "run a benchmark: kernels | rollout | memory | default_run | step | trl_step | scaling (pass --help after the name for its options)"
+NAMES = ("kernels", "rollout", "memory", "default_run", "step", "trl_step", "scaling")
 
 
 def add_arguments(p):
