@@ -166,6 +166,8 @@ def _run_case(a, pol, build_s) -> dict:
         eng = tr.engine
         res.update(optim=tr.optim_name, kv_slots=eng.n_slots, kv_cache_gib=eng.cache.nbytes() / 2**30,
                    trainable_params=sum(p.numel() for p in tr.params))
+        if a.optim == "adamw_8bit" and "bitsandbytes" not in tr.optim_name:  # fell back: the case says what ran
+            res["case"] = res["case"].replace(" adamw_8bit", " adamw_torch (no bitsandbytes)")
         if dev.type == "cuda":
             res["setup_gib"] = torch.cuda.memory_allocated(dev) / 2**30
         # warm-up: kernels compile, the training path runs once, decode graphs for the step's batch
