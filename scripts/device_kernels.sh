@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, the tile sweep, the full kernel benchmark (recorded under $OUT/results).
+# One device call: GPU kernel tests, the launch-shape sweep, the kernel benchmark (recorded under
+# $OUT/results), then ncu on the MMA kernel at M = 1, 16, 64. Usage on the device:
+#   QERL_COMMIT=<sha> SWEEP=1 bash scripts/device_kernels.sh
 set -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
-python3 -m pytest -q -x -p no:cacheprovider tests/test_w4_kernels.py 2>&1 | tee $OUT/pytest.log | tail -8
-python3 -m qerl.bench.kernels ${SWEEP:+--sweep} --record --results-dir $OUT/results --out $OUT 2>&1 > $OUT/bench_stdout.log
-tail -n 48 $OUT/bench_stdout.log; grep "sweep M=" $OUT/bench_kernels.log
+timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_w4_mma_gpu.py 2>&1 | tee $OUT/pytest.log | tail -25
+timeout ${BENCH_S:-300} python3 -m qerl.bench.kernels ${SWEEP:+--sweep} --record --results-dir $OUT/results --out $OUT \
+  ${MS:+--ms $MS} ${MODELS:+--models $MODELS} > $OUT/bench_stdout.log 2>&1
+grep "sweep" $OUT/bench_kernels.log; tail -n 32 $OUT/bench_stdout.log
+if [ -n "${NCU:-}" ]; then
+  timeout 150 ncu --clock-control none -k regex:w4_mma_matmul --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
+    python3 scripts/profile_kernels.py 1 16 64 > $OUT/ncu.log 2>&1
+  grep -E "w4_mma_matmul|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size|Executed Ipc A|Duration|Warp Cycles Per Issued" $OUT/ncu.log | head -120
+fi

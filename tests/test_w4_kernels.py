@@ -143,7 +143,7 @@ def test_small_and_large_m_paths_agree(fmt):
 def test_dispatch_uses_the_kernel_in_a_layer_and_grads_match_torch_path(monkeypatch):
     from qerl.layers import QLoRALinear
 
-    monkeypatch.setenv("QERL_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(triton_backend, "RUN_ON_CPU_INTERPRETER", True)
 
     dt = ACT[0]
     w = (torch.randn(64, 128) * 0.05).to(DEV, torch.bfloat16)

@@ -1,12 +1,14 @@
-"""W4 matmul kernels vs cuBLAS bf16 at every linear shape of Qwen2.5-7B and -32B.
+"""W4 matmul kernels vs cuBLAS bf16 on the fused layer sets of Qwen2.5-7B and -32B.
 
     python -m qerl.bench.kernels [--record] [--sweep] [--out DIR]
 
-Every timing is a CUDA-graph replay of many calls that rotate over several weight
-sets (more than the L2 holds), so launch gaps and cache hits stay out of it;
-median of several replays. The copy bandwidth is measured in the same run and
-each kernel's effective bandwidth (the fewest bytes it must move / time) is given
-as a fraction of it. Targets are the issue's, over the whole 7B layer set.
+The layer set is what a decoder layer runs: q|k|v, o, gate|up, down (fused groups, one matmul
+each). Per M: cuBLAS bf16 on the same fused shapes, the NVFP4 MMA path (kernel up to
+w4_mma.MAX_M, dequantize + cuBLAS above), the previous Triton kernel (standard layout),
+torch's int4 tinygemm (group 128), and LoRA r32 on every group (one shrink per group,
+the expand in the epilogue). Every timing is a CUDA-graph replay of calls rotating over
+weight sets larger than the L2; median of several replays. The copy bandwidth is measured in
+the same run; effective bandwidth = the fewest bytes a kernel must move / its time.
 """
 
 from __future__ import annotations
@@ -20,27 +22,17 @@ from pathlib import Path
 import torch
 
 from ..formats import get_format
-from .memory import layer_shapes
+from ..formats.nvfp4_mma import NVFP4Mma
 from .record import record, tee_log
 
-MS = [1, 2, 4, 8, 16, 32, 64, 256, 2048, 8192]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
-
-
-def time_eager(fns, calls=16, replays=5) -> float:
-    """µs per call issued eagerly from Python (for paths that cannot be graph-captured)."""
-    for f in fns[:2]:
-        f()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for i in range(calls):
-            fns[i % len(fns)]()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+# (N, K) of the fused groups of one decoder layer.
+LAYER_SETS = {
+    "qwen2.5-7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
+    "qwen2.5-32b": {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)},
+}
+SEGMENTS = {"qkv": 3, "gate_up": 2}  # LoRA segments of a group (q, k, v rows; gate, up rows)
 
 
 def time_calls(fns, min_calls=48, replays=7) -> float:
@@ -52,8 +44,8 @@ def time_calls(fns, min_calls=48, replays=7) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(len(fns)):
-            fns[i]()
+        for f in fns:
+            f()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -74,10 +66,9 @@ def time_calls(fns, min_calls=48, replays=7) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s of large device-to-device copies (read + write counted): the best of
-    several sizes after a warm-up, so clocks have ramped up and no run is caught cold."""
+    """Bytes/s of large device-to-device copies (read + write), best of several sizes after warm-up."""
     best = 0.0
-    for n in (1 << 27, 1 << 28, 1 << 29):  # 256 MiB .. 1 GiB of bf16
+    for n in (1 << 27, 1 << 28, 1 << 29):
         src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         dst = torch.empty_like(src)
         for _ in range(20):
@@ -89,247 +80,204 @@ def copy_bandwidth() -> float:
     return best
 
 
-class ShapeSets:
-    """Several random weight sets of one shape: bf16 and quantized."""
+def nvfp4_bytes(m, n, k) -> int:
+    return n * k // 2 + n * k // 16 + (m * k + m * n) * 2
 
-    def __init__(self, n, k, fmts, seed=0):
+
+class Sets:
+    """Rotating weight sets of one group shape: bf16, NVFP4 (MMA layout and standard), int4 tinygemm."""
+
+    def __init__(self, n, k, seed, tinygemm=True):
         self.n, self.k = n, k
-        self.count = max(2, min(64, -(-ROTATE_BYTES // (n * k * 2))))
+        self.count = max(2, min(32, -(-ROTATE_BYTES // (n * k * 2))))
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.bf16, self.q = [], {f: [] for f in fmts}
+        self.bf16, self.mma, self.std, self.int4 = [], [], [], []
+        nv, mma = get_format("nvfp4"), NVFP4Mma()
         for _ in range(self.count):
             w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
             self.bf16.append(w)
-            for f in fmts:
-                self.q[f].append(get_format(f).quantize(w))
+            std = nv.quantize(w)
+            self.std.append(std)
+            self.mma.append(mma.from_checkpoint(std, (n, k)))
+            if tinygemm:
+                self.int4.append(_tinygemm_pack(w))
+        self.lora_a = torch.randn(3 * 32, k, device="cuda", dtype=torch.bfloat16) * 0.01  # r = 32, <= 3 segments
+        self.lora_b = torch.randn(n, 32, device="cuda", dtype=torch.bfloat16) * 0.01
 
 
-def _bench_shape(sets, fmt, m, mode, lora_r=0, x=None):
-    """Per-call µs of one (shape, M) in one mode: bf16 | auto | fused | dequant | torch | lora_unfused."""
-    from ..kernels import dispatch, triton_backend
-    from ..kernels import w4_matmul as K
+def _tinygemm_pack(w, group=128):
+    """torch's int4 weight-only format (asymmetric, group 128), or None where this torch lacks it."""
+    try:
+        n, k = w.shape
+        wg = w.float().view(n, k // group, group)
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        wp = torch._convert_weight_to_int4pack(packed, 8)
+        zero = lo + 8 * scale  # tinygemm: w = (q - 8) * scale + zero
+        sz = torch.stack([scale.view(n, -1), zero.view(n, -1)], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return wp, sz, group
+    except Exception:
+        return None
+
+
+def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
+    from ..kernels import dispatch, mma_backend, triton_backend, w4_mma
 
     n, k = sets.n, sets.k
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if x is None else x
-    f = get_format(fmt)
+    shape, mma, nv = (n, k), NVFP4Mma(), get_format("nvfp4")
     if mode == "bf16":
-        return time_calls([lambda w=w: torch.matmul(x, w.t()) for w in sets.bf16])
-    if mode == "torch":
-        return time_eager([lambda t=t: dispatch.torch_matmul(x, f, t, (n, k)) for t in sets.q[fmt]])
-    fns = []
-    for i, t in enumerate(sets.q[fmt]):
-        st = triton_backend.prepare(f, t, (n, k))
-        if lora_r:
-            a = torch.randn(lora_r, k, device="cuda", dtype=torch.bfloat16) * 0.01
-            b = torch.randn(n, lora_r, device="cuda", dtype=torch.bfloat16) * 0.01
-            if mode == "lora_unfused":  # the adapter as two extra GEMMs and an add (what peft does)
-                fns.append(lambda t=t, a=a, b=b: triton_backend.matmul(x, f, t, (n, k)) + torch.nn.functional.linear(
-                    torch.nn.functional.linear(x, a), b) * 2.0)
-            else:
-                fns.append(lambda t=t, a=a, b=b: triton_backend.matmul(
-                    x, f, t, (n, k), lora=(torch.nn.functional.linear(x, a), b, 2.0)))
-        elif mode == "auto":
-            fns.append(lambda t=t: triton_backend.matmul(x, f, t, (n, k)))
-        elif mode == "fused":
-            fns.append(lambda st=st: K.fused_matmul(x, st[0], st[1], st[2], st[3], st[4], n, asm=st[6]))
-        elif mode == "fused_portable":  # the same kernel with the portable (non-PTX) decode
-            fns.append(lambda st=st: K.fused_matmul(x, st[0], st[1], st[2], st[3], st[4], n))
-        elif mode == "dequant":
-            fns.append(lambda st=st: K.dequant_matmul(x, st[0], st[1], st[2], st[3], st[5], n))
-        elif mode == "dequant_only":
-            buf = K.SCRATCH.get(n, k, "cuda", torch.bfloat16)
-            fns.append(lambda st=st, buf=buf: K.dequantize(st[0], st[1], st[2], st[3], n, k, torch.bfloat16, out=buf))
-    return time_calls(fns)
+        return [lambda w=w: torch.matmul(x, w.t()) for w in sets.bf16]
+    if mode == "nvfp4":
+        return [lambda t=t: mma_backend.matmul(x, mma, t, shape) for t in sets.mma]
+    if mode == "nvfp4_cfg":  # the kernel at an explicit launch shape (the sweep)
+        c = w4_mma.plan(x.shape[0], n, k, torch.cuda.get_device_properties(0).multi_processor_count, **cfg)
+        out = []
+        for t in sets.mma:
+            f, _ = mma_backend._prepare(t)
+            out.append(lambda t=t, f=f: w4_mma.matmul(x, t["weight_packed"], t["weight_scale"], f, n, config=c))
+        return out
+    if mode == "nvfp4_lora32":
+        segs = SEGMENTS.get(group, 1)
+        r = 32
+        starts = tuple(int(v) for v in torch.linspace(0, n, segs + 1)[1:-1].div(16).floor().mul(16).tolist())
+        a = sets.lora_a[: segs * r]
+
+        def call(t):
+            lora = dispatch.LoraTerm(torch.nn.functional.linear(x, a), sets.lora_b, 2.0, starts)
+            return mma_backend.matmul(x, mma, t, shape, lora=lora)
+        return [lambda t=t: call(t) for t in sets.mma]
+    if mode == "triton":
+        return [lambda t=t: triton_backend.matmul(x, nv, t, shape) for t in sets.std]
+    if mode == "tinygemm":
+        if not sets.int4 or sets.int4[0] is None:
+            return None
+        return [lambda p=p: torch._weight_int4pack_mm(x, p[0], p[2], p[1]) for p in sets.int4]
+    raise ValueError(mode)
 
 
-def sweep(out: Path, log):
-    """Tiles/split of the fused kernel per M bucket, and the M up to which it beats dequantize + cuBLAS.
+def _time(sets, mode, x, group, **cfg):
+    try:
+        fns = _fns(sets, mode, x, group, **cfg)
+        return None if fns is None else time_calls(fns)
+    except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
+        print(f"  {mode} M={x.shape[0]} {sets.n}x{sets.k}: {type(e).__name__}: {str(e)[:200]}")
+        return None
 
-    Sets the winners in-process (w4_matmul.TILES, triton_backend.FUSED_MAX_M) so the benchmark that
-    follows measures them; the printed winners are then written into the code.
-    """
-    from ..kernels import triton_backend
-    from ..kernels import w4_matmul as K
 
-    shapes = layer_shapes("qwen2.5-7b")
-    pick = {"q": shapes["q"], "k": shapes["k"], "gate": shapes["gate"], "down": shapes["down"]}
-    sets = {s: ShapeSets(*nk, ["nvfp4"]) for s, nk in pick.items()}
-    configs = [(bn, bk, 8 if bn == 128 else 4, st, wv) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)
-               for wv in (1, 2, 4)]
-    f = get_format("nvfp4")
-    res, best_of = {}, {}
-    for m in (1, 16, 32, 64):
-        xs = {s: torch.randn(m, ss.k, device="cuda", dtype=torch.bfloat16) for s, ss in sets.items()}
-        for cfg in configs:
+def sweep(log) -> dict:
+    """Launch shapes of the MMA kernel per token-tile bucket over the 7B layer set; sets the winners
+    in-process (w4_mma.TUNING) so the benchmark that follows measures them."""
+    from ..kernels import w4_mma
+
+    sets = {g: Sets(n, k, seed=n + k, tinygemm=False) for g, (n, k) in LAYER_SETS["qwen2.5-7b"].items()}
+    grid = [dict(warps=w, ctas_per_sm=c, rt=r, stages=s) for w in (4, 8) for c in (2, 4, 8) for r in (1, 2)
+            for s in (2, 4)]
+    res = {}
+    for m, mt in ((1, 1), (16, 2), (32, 4), (64, 8)):
+        scores = []
+        for cfg in grid:
+            if (mt >= 4 and cfg["stages"] > 2) or (mt <= 2 and cfg["rt"] > 1 and cfg["stages"] > 2):
+                continue  # registers: these spill
             tot = 0.0
-            for s, ss in sets.items():
-                n, k = ss.n, ss.k
-                c = K.make_config(m, n, k, 0, xs[s].device, *cfg)
-                fns = []
-                for t in ss.q["nvfp4"]:
-                    st = triton_backend.prepare(f, t, (n, k))
-                    fns.append(lambda st=st, c=c, x=xs[s], n=n: K.fused_matmul(x, 0, st[1], st[2], None, st[4], n,
-                                                                               config=c, asm=st[6]))
-                try:
-                    us = time_calls(fns, replays=3)
-                except Exception as e:  # a config the compiler rejects (shared memory, registers)
-                    log(f"sweep m={m} {cfg} {s}: {type(e).__name__}: {str(e)[:160]}")
-                    us = float("inf")
-                res[f"{m}|{cfg}|{s}"] = us
-                tot += us
-            res[f"{m}|{cfg}|total"] = tot
-        ranked = sorted((res[f"{m}|{c}|total"], c) for c in configs)
-        best_of[m] = ranked[0]
-        dq = sum(_bench_shape(ss, "nvfp4", m, "dequant", x=xs[s]) for s, ss in sets.items())
-        res[f"{m}|dequant|total"] = dq
-        log(f"sweep M={m}: dequant+cuBLAS {dq:.1f} µs; best (BN, BK, warps, stages, waves): "
-            + ", ".join(f"{c} {t:.1f}" for t, c in ranked[:4]))
-    K.TILES.update({4: best_of[1][1], 16: best_of[16][1], 32: best_of[32][1], 64: best_of[64][1]})
-    fused_max = 16
-    for m in (32, 64):
-        if best_of[m][0] < res[f"{m}|dequant|total"]:
-            fused_max = m
-    triton_backend.FUSED_MAX_M = fused_max
-    log(f"sweep result: TILES = {K.TILES}; FUSED_MAX_M = {fused_max}")
-    (out / "sweep.json").write_text(json.dumps(res, indent=1))
+            for g, ss in sets.items():
+                x = torch.randn(m, ss.k, device="cuda", dtype=torch.bfloat16)
+                us = _time(ss, "nvfp4_cfg", x, g, **cfg)
+                tot += us if us is not None else float("inf")
+            scores.append((tot, cfg))
+        scores.sort(key=lambda s: s[0])
+        w4_mma.TUNING[mt] = scores[0][1]
+        res[m] = [(t, c) for t, c in scores]
+        log(f"sweep M={m}: " + "; ".join(f"{t:.1f} µs {c}" for t, c in scores[:5]))
+    log(f"sweep result: TUNING = {w4_mma.TUNING}")
+    return res
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/kernels.jsonl")
     ap.add_argument("--results-dir", default=None, help="where the jsonl goes (default: the repository's)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles")
+    ap.add_argument("--sweep", action="store_true", help="first sweep the MMA kernel's launch shapes")
     ap.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=".", help="folder for the full json and the log")
     a = ap.parse_args(argv)
     out = Path(a.out)
     log = tee_log(out / "bench_kernels.log")
-
-    final: list[str] = []
-
-    def log_final(msg):
-        log(msg)
-        final.append(msg)
-
     dev = torch.cuda.get_device_name(0)
     t0 = time.time()
     copy_bandwidth()  # clocks ramp up from idle: the first measurement is low
     bw = copy_bandwidth()
     log(f"{dev}: copy bandwidth {bw / 1e12:.3f} TB/s")
+    results = {"copy_bw": bw, "device": dev, "shapes": {}}
     if a.sweep:
-        sweep(out, log)
-    from ..kernels import w4_matmul as K
-
+        results["sweep"] = {str(k): v for k, v in sweep(log).items()}
     ms = [int(v) for v in a.ms.split(",")]
-    rows, results = [], {"copy_bw": bw, "device": dev, "shapes": {}}
-    extra_fmts = ["mxfp4", "nf4"]
+    rows, final = [], []
+    modes = ["bf16", "nvfp4", "nvfp4_lora32", "triton", "tinygemm"]
     for model in a.models.split(","):
-        shapes = layer_shapes(model)
-        agg = {}  # (mode, fmt, m) -> [sum µs, sum bytes]
-        for name, (n, k) in shapes.items():
-            fmts = ["nvfp4"] + (extra_fmts if model == "qwen2.5-7b" else [])
-            sets = ShapeSets(n, k, fmts, seed=n + k)
+        agg: dict = {}
+        for group, (n, k) in LAYER_SETS[model].items():
+            sets = Sets(n, k, seed=n + k)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                r = {"bf16": _bench_shape(sets, "nvfp4", m, "bf16", x=x),
-                     "nvfp4": _bench_shape(sets, "nvfp4", m, "auto", x=x)}
-                if m <= 256:
-                    r["nvfp4_fused"] = _bench_shape(sets, "nvfp4", m, "fused", x=x)
-                if model == "qwen2.5-7b" and m in (1, 16, 64):
-                    r["nvfp4_fused_portable"] = _bench_shape(sets, "nvfp4", m, "fused_portable", x=x)
-                r["nvfp4_dequant"] = _bench_shape(sets, "nvfp4", m, "dequant", x=x)
-                if model == "qwen2.5-7b" and m in (1, 16, 64, 2048):
-                    for fm in extra_fmts:
-                        r[fm] = _bench_shape(sets, fm, m, "auto", x=x)
-                if model == "qwen2.5-7b" and m in (1, 16, 64):
-                    for rank in (16, 32, 64):
-                        r[f"nvfp4_lora{rank}"] = _bench_shape(sets, "nvfp4", m, "lora", lora_r=rank, x=x)
-                    r["nvfp4_lora32_unfused"] = _bench_shape(sets, "nvfp4", m, "lora_unfused", lora_r=32, x=x)
-                if model == "qwen2.5-7b" and name == "gate" and m in (1, 2048):
-                    r["torch_dequant_matmul"] = _bench_shape(sets, "nvfp4", m, "torch", x=x)
-                wb = K.roofline_bytes(m, n, k, 0)
-                bb = n * k * 2 + (m * k + m * n) * 2
+                r = {}
+                for mode in modes:
+                    if mode == "triton" and m > 64:
+                        continue
+                    if mode == "nvfp4_lora32" and m not in (1, 16, 64, 2048):
+                        continue
+                    r[mode] = _time(sets, mode, x, group)
                 for mode, us in r.items():
-                    fid = 2 if mode == "nf4" else (1 if mode == "mxfp4" else 0)
-                    byt = bb if mode in ("bf16", "torch_dequant_matmul") else K.roofline_bytes(m, n, k, fid)
-                    agg.setdefault((mode, m), [0.0, 0])
-                    agg[(mode, m)][0] += us
-                    agg[(mode, m)][1] += byt
-                results["shapes"][f"{model}|{name}|{m}"] = r
-                log(f"{model:12s} {name:5s} {n:6d}x{k:<6d} M={m:<5d} bf16 {r['bf16']:9.2f} µs | nvfp4 {r['nvfp4']:9.2f} µs "
-                    f"{wb / r['nvfp4'] / 1e3:7.0f} GB/s {wb / r['nvfp4'] * 1e6 / bw:5.1%} | x{r['bf16'] / r['nvfp4']:5.2f} "
-                    + " ".join(f"{kk}={v:.1f}" for kk, v in r.items() if kk not in ("bf16", "nvfp4")))
-                if a.record:
-                    rows.append((f"{model} {name} {n}x{k} M={m}", "us", r["nvfp4"], "us", None))
-                    rows.append((f"{model} {name} {n}x{k} M={m}", "speedup_vs_bf16", r["bf16"] / r["nvfp4"], "x", None))
-            dq = _bench_shape(sets, "nvfp4", 1, "dequant_only")
-            dq_bytes = n * k // 2 + n * k // 16 + n * k * 2
-            agg.setdefault(("dequant_only", 0), [0.0, 0])
-            agg[("dequant_only", 0)][0] += dq
-            agg[("dequant_only", 0)][1] += dq_bytes
-            log(f"{model:12s} {name:5s} dequantize alone {dq:8.2f} µs  {dq_bytes / dq / 1e3:6.0f} GB/s "
-                f"{dq_bytes / dq * 1e6 / bw:5.1%} of copy")
+                    if us is not None:
+                        agg.setdefault((mode, m), [0.0, 0])
+                        agg[(mode, m)][0] += us
+                        agg[(mode, m)][1] += nvfp4_bytes(m, n, k)
+                results["shapes"][f"{model}|{group}|{m}"] = r
+                q = r["nvfp4"]
+                log(f"{model:12s} {group:7s} {n:6d}x{k:<6d} M={m:<5d} bf16 {r['bf16']:8.2f} | nvfp4 {q:8.2f} µs "
+                    f"{nvfp4_bytes(m, n, k) / q * 1e6 / bw:6.1%} of copy | x{r['bf16'] / q:5.2f} | "
+                    + " ".join(f"{kk}={v:.1f}" for kk, v in r.items() if kk not in ("bf16", "nvfp4") and v))
             del sets
             torch.cuda.empty_cache()
-        # ---- the layer-set summary -------------------------------------------------------------
-        log_final(f"\n{model}: whole layer set (q,k,v,o,gate,up,down), sums over shapes")
-        log_final(f"{'M':>6} {'bf16 µs':>10} {'nvfp4 µs':>10} {'speedup':>8} {'%copy':>6} {'fused':>9} {'dequant':>9}"
-            f" {'mxfp4':>8} {'nf4':>8} {'lora32':>8} {'portable':>9}")
-        summary = {}
+        final.append(f"\n{model}: fused layer set (q|k|v, o, gate|up, down), µs summed over the groups")
+        final.append(f"{'M':>6} {'bf16':>9} {'nvfp4':>9} {'speedup':>8} {'%copy':>6} {'lora32':>8} {'triton':>8} "
+                     f"{'tinygemm':>9}")
         for m in ms:
-            bf, q = agg[("bf16", m)][0], agg[("nvfp4", m)]
-            frac = q[1] / q[0] * 1e6 / bw
-            sp = bf / q[0]
             g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
-            log_final(f"{m:>6} {bf:>10.1f} {q[0]:>10.1f} {sp:>8.2f} {frac:>6.1%} {g('nvfp4_fused'):>9.1f} "
-                f"{g('nvfp4_dequant'):>9.1f} {g('mxfp4'):>8.1f} {g('nf4'):>8.1f} {g('nvfp4_lora32'):>8.1f} "
-                      f"{g('nvfp4_fused_portable'):>9.1f}")
-            summary[m] = dict(bf16=bf, nvfp4=q[0], speedup=sp, frac=frac)
-            if a.record:
-                case = f"{model} layer set M={m}"
-                tgt_sp = ">=3.0" if m <= 16 else (">=2.0" if m == 64 else None)
-                if model == "qwen2.5-7b":
-                    rows.append((case, "speedup_vs_bf16", sp, "x", tgt_sp))
-                    if m <= 16:
-                        rows.append((case, "fraction_of_copy_bw", frac, "", ">=0.75"))
-                    if m >= 2048:
-                        rows.append((case, "time_vs_bf16", q[0] / bf, "x", "<=1.15"))
-                    for fm in extra_fmts + [f"nvfp4_lora{r}" for r in (16, 32, 64)] + ["nvfp4_lora32_unfused"]:
-                        if (fm, m) in agg:
-                            rows.append((case, f"{fm}_speedup_vs_bf16", bf / agg[(fm, m)][0], "x", None))
-                    if ("nvfp4_lora32", m) in agg:
-                        over = agg[("nvfp4_lora32", m)][0] / q[0] - 1
-                        rows.append((case, "lora32_overhead", over, "", "<=0.10" if m == 1 else None))
-                        for r in (16, 64):
-                            rows.append((case, f"lora{r}_overhead", agg[(f"nvfp4_lora{r}", m)][0] / q[0] - 1, "", None))
-                else:
-                    rows.append((case, "speedup_vs_bf16", sp, "x", None))
-                    rows.append((case, "fraction_of_copy_bw", frac, "", None))
-        d = agg[("dequant_only", 0)]
-        dfrac = d[1] / d[0] * 1e6 / bw
-        log_final(f"{model}: dequantize kernel alone over the layer set: {dfrac:.1%} of copy bandwidth")
-        if a.record:
-            rows.append((f"{model} layer set", "dequant_fraction_of_copy_bw", dfrac, "",
-                         ">=0.80" if model == "qwen2.5-7b" else None))
-            if model == "qwen2.5-7b":
-                for m in (1, 2048):
-                    sh = results["shapes"].get(f"{model}|gate|{m}", {})
-                    if "torch_dequant_matmul" in sh:
-                        rows.append((f"{model} gate M={m}", "torch_dequant_matmul_slowdown_vs_bf16",
-                                     sh["torch_dequant_matmul"] / sh["bf16"], "x", None))
-        results[f"summary|{model}"] = summary
+            bf, q = g("bf16"), g("nvfp4")
+            frac = agg[("nvfp4", m)][1] / q * 1e6 / bw
+            final.append(f"{m:>6} {bf:>9.1f} {q:>9.1f} {bf / q:>8.2f} {frac:>6.1%} {g('nvfp4_lora32'):>8.1f} "
+                         f"{g('triton'):>8.1f} {g('tinygemm'):>9.1f}")
+            case = f"{model} fused layer set M={m}"
+            main_model = model == "qwen2.5-7b"
+            sp_t = {1: ">=2.5", 2: ">=2.5", 4: ">=2.5", 8: ">=2.5", 16: ">=2.5", 32: ">=2.0", 64: ">=1.7",
+                    128: ">=1.2"}.get(m)
+            rows += [(case, "nvfp4_us", q, "us", None), (case, "bf16_us", bf, "us", None),
+                     (case, "speedup_vs_bf16", bf / q, "x", sp_t), (case, "fraction_of_copy_bw", frac, "",
+                                                                    ">=0.65" if m <= 16 and main_model else None)]
+            if m >= 2048:
+                rows.append((case, "time_vs_bf16", q / bf, "x", "<=1.10"))
+            if not (g("tinygemm") != g("tinygemm")):
+                rows.append((case, "speedup_vs_tinygemm", g("tinygemm") / q, "x", ">1.0"))
+            if not (g("triton") != g("triton")):
+                rows.append((case, "speedup_vs_previous_triton", g("triton") / q, "x", None))
+            if (("nvfp4_lora32", m)) in agg:
+                over = g("nvfp4_lora32") / q - 1
+                rows.append((case, "lora32_overhead", over, "", {1: "<=0.10", 64: "<=0.05"}.get(m)))
     bw_end = copy_bandwidth()
-    log_final(f"copy bandwidth at the start {bw / 1e12:.3f} TB/s, at the end {bw_end / 1e12:.3f} TB/s")
+    final.append(f"copy bandwidth at the start {bw / 1e12:.3f} TB/s, at the end {bw_end / 1e12:.3f} TB/s")
+    for line in final:
+        log(line)
     if a.record:
-        rows.append(("copy", "copy_bandwidth", bw / 1e12, "TB/s", None))
-        rows.append(("copy", "copy_bandwidth_end", bw_end / 1e12, "TB/s", None))
+        rows += [("copy", "copy_bandwidth", bw / 1e12, "TB/s", None), ("copy", "copy_bandwidth_end", bw_end / 1e12, "TB/s", None)]
         kw = {"results_dir": Path(a.results_dir)} if a.results_dir else {}
+        cmd = "python -m qerl.bench.kernels --record" + (" --sweep" if a.sweep else "")
         for case, metric, value, unit, target in rows:
-            record("kernels", case, metric, float(value), unit, target, device=dev,
-                   command="python -m qerl.bench.kernels --record", **kw)
-    (out / "bench_kernels.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(["", "=" * 40, f"copy bandwidth {bw / 1e12:.3f} TB/s", *final]))
+            record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
+    (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")
 
 

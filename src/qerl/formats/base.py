@@ -21,6 +21,17 @@ class WeightFormat:
     block_size: ClassVar[int]
     # Whether fused projections (q/k/v, gate/up) must share a per-tensor scale.
     has_global_scale: ClassVar[bool] = False
+    # Byte order of the stored tensors: "standard" (as checkpoints hold them) or a kernel's
+    # order (formats/nvfp4_mma.py), which `to_checkpoint` turns back into the standard one.
+    layout: ClassVar[str] = "standard"
+
+    def to_checkpoint(self, t: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The tensors as a checkpoint stores them (identity for the standard layout)."""
+        return t
+
+    def from_checkpoint(self, t: dict[str, torch.Tensor], shape: tuple[int, int], name: str = "weight"):
+        """Checkpoint tensors -> this format's storage order (identity for the standard layout)."""
+        return t
 
     def validate(self, w: torch.Tensor, name: str = "weight") -> None:
         if w.ndim != 2:

@@ -1,10 +1,30 @@
 """Matmul backends for frozen quantized weights. `dispatch` picks one per call.
 
-The Triton backend is registered here; Triton is imported only on its first call.
+The MMA backend (NVFP4 in the kernel layout, CUDA C++ via NVRTC) comes first; the Triton
+backend takes the standard layouts (MXFP4, NF4, NVFP4 where the MMA layout does not apply).
+Neither compiles anything at import.
 """
 
-from . import dispatch, triton_backend
+import torch
 
+from . import dispatch, mma_backend, triton_backend
+
+dispatch.register_backend(dispatch.Backend("mma", mma_backend.supports, mma_backend.matmul,
+                                            mma_backend.matmul_grad_input))
 dispatch.register_backend(
     dispatch.Backend("triton", triton_backend.supports, triton_backend.matmul, triton_backend.matmul_grad_input)
 )
+
+
+def storage_format(fmt, shape: tuple[int, int], device) -> "object":
+    """The format a frozen weight of `fmt` is stored in on `device`: the kernel layout of NVFP4 where
+    the MMA kernel runs (CUDA, shape tiles into 16 x 64), else `fmt` itself. The one place that
+    decides the layout; the loader asks it layer by layer."""
+    from ..formats.nvfp4 import NVFP4
+    from ..formats.nvfp4_mma import NVFP4Mma, supports_shape
+    from . import w4_mma
+
+    device = torch.device(device)
+    if type(fmt) is NVFP4 and supports_shape(shape) and w4_mma.available(device):
+        return NVFP4Mma()
+    return fmt

@@ -21,11 +21,29 @@ from ..formats import WeightFormat
 class Backend:
     name: str
     supports: Callable[[torch.Tensor, WeightFormat], bool]
-    # (x [..., in], fmt, tensors, shape, bias or None, lora or None) -> x @ W^T + bias [+ LoRA]  [..., out]
-    # lora = (xa = x @ A^T [..., r], B [out, r], scaling): the adapter's expand, fused where the backend can.
+    # (x [..., in], fmt, tensors, shape, bias or None, lora: LoraTerm or None) -> x @ W^T + bias [+ LoRA]  [..., out]
     matmul: Callable
     # (grad_y [..., out], fmt, tensors, shape) -> grad_y @ W  [..., in]
     matmul_grad_input: Callable
+
+
+@dataclass
+class LoraTerm:
+    """The adapter's expand, added to a base matmul where a kernel can fuse it:
+    out[:, rows of segment s] += scaling * xa[:, s*r:(s+1)*r] @ b[rows of s].T
+
+    A fused group (q|k|v, gate|up) passes one shrink over its concatenated A matrices
+    (xa [..., S*r]) and its members' B stacked by rows (b [out, r]); `seg_starts` are
+    the first rows of segments 1..S-1 (empty for a single projection)."""
+
+    xa: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    seg_starts: tuple[int, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[1]
 
 
 _BACKENDS: list[Backend] = []
@@ -89,9 +107,13 @@ def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     return y if lora is None else y + lora_expand(lora, y.dtype)
 
 
-def lora_expand(lora, dtype):
-    xa, b, scaling = lora
-    return (torch.nn.functional.linear(xa, b) * scaling).to(dtype)
+def lora_expand(lora: LoraTerm, dtype):
+    """scaling * xa @ b.T per segment, in the adapter's dtype, then cast (the unfused reference)."""
+    r, n = lora.rank, lora.b.shape[0]
+    bounds = (0, *lora.seg_starts, n)
+    parts = [torch.nn.functional.linear(lora.xa[..., s * r:(s + 1) * r], lora.b[bounds[s]:bounds[s + 1]])
+             for s in range(len(bounds) - 1)]
+    return (torch.cat(parts, -1) * lora.scaling).to(dtype)
 
 
 def torch_matmul_grad_input(gy, fmt, tensors, shape):

@@ -10,34 +10,29 @@ with the host after the first.
 from __future__ import annotations
 
 import importlib.util
-import os
 import weakref
 
 import torch
 
+from .dispatch import lora_expand
 from .w4_decode_consts import ASM_SHIFT
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
-# Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep).
-FUSED_MAX_M = int(os.environ.get("QERL_FUSED_MAX_M", "16"))
-# Rows up to which NVFP4/MXFP4 go to the tensor-core-free GEMV (w4_gemv; at most its MAX_M = 4).
-# 0 = off until measured on the GPU (scripts/gemv_bench.py).
-GEMV_MAX_M = int(os.environ.get("QERL_GEMV_MAX_M", "0"))
+# Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep,
+# benchmarks/kernels.md). NVFP4 in the MMA layout never comes here (mma_backend).
+FUSED_MAX_M = 16
+# Debug aid for the kernels' own CPU tests: send CPU tensors to the Triton interpreter (far slower
+# than the torch path it would replace). Tests set it; nothing else should.
+RUN_ON_CPU_INTERPRETER = False
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # id(packed tensor) -> (weakref to it, state); tensors compare elementwise, so no WeakKeyDictionary.
 _STATE: dict[int, tuple] = {}
 
 
-def _cpu_interpreter() -> bool:
-    # CPU tensors go to the kernels only when asked (tests of the kernels themselves):
-    # the interpreter is far slower than the torch path it would replace.
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("QERL_TRITON_ON_CPU") == "1"
-
-
 def supports(x: torch.Tensor, fmt) -> bool:
-    if not HAVE_TRITON or fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not HAVE_TRITON or fmt.layout != "standard" or fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return x.is_cuda or (_cpu_interpreter() and x.device.type == "cpu")
+    return x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
 
 
 def prepare(fmt, tensors, shape):
@@ -79,20 +74,16 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     if x2d.stride(-1) != 1 or x2d.stride(0) != k:
         x2d = x2d.contiguous()
     b = None if bias is None else bias.to(x.dtype)
-    if x2d.shape[0] <= GEMV_MAX_M and fid != 2:
-        from . import w4_gemv as G
-
-        if G.supported(x2d, fid, packed):
-            y = G.gemv(x2d, fid, packed, scale, inv, n, bias=b, lora=lora)
-            return y.view(*x.shape[:-1], n)
+    fused_lora = lora is not None and not lora.seg_starts  # the Triton epilogue takes one segment
     if x2d.shape[0] <= FUSED_MAX_M:
-        y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, lora=lora, asm=asm)
+        y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, asm=asm,
+                           lora=(lora.xa, lora.b, lora.scaling) if fused_lora else None)
+        if lora is not None and not fused_lora:
+            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
     else:
         y = K.dequant_matmul(x2d, fid, packed, scale, lut, inv_host, n, bias=b)
         if lora is not None:
-            from .dispatch import lora_expand
-
-            y = y + lora_expand((lora[0].reshape(-1, lora[0].shape[-1]), *lora[1:]), y.dtype)
+            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
     return y.view(*x.shape[:-1], n)
 
 

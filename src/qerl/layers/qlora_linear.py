@@ -7,6 +7,10 @@ it is dequantized inside the matmul and again in backward, never stored, so
 weight memory stays 4-bit and activation memory equals bf16 LoRA's. The LoRA
 submodules are named `lora_A`/`lora_B` with PEFT's shapes, so adapters map 1:1
 onto PEFT's files.
+
+A layer may belong to a fused group (layers/fused_group.py): its buffers and LoRA
+parameters are then row views into the group's storage, so everything here that
+writes them does so in place.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ def unfused_lora():
         yield
     finally:
         _FUSE_LORA.pop()
+
+
+def standalone(t: torch.Tensor) -> torch.Tensor:
+    """t detached, contiguous, on the CPU, and owning its storage: a view into a fused group's
+    storage would otherwise take the whole group along (torch.save) or be refused as shared
+    memory (safetensors), and one tensor saved under several names (a shared global scale) too."""
+    t = t.detach().contiguous().cpu()
+    return t if t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0 else t.clone()
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -63,13 +75,18 @@ class QLoRALinear(nn.Module):
         lora_dropout: float = 0.0,
         dtype: torch.dtype = torch.bfloat16,
         device=None,
+        defer_storage: bool = False,
     ):
+        """defer_storage: leave the quantized buffers on the meta device, for a fused group to give
+        them storage (so a group's weights are never allocated twice)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
         self.dtype = dtype
+        self.home = torch.device(device) if device is not None else torch.device("cpu")
+        self.group = None  # the fused group (q|k|v, gate|up) whose storage this layer views, if any
         for name, (shape, dt) in self.fmt.expected_shapes(self.weight_shape).items():
-            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device="meta" if defer_storage else device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.r = 0
         self.disable_adapters = False  # True: the base policy (the KL reference is free)
@@ -83,6 +100,10 @@ class QLoRALinear(nn.Module):
 
     def quant_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.fmt.expected_shapes(self.weight_shape)}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The quantized tensors in the standard (checkpoint) byte order, each owning its storage."""
+        return {k: standalone(t) for k, t in self.fmt.to_checkpoint(self.quant_tensors(), self.weight_shape).items()}
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -100,7 +121,10 @@ class QLoRALinear(nn.Module):
         return layer
 
     def load_quantized(self, tensors: dict[str, torch.Tensor], name: str = "weight") -> None:
-        """Take packed tensors as a checkpoint holds them; shapes and dtypes are checked."""
+        """Take packed tensors in this format's storage order; shapes and dtypes are checked.
+
+        A layer of a fused group copies them into its rows of the group's storage (in place);
+        any other layer adopts the tensors."""
         want = self.fmt.expected_shapes(self.weight_shape)
         missing = set(want) - set(tensors)
         if missing:
@@ -111,12 +135,21 @@ class QLoRALinear(nn.Module):
                 raise ValueError(
                     f"{name}.{key}: expected {dt} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
-            setattr(self, key, t.to(getattr(self, key).device))
+            if self.group is not None:
+                with torch.no_grad():
+                    getattr(self, key).copy_(t)
+            else:
+                setattr(self, key, t.to(self._device()))
+
+    def _device(self) -> torch.device:
+        """Where the layer lives: its buffers' device (they move with .to()), unless still deferred."""
+        dev = next(iter(self.buffers())).device
+        return self.home if dev.type == "meta" else dev
 
     def add_lora(
         self, r: int, alpha: float, dropout: float = 0.0, dtype: torch.dtype | None = None, use_rslora: bool = False
     ) -> None:
-        dev = next(iter(self.buffers())).device
+        dev = self._device()
         dt = dtype or self.dtype
         # rsLoRA (PEFT's use_rslora): alpha/sqrt(r) keeps the update's scale stable as r grows.
         self.r, self.lora_alpha = r, alpha
@@ -146,7 +179,7 @@ class QLoRALinear(nn.Module):
             # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it.
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
             return dispatch.base_matmul(x, self.fmt, self.quant_tensors(), self.weight_shape, self.bias,
-                                        lora=(a, self.lora_B.weight, self.scaling))
+                                        lora=dispatch.LoraTerm(a, self.lora_B.weight, self.scaling))
         y = _FrozenQuantMatmul.apply(x, self)
         if self.r and not self.disable_adapters:
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))

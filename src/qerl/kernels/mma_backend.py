@@ -1,0 +1,61 @@
+"""The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA: `w4_mma`.
+
+M <= w4_mma.MAX_M: the fused kernel (decode in registers, bias and LoRA expand in its
+epilogue). Larger M and grad_input: dequantize the same bytes once + cuBLAS. Per weight
+it keeps 2^7/gs on the device and 1/gs as a host float (weak cache on the packed tensor),
+so no call syncs with the host after the first.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import w4_mma
+from .dispatch import lora_expand
+
+_STATE: dict[int, tuple] = {}
+
+
+def supports(x: torch.Tensor, fmt) -> bool:
+    return getattr(fmt, "layout", None) == "mma" and x.is_cuda and w4_mma.available(x.device)
+
+
+def _prepare(tensors):
+    key = tensors["weight_packed"]
+    hit = _STATE.get(id(key))
+    if hit is not None and hit[0]() is key:
+        return hit[1]
+    gs = tensors["weight_global_scale"]
+    st = (w4_mma.out_factor(gs), 1.0 / float(gs))
+    kid = id(key)
+    _STATE[kid] = (weakref.ref(key, lambda _, kid=kid: _STATE.pop(kid, None)), st)
+    return st
+
+
+def matmul(x, fmt, tensors, shape, bias=None, lora=None):
+    n, k = shape
+    factor, inv_gs = _prepare(tensors)
+    dtype = x.dtype
+    x2d = x.reshape(-1, k).to(torch.bfloat16)
+    b = None if bias is None else bias.to(torch.bfloat16)
+    packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+    if x2d.shape[0] <= w4_mma.MAX_M:
+        fuse = lora is not None and w4_mma.lora_fusable(lora)
+        y = w4_mma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
+        if lora is not None and not fuse:
+            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
+    else:
+        y = w4_mma.dequant_matmul(x2d, packed, scale, inv_gs, n, bias=b)
+        if lora is not None:
+            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
+    return y.view(*x.shape[:-1], n).to(dtype)
+
+
+def matmul_grad_input(gy, fmt, tensors, shape):
+    n, k = shape
+    _, inv_gs = _prepare(tensors)
+    g2d = gy.reshape(-1, n).to(torch.bfloat16).contiguous()
+    g = w4_mma.dequant_matmul_grad_input(g2d, tensors["weight_packed"], tensors["weight_scale"], inv_gs, n, k)
+    return g.view(*gy.shape[:-1], k).to(gy.dtype)

@@ -1,0 +1,327 @@
+// NVFP4 x bf16 matmul for few tokens (M = 1..64) on sm_90 through mma.sync, and the dequantize
+// kernel of the same layout for large M. Compiled at run time by NVRTC (kernels/w4_mma.py), so it is
+// headerless: bf16 values travel as 16-bit patterns, conversions and MMAs are inline PTX.
+//
+// Weights come in the fragment order of formats/nvfp4_mma.py: per 16-row tile and 64-input chunk,
+// lane l = 4g + q reads 16 bytes that decode straight into its four A registers of four k-steps
+// (rows g, g+8; inputs 16q..16q+15 of the chunk) and 2 scale bytes. Tokens are the MMA's n (8 per
+// tile, MT tiles); features are its m. Each warp owns RT row tiles over a range of chunks; a grid
+// of row blocks x K splits fills the GPU, and the last CTA of a row block to finish adds the splits'
+// partial sums in split order (deterministic: no float atomics, no reduce kernel), then runs the
+// epilogue: x 2^7/gs, + bias, + LoRA expand (one more MMA over the rank), round to bf16 once.
+//
+// Compile-time: MT (8-token tiles), RT (row tiles per warp), WARPS (per CTA), ST (chunks in flight
+// per warp), XPF (prefetch the next chunk's activations), DUAL (two accumulator sets), HAS_BIAS,
+// HAS_LORA.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(16) f32x4 { float x, y, z, w; };
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ void st_f32x4(f32x4* p, const float* v) {
+  asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]) : "memory");
+}
+__device__ __forceinline__ void ld_f32x4_l2(const f32x4* p, float* v) {  // other SMs' partials: from L2, not L1
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "l"(p) : "memory");
+}
+
+__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {  // weights: read once, keep out of L1
+  u32x4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 ld_stream_u16(const u16* p) {
+  u16 r;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32x4 ld_act(const void* p) {  // activations: shared by the CTA's warps via L1
+  u32x4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 ld_u32(const void* p) {
+  u32 r;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));  // a*b + (-0): exact, sm_80+
+  return d;
+}
+// Two E2M1 codes (sign at bits 15/31, e e m at 14..12 / 30..28) -> bf16x2 of value * 2^-126.
+__device__ __forceinline__ u32 e2m1x2(u32 v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); }
+__device__ __forceinline__ float bf16_to_f32(u32 h) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(h << 16));
+  return f;
+}
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// 2 e5m3 scale bytes (rows g, g+8) -> bf16x2 (scale * 2^119), then each broadcast to both halves.
+__device__ __forceinline__ void scales(u32 s, u32& lo, u32& hi) {
+  u32 b = (prmt(s, 0u, 0x4140u) << 4) + ((SCALE_BIAS << 7) | (SCALE_BIAS << 23));
+  lo = prmt(b, b, 0x1010u);
+  hi = prmt(b, b, 0x3232u);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
+    const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
+    u16* __restrict__ y, f32x4* __restrict__ part, int* __restrict__ counters,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
+    const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int KCH = K >> 6, NT = N >> 4;
+  const int S = gridDim.y, split = blockIdx.y;
+  const int c_begin = split * chunks_per_split;
+  const int c_end = imin(c_begin + chunks_per_split, KCH);
+  const int nch = c_end - c_begin;
+  const int rt0 = (blockIdx.x * WARPS + warp) * RT;
+
+  float acc[RT][MT][4];
+#pragma unroll
+  for (int r = 0; r < RT; r++)
+#pragma unroll
+    for (int j = 0; j < MT; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+
+  // Row tiles past N (the last block's spare warps) read tile NT-1 and store nothing.
+  const u32x4* wp[RT];
+  const u16* sp[RT];
+#pragma unroll
+  for (int r = 0; r < RT; r++) {
+    const int rt = imin(rt0 + r, NT - 1);
+    wp[r] = wq + ((u64)rt * KCH + c_begin) * 32 + lane;
+    sp[r] = wsc + ((u64)rt * KCH + c_begin) * 32 + lane;
+  }
+  const u16* xrow[MT];
+  bool xok[MT];
+#pragma unroll
+  for (int j = 0; j < MT; j++) {
+    const int tok = 8 * j + g;
+    xok[j] = tok < M;
+    xrow[j] = x + (u64)(xok[j] ? tok : 0) * ldx + c_begin * 64 + 16 * q;
+  }
+
+  // A ring of ST chunks in flight per warp: weights straight to registers, no shared memory.
+  u32x4 wb[ST][RT];
+  u32 sb[ST][RT];
+#pragma unroll
+  for (int s = 0; s < ST; s++)
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+      if (s < nch) {
+        wb[s][r] = ld_stream(wp[r] + s * 32);
+        sb[s][r] = ld_stream_u16(sp[r] + s * 32);
+      }
+
+  // Activations of the next chunk load while this one computes (XPF; registers permitting).
+  u32x4 xv[MT][2];
+  auto load_x = [&](int c) {
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      if (xok[j] && c < nch) {
+        xv[j][0] = ld_act(xrow[j] + c * 64);
+        xv[j][1] = ld_act(xrow[j] + c * 64 + 8);
+      } else {
+        xv[j][0] = xv[j][1] = u32x4{0u, 0u, 0u, 0u};
+      }
+    }
+  };
+  if (XPF) load_x(0);
+  // DUAL: odd k-steps accumulate apart, so consecutive MMAs do not wait on each other.
+  float acc2[DUAL ? RT : 1][DUAL ? MT : 1][4];
+#pragma unroll
+  for (int r = 0; r < (DUAL ? RT : 1); r++)
+#pragma unroll
+    for (int j = 0; j < (DUAL ? MT : 1); j++) acc2[r][j][0] = acc2[r][j][1] = acc2[r][j][2] = acc2[r][j][3] = 0.f;
+
+  for (int base = 0; base < nch; base += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; s++) {
+      const int c = base + s;
+      if (c < nch) {
+        u32x4 xc[MT][2];
+        if (XPF) {
+#pragma unroll
+          for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
+          load_x(c + 1);
+        } else {
+          load_x(c);
+#pragma unroll
+          for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
+        }
+        u32x4 w[RT];
+        u32 sl[RT], sh[RT];
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+          w[r] = wb[s][r];
+          scales(sb[s][r], sl[r], sh[r]);
+          if (c + ST < nch) {
+            wb[s][r] = ld_stream(wp[r] + (c + ST) * 32);
+            sb[s][r] = ld_stream_u16(sp[r] + (c + ST) * 32);
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+#pragma unroll
+          for (int r = 0; r < RT; r++) {
+            const u32 v = t == 0 ? w[r].x : t == 1 ? w[r].y : t == 2 ? w[r].z : w[r].w;
+            const u32 a0 = bmul2(e2m1x2(v), sl[r]);
+            const u32 a1 = bmul2(e2m1x2(v << 4), sh[r]);
+            const u32 a2 = bmul2(e2m1x2(v << 8), sl[r]);
+            const u32 a3 = bmul2(e2m1x2(v << 12), sh[r]);
+#pragma unroll
+            for (int j = 0; j < MT; j++) {
+              const u32x4& xx = xc[j][t >> 1];
+              const u32 b0 = (t & 1) ? xx.z : xx.x, b1 = (t & 1) ? xx.w : xx.y;
+              if (DUAL && (t & 1))
+                mma_bf16(acc2[DUAL ? r : 0][DUAL ? j : 0], a0, a1, a2, a3, b0, b1);
+              else
+                mma_bf16(acc[r][j], a0, a1, a2, a3, b0, b1);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (DUAL) {
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+      for (int j = 0; j < MT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[r][j][e] += acc2[DUAL ? r : 0][DUAL ? j : 0][e];
+  }
+
+  if (S > 1) {
+    // Partial sums in fragment order [split][tile][MT][lane] (coalesced float4 per lane).
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+      if (rt0 + r < NT)
+#pragma unroll
+        for (int j = 0; j < MT; j++)
+          st_f32x4(&part[(((u64)split * NT + rt0 + r) * MT + j) * 32 + lane], acc[r][j]);
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+      const int ticket = atomicAdd(&counters[blockIdx.x], 1);
+      is_last = ticket == S - 1;
+      if (is_last) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays too)
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+      if (rt0 + r < NT)
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+          float a[4] = {0.f, 0.f, 0.f, 0.f}, p[4];
+          for (int s = 0; s < S; s++) {  // split order: the same bits every run
+            ld_f32x4_l2(&part[(((u64)s * NT + rt0 + r) * MT + j) * 32 + lane], p);
+            a[0] += p[0]; a[1] += p[1]; a[2] += p[2]; a[3] += p[3];
+          }
+          acc[r][j][0] = a[0]; acc[r][j][1] = a[1]; acc[r][j][2] = a[2]; acc[r][j][3] = a[3];
+        }
+  }
+
+  // Epilogue: c0,c1 = (row g, tokens 2q, 2q+1), c2,c3 = (row g+8, same tokens) of each 16 x 8 tile.
+  const float f = *out_factor;
+#pragma unroll
+  for (int r = 0; r < RT; r++) {
+    const int rt = rt0 + r;
+    if (rt >= NT) continue;
+    const int row0 = rt * 16 + g, row1 = row0 + 8;
+    float b0 = 0.f, b1 = 0.f;
+    if (HAS_BIAS) {
+      b0 = bf16_to_f32(bias[row0]);
+      b1 = bf16_to_f32(bias[row1]);
+    }
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      float o[4] = {acc[r][j][0] * f + b0, acc[r][j][1] * f + b0, acc[r][j][2] * f + b1, acc[r][j][3] * f + b1};
+      if (HAS_LORA) {
+        // scaling * B[rows] @ xa[tokens, segment]^T as one more MMA per 16 of rank (B rows are A here).
+        const int seg = (rt * 16 >= seg1) + (rt * 16 >= seg2);
+        const int tok_b = 8 * j + g;
+        const u16* xr = xa + (u64)(tok_b < M ? tok_b : 0) * ldxa + seg * rank;
+        float l[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < rank; k0 += 16) {
+          const int ka = k0 + 2 * q, kb = ka + 8;
+          const u32 a0 = ka < rank ? ld_u32(lb + (u64)row0 * rank + ka) : 0u;
+          const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
+          const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
+          const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
+          const u32 x0 = (tok_b < M && ka < rank) ? ld_u32(xr + ka) : 0u;
+          const u32 x1 = (tok_b < M && kb < rank) ? ld_u32(xr + kb) : 0u;
+          mma_bf16(l, a0, a1, a2, a3, x0, x1);
+        }
+        const float sc = (float)lora_scaling;
+        o[0] += l[0] * sc; o[1] += l[1] * sc; o[2] += l[2] * sc; o[3] += l[3] * sc;
+      }
+      const int t0 = 8 * j + 2 * q;
+      if (t0 < M) {
+        y[(u64)t0 * ldy + row0] = f32_to_bf16(o[0]);
+        y[(u64)t0 * ldy + row1] = f32_to_bf16(o[2]);
+      }
+      if (t0 + 1 < M) {
+        y[(u64)(t0 + 1) * ldy + row0] = f32_to_bf16(o[1]);
+        y[(u64)(t0 + 1) * ldy + row1] = f32_to_bf16(o[3]);
+      }
+    }
+  }
+}
+
+// Large M: the bf16 weights W * gs (no 1/gs, which cuBLAS applies as alpha), rows in natural order.
+// One thread per (tile, chunk, lane): 16 bytes in, 2 x 32 bytes out (rows g and g+8).
+extern "C" __global__ void w4_mma_dequantize(const u32x4* __restrict__ wq, const u16* __restrict__ wsc,
+                                             u32x4* __restrict__ out, int N, int K) {
+  const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int KCH = K >> 6;
+  if (i >= (u64)(N >> 4) * KCH * 32) return;
+  const int lane = i & 31, g = lane >> 2, q = lane & 3;
+  const u64 tc = i >> 5;
+  const int c = tc % KCH, rt = tc / KCH;
+  const u32x4 w = ld_stream(wq + i);
+  u32 sl, sh;
+  scales(ld_stream_u16(wsc + i), sl, sh);
+  const u32 two7 = 0x43004300u;  // 128.0 in both halves: restores the 2^-7 of the decode, exactly
+  u32 r0[8], r1[8];
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    const u32 v = t == 0 ? w.x : t == 1 ? w.y : t == 2 ? w.z : w.w;
+    r0[2 * t] = bmul2(bmul2(e2m1x2(v), sl), two7);
+    r1[2 * t] = bmul2(bmul2(e2m1x2(v << 4), sh), two7);
+    r0[2 * t + 1] = bmul2(bmul2(e2m1x2(v << 8), sl), two7);
+    r1[2 * t + 1] = bmul2(bmul2(e2m1x2(v << 12), sh), two7);
+  }
+  // Row g, inputs 64c + 16q .. +15 are 32 contiguous bytes: two 16-byte stores per row.
+  u32x4* o0 = out + (((u64)(rt * 16 + g) * K) + c * 64 + 16 * q) / 8;
+  u32x4* o1 = out + (((u64)(rt * 16 + g + 8) * K) + c * 64 + 16 * q) / 8;
+  o0[0] = u32x4{r0[0], r0[1], r0[2], r0[3]};
+  o0[1] = u32x4{r0[4], r0[5], r0[6], r0[7]};
+  o1[0] = u32x4{r1[0], r1[1], r1[2], r1[3]};
+  o1[1] = u32x4{r1[4], r1[5], r1[6], r1[7]};
+}
