@@ -172,14 +172,14 @@ def sweep(log) -> dict:
     from ..kernels import w4_mma
 
     sets = {g: Sets(n, k, seed=n + k, tinygemm=False) for g, (n, k) in LAYER_SETS["qwen2.5-7b"].items()}
-    grid = [dict(warps=w, ctas_per_sm=c, rt=r, stages=s) for w in (4, 8) for c in (2, 4, 8) for r in (1, 2)
-            for s in (2, 4)]
+    small = [dict(warps=w, ctas_per_sm=c, rt=r, stages=s, xsm=0) for w in (4, 8) for c in (4, 8, 16) for r in (1, 2)
+             for s in (2, 4)]
+    large = [dict(warps=w, ctas_per_sm=c, rt=r, stages=2, xsm=x) for w in (4, 8) for c in (2, 4, 8) for r in (1, 2)
+             for x in (0, 3)]
     res = {}
     for m, mt in ((1, 1), (16, 2), (32, 4), (64, 8)):
         scores = []
-        for cfg in grid:
-            if (mt >= 4 and cfg["stages"] > 2) or (mt <= 2 and cfg["rt"] > 1 and cfg["stages"] > 2):
-                continue  # registers: these spill
+        for cfg in (small if mt <= 2 else large):
             tot = 0.0
             for g, ss in sets.items():
                 x = torch.randn(m, ss.k, device="cuda", dtype=torch.bfloat16)

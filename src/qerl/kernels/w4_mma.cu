@@ -11,8 +11,8 @@
 // epilogue: x 2^7/gs, + bias, + LoRA expand (one more MMA over the rank), round to bf16 once.
 //
 // Compile-time: MT (8-token tiles), RT (row tiles per warp), WARPS (per CTA), ST (chunks in flight
-// per warp), XPF (prefetch the next chunk's activations), DUAL (two accumulator sets), HAS_BIAS,
-// HAS_LORA.
+// per warp), XSM (stage activations in shared memory, XST chunks deep), DUAL (two accumulator sets),
+// HAS_BIAS, HAS_LORA.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -47,6 +47,11 @@ __device__ __forceinline__ u32 ld_u32(const void* p) {
   u32 r;
   asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
 }
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
@@ -114,41 +119,54 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
     wp[r] = wq + ((u64)rt * KCH + c_begin) * 32 + lane;
     sp[r] = wsc + ((u64)rt * KCH + c_begin) * 32 + lane;
   }
+  // Tokens past M load row M-1: the MMA keeps token columns apart, and the epilogue drops them.
   const u16* xrow[MT];
-  bool xok[MT];
 #pragma unroll
-  for (int j = 0; j < MT; j++) {
-    const int tok = 8 * j + g;
-    xok[j] = tok < M;
-    xrow[j] = x + (u64)(xok[j] ? tok : 0) * ldx + c_begin * 64 + 16 * q;
-  }
+  for (int j = 0; j < MT; j++) xrow[j] = x + (u64)imin(8 * j + g, M - 1) * ldx + c_begin * 64 + 16 * q;
 
   // A ring of ST chunks in flight per warp: weights straight to registers, no shared memory.
+  // Every load is unconditional (past the end it re-reads the last chunk): a predicated load into a
+  // ring slot makes the compiler copy the slot, and the copy waits for the load.
   u32x4 wb[ST][RT];
   u32 sb[ST][RT];
 #pragma unroll
   for (int s = 0; s < ST; s++)
 #pragma unroll
-    for (int r = 0; r < RT; r++)
-      if (s < nch) {
-        wb[s][r] = ld_stream(wp[r] + s * 32);
-        sb[s][r] = ld_stream_u16(sp[r] + s * 32);
-      }
+    for (int r = 0; r < RT; r++) {
+      wb[s][r] = ld_stream(wp[r] + imin(s, nch - 1) * 32);
+      sb[s][r] = ld_stream_u16(sp[r] + imin(s, nch - 1) * 32);
+    }
 
-  // Activations of the next chunk load while this one computes (XPF; registers permitting).
+#if XSM
+  // Many tokens: the CTA stages each chunk's activations in shared memory once (cp.async, XST deep)
+  // and its warps read their B fragments there, instead of every warp re-reading them from L2.
+  // Rows of 144 bytes (128 + 16 of padding) keep a quarter-warp's 16-byte reads on distinct banks.
+  __shared__ u32x4 xs[XST][MT * 8][9];
+  auto stage_x = [&](int c) {
+    const int cc = imin(c, nch - 1);
+    for (int i = threadIdx.x; i < MT * 8 * 8; i += WARPS * 32) {
+      const int row = i >> 3, part = i & 7;
+      const u16* src = x + (u64)imin(row, M - 1) * ldx + (c_begin + cc) * 64 + part * 8;
+      const u32 dst = smem_addr(&xs[c % XST][row][part]);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+#pragma unroll
+  for (int s = 0; s < XST - 1; s++) stage_x(s);
+#else
+  // Few tokens: each warp loads its fragments (L1 serves the CTA's other warps), one chunk ahead.
   u32x4 xv[MT][2];
   auto load_x = [&](int c) {
+    const int cc = imin(c, nch - 1);
 #pragma unroll
     for (int j = 0; j < MT; j++) {
-      if (xok[j] && c < nch) {
-        xv[j][0] = ld_act(xrow[j] + c * 64);
-        xv[j][1] = ld_act(xrow[j] + c * 64 + 8);
-      } else {
-        xv[j][0] = xv[j][1] = u32x4{0u, 0u, 0u, 0u};
-      }
+      xv[j][0] = ld_act(xrow[j] + cc * 64);
+      xv[j][1] = ld_act(xrow[j] + cc * 64 + 8);
     }
   };
-  if (XPF) load_x(0);
+  load_x(0);
+#endif
   // DUAL: odd k-steps accumulate apart, so consecutive MMAs do not wait on each other.
   float acc2[DUAL ? RT : 1][DUAL ? MT : 1][4];
 #pragma unroll
@@ -162,25 +180,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
       const int c = base + s;
       if (c < nch) {
         u32x4 xc[MT][2];
-        if (XPF) {
+#if XSM
+        asm volatile("cp.async.wait_group %0;" ::"n"(XST - 2) : "memory");
+        __syncthreads();  // chunk c is in; every warp is done with the stage chunk c + XST - 1 reuses
+        stage_x(c + XST - 1);
 #pragma unroll
-          for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
-          load_x(c + 1);
-        } else {
-          load_x(c);
-#pragma unroll
-          for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
+        for (int j = 0; j < MT; j++) {
+          xc[j][0] = xs[c % XST][8 * j + g][2 * q];
+          xc[j][1] = xs[c % XST][8 * j + g][2 * q + 1];
         }
+#else
+#pragma unroll
+        for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
+        load_x(c + 1);
+#endif
         u32x4 w[RT];
         u32 sl[RT], sh[RT];
 #pragma unroll
         for (int r = 0; r < RT; r++) {
           w[r] = wb[s][r];
           scales(sb[s][r], sl[r], sh[r]);
-          if (c + ST < nch) {
-            wb[s][r] = ld_stream(wp[r] + (c + ST) * 32);
-            sb[s][r] = ld_stream_u16(sp[r] + (c + ST) * 32);
-          }
+          wb[s][r] = ld_stream(wp[r] + imin(c + ST, nch - 1) * 32);
+          sb[s][r] = ld_stream_u16(sp[r] + imin(c + ST, nch - 1) * 32);
         }
 #pragma unroll
         for (int t = 0; t < 4; t++) {
@@ -205,6 +226,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
       }
     }
   }
+#if XSM
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
   if (DUAL) {
 #pragma unroll
     for (int r = 0; r < RT; r++)
@@ -266,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
         // scaling * B[rows] @ xa[tokens, segment]^T as one more MMA per 16 of rank (B rows are A here).
         const int seg = (rt * 16 >= seg1) + (rt * 16 >= seg2);
         const int tok_b = 8 * j + g;
-        const u16* xr = xa + (u64)(tok_b < M ? tok_b : 0) * ldxa + seg * rank;
+        const u16* xr = xa + (u64)imin(tok_b, M - 1) * ldxa + seg * rank;
         float l[4] = {0.f, 0.f, 0.f, 0.f};
         for (int k0 = 0; k0 < rank; k0 += 16) {
           const int ka = k0 + 2 * q, kb = ka + 8;
@@ -274,8 +298,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
           const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
           const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
           const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
-          const u32 x0 = (tok_b < M && ka < rank) ? ld_u32(xr + ka) : 0u;
-          const u32 x1 = (tok_b < M && kb < rank) ? ld_u32(xr + kb) : 0u;
+          const u32 x0 = ka < rank ? ld_u32(xr + ka) : 0u;
+          const u32 x1 = kb < rank ? ld_u32(xr + kb) : 0u;
           mma_bf16(l, a0, a1, a2, a3, x0, x1);
         }
         const float sc = (float)lora_scaling;

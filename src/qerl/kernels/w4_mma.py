@@ -33,7 +33,8 @@ _COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block))
 @dataclass(frozen=True)
 class MmaConfig:
     """One launch shape. mt: 8-token tiles; rt: 16-row tiles per warp; warps per CTA;
-    stages: 64-input chunks in flight per warp; splits: CTAs along K (partial sums added in order)."""
+    stages: 64-input chunks of weights in flight per warp; xsm: activations staged in shared memory
+    (0: each warp loads its own); splits: CTAs along K (partial sums added in order)."""
 
     mt: int
     rt: int
@@ -41,6 +42,7 @@ class MmaConfig:
     stages: int
     splits: int
     chunks_per_split: int
+    xsm: int = 0
 
     def rows_per_block(self) -> int:
         return 16 * self.rt * self.warps
@@ -50,10 +52,10 @@ class MmaConfig:
 # per warp, chunks in flight per warp. Chosen by `qerl bench kernels --sweep` on the H200
 # (benchmarks/kernels.md); `plan` turns them into a grid for each weight shape.
 TUNING: dict[int, dict] = {
-    1: dict(warps=4, ctas_per_sm=4, rt=1, stages=4),
-    2: dict(warps=4, ctas_per_sm=4, rt=1, stages=4),
-    4: dict(warps=4, ctas_per_sm=4, rt=2, stages=2),
-    8: dict(warps=4, ctas_per_sm=4, rt=2, stages=2),
+    1: dict(warps=8, ctas_per_sm=8, rt=1, stages=2, xsm=0),
+    2: dict(warps=8, ctas_per_sm=8, rt=1, stages=2, xsm=0),
+    4: dict(warps=4, ctas_per_sm=8, rt=2, stages=2, xsm=3),
+    8: dict(warps=8, ctas_per_sm=4, rt=1, stages=2, xsm=3),
 }
 
 
@@ -68,7 +70,7 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 4, **override) -
     want = max(1, round(sms * tune["ctas_per_sm"] / blocks))
     splits = max(1, min(want, kch // min_chunks))
     cps = math.ceil(kch / splits)
-    return MmaConfig(mt, tune["rt"], tune["warps"], tune["stages"], math.ceil(kch / cps), cps)
+    return MmaConfig(mt, tune["rt"], tune["warps"], tune["stages"], math.ceil(kch / cps), cps, tune.get("xsm", 0))
 
 
 _KERNELS: dict = {}
@@ -90,8 +92,8 @@ def _compile(name: str, defines: dict, device: torch.device):
 
 
 def _matmul_kernel(cfg: MmaConfig, has_bias: bool, has_lora: bool, device):
-    return _compile("w4_mma_matmul", dict(MT=cfg.mt, RT=cfg.rt, WARPS=cfg.warps, ST=cfg.stages, XPF=int(cfg.mt <= 2),
-                                          DUAL=int(cfg.mt * cfg.rt <= 2), HAS_BIAS=int(has_bias),
+    return _compile("w4_mma_matmul", dict(MT=cfg.mt, RT=cfg.rt, WARPS=cfg.warps, ST=cfg.stages, XSM=int(cfg.xsm > 0),
+                                          XST=max(2, cfg.xsm), DUAL=int(cfg.mt * cfg.rt <= 2), HAS_BIAS=int(has_bias),
                                           HAS_LORA=int(has_lora), SCALE_BIAS=SCALE_BIAS), device)
 
 
@@ -175,7 +177,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, N: int, K: int, out: t
     """bf16 [N, K] = W * gs (the 1/gs is the GEMM's alpha), standard row order, from the MMA layout."""
     w = out if out is not None else torch.empty(N, K, device=packed.device, dtype=torch.bfloat16)
     threads = N // 16 * (K // 64) * 32
-    kern = _compile("w4_mma_dequantize", dict(MT=1, RT=1, WARPS=1, ST=1, XPF=0, DUAL=0, HAS_BIAS=0, HAS_LORA=0,
+    kern = _compile("w4_mma_dequantize", dict(MT=1, RT=1, WARPS=1, ST=1, XSM=0, XST=2, DUAL=0, HAS_BIAS=0, HAS_LORA=0,
                                               SCALE_BIAS=SCALE_BIAS), packed.device)
     kern(grid=(math.ceil(threads / 256), 1, 1), block=(256, 1, 1), args=[packed, scale, w, N, K])
     return w
