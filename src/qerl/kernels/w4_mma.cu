@@ -155,17 +155,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
 #pragma unroll
   for (int s = 0; s < XST - 1; s++) stage_x(s);
 #else
-  // Few tokens: each warp loads its fragments (L1 serves the CTA's other warps), one chunk ahead.
-  u32x4 xv[MT][2];
-  auto load_x = [&](int c) {
+  // Few tokens: each warp loads its fragments (L1 serves the CTA's other warps), one chunk ahead,
+  // into two buffers used by alternate chunks (ST is even), so no register copies wait on loads.
+  u32x4 xv[2][MT][2];
+  auto load_x = [&](int c, int buf) {
     const int cc = imin(c, nch - 1);
 #pragma unroll
     for (int j = 0; j < MT; j++) {
-      xv[j][0] = ld_act(xrow[j] + cc * 64);
-      xv[j][1] = ld_act(xrow[j] + cc * 64 + 8);
+      xv[buf][j][0] = ld_act(xrow[j] + cc * 64);
+      xv[buf][j][1] = ld_act(xrow[j] + cc * 64 + 8);
     }
   };
-  load_x(0);
+  load_x(0, 0);
 #endif
   // DUAL: odd k-steps accumulate apart, so consecutive MMAs do not wait on each other.
   float acc2[DUAL ? RT : 1][DUAL ? MT : 1][4];
@@ -174,58 +175,77 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
 #pragma unroll
     for (int j = 0; j < (DUAL ? MT : 1); j++) acc2[r][j][0] = acc2[r][j][1] = acc2[r][j][2] = acc2[r][j][3] = 0.f;
 
-  for (int base = 0; base < nch; base += ST) {
-#pragma unroll
-    for (int s = 0; s < ST; s++) {
-      const int c = base + s;
-      if (c < nch) {
-        u32x4 xc[MT][2];
+  // One chunk: slot s holds chunk c; `ahead` refills the slot with chunk c + ST. In the steady
+  // state (all of the next ST chunks in range) the addresses need no clamping.
+  auto body = [&](const int c, const int s, const bool ahead, const bool steady) {
+    u32x4 xc[MT][2];
 #if XSM
-        asm volatile("cp.async.wait_group %0;" ::"n"(XST - 2) : "memory");
-        __syncthreads();  // chunk c is in; every warp is done with the stage chunk c + XST - 1 reuses
-        stage_x(c + XST - 1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(XST - 2) : "memory");
+    __syncthreads();  // chunk c is in; every warp is done with the stage chunk c + XST - 1 reuses
+    stage_x(c + XST - 1);
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      xc[j][0] = xs[c % XST][8 * j + g][2 * q];
+      xc[j][1] = xs[c % XST][8 * j + g][2 * q + 1];
+    }
+#else
+    const int cur = s & 1, nxt = cur ^ 1;
+#pragma unroll
+    for (int j = 0; j < MT; j++) xc[j][0] = xv[cur][j][0], xc[j][1] = xv[cur][j][1];
+    if (steady) {
+#pragma unroll
+      for (int j = 0; j < MT; j++) {
+        xv[nxt][j][0] = ld_act(xrow[j] + (c + 1) * 64);
+        xv[nxt][j][1] = ld_act(xrow[j] + (c + 1) * 64 + 8);
+      }
+    } else {
+      load_x(c + 1, nxt);
+    }
+#endif
+    u32x4 w[RT];
+    u32 sl[RT], sh[RT];
+#pragma unroll
+    for (int r = 0; r < RT; r++) {
+      w[r] = wb[s][r];
+      scales(sb[s][r], sl[r], sh[r]);
+      if (ahead) {
+        wb[s][r] = ld_stream(wp[r] + (c + ST) * 32);
+        sb[s][r] = ld_stream_u16(sp[r] + (c + ST) * 32);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+#pragma unroll
+      for (int r = 0; r < RT; r++) {
+        const u32 v = t == 0 ? w[r].x : t == 1 ? w[r].y : t == 2 ? w[r].z : w[r].w;
+        const u32 a0 = bmul2(e2m1x2(v), sl[r]);
+        const u32 a1 = bmul2(e2m1x2(v << 4), sh[r]);
+        const u32 a2 = bmul2(e2m1x2(v << 8), sl[r]);
+        const u32 a3 = bmul2(e2m1x2(v << 12), sh[r]);
 #pragma unroll
         for (int j = 0; j < MT; j++) {
-          xc[j][0] = xs[c % XST][8 * j + g][2 * q];
-          xc[j][1] = xs[c % XST][8 * j + g][2 * q + 1];
-        }
-#else
-#pragma unroll
-        for (int j = 0; j < MT; j++) xc[j][0] = xv[j][0], xc[j][1] = xv[j][1];
-        load_x(c + 1);
-#endif
-        u32x4 w[RT];
-        u32 sl[RT], sh[RT];
-#pragma unroll
-        for (int r = 0; r < RT; r++) {
-          w[r] = wb[s][r];
-          scales(sb[s][r], sl[r], sh[r]);
-          wb[s][r] = ld_stream(wp[r] + imin(c + ST, nch - 1) * 32);
-          sb[s][r] = ld_stream_u16(sp[r] + imin(c + ST, nch - 1) * 32);
-        }
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-#pragma unroll
-          for (int r = 0; r < RT; r++) {
-            const u32 v = t == 0 ? w[r].x : t == 1 ? w[r].y : t == 2 ? w[r].z : w[r].w;
-            const u32 a0 = bmul2(e2m1x2(v), sl[r]);
-            const u32 a1 = bmul2(e2m1x2(v << 4), sh[r]);
-            const u32 a2 = bmul2(e2m1x2(v << 8), sl[r]);
-            const u32 a3 = bmul2(e2m1x2(v << 12), sh[r]);
-#pragma unroll
-            for (int j = 0; j < MT; j++) {
-              const u32x4& xx = xc[j][t >> 1];
-              const u32 b0 = (t & 1) ? xx.z : xx.x, b1 = (t & 1) ? xx.w : xx.y;
-              if (DUAL && (t & 1))
-                mma_bf16(acc2[DUAL ? r : 0][DUAL ? j : 0], a0, a1, a2, a3, b0, b1);
-              else
-                mma_bf16(acc[r][j], a0, a1, a2, a3, b0, b1);
-            }
-          }
+          const u32x4& xx = xc[j][t >> 1];
+          const u32 b0 = (t & 1) ? xx.z : xx.x, b1 = (t & 1) ? xx.w : xx.y;
+          if (DUAL && (t & 1))
+            mma_bf16(acc2[DUAL ? r : 0][DUAL ? j : 0], a0, a1, a2, a3, b0, b1);
+          else
+            mma_bf16(acc[r][j], a0, a1, a2, a3, b0, b1);
         }
       }
     }
+  };
+  int c0 = 0;
+  for (; c0 + 2 * ST <= nch; c0 += ST) {
+#pragma unroll
+    for (int s = 0; s < ST; s++) body(c0 + s, s, true, true);
   }
+  // The last ST .. 2ST-1 chunks (fewer when nch < ST): refills only while in range.
+#pragma unroll
+  for (int s = 0; s < ST; s++)
+    if (c0 + s < nch) body(c0 + s, s, c0 + s + ST < nch, false);
+#pragma unroll
+  for (int s = 0; s < ST; s++)
+    if (c0 + ST + s < nch) body(c0 + ST + s, s, false, false);
 #if XSM
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif

@@ -64,6 +64,8 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 4, **override) -
     when the row blocks alone are too few, each split at least `min_chunks` chunks of 64 inputs."""
     mt = max(1, math.ceil(M / 8))
     tune = {**TUNING[min(b for b in TUNING if b >= mt)], **override}
+    if tune["stages"] % 2:
+        raise ValueError(f"stages must be even (the activation buffers alternate), got {tune['stages']}")
     rows = 16 * tune["rt"] * tune["warps"]
     blocks = math.ceil(N / rows)
     kch = K // 64
