@@ -138,14 +138,16 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             f, _ = mma_backend._prepare(t)
             out.append(lambda t=t, f=f: w4_mma.matmul(x, t["weight_packed"], t["weight_scale"], f, n, config=c))
         return out
-    if mode == "nvfp4_lora32":
+    if mode in ("nvfp4_lora32", "nvfp4_lora32_cublas_shrink"):
+        # r = 32 on every member; the shrink inside the launch (what layers do), or by cuBLAS first.
         segs = SEGMENTS.get(group, 1)
         r = 32
         starts = tuple(int(v) for v in torch.linspace(0, n, segs + 1)[1:-1].div(16).floor().mul(16).tolist())
         a = sets.lora_a[: segs * r]
 
         def call(t):
-            lora = dispatch.LoraTerm(torch.nn.functional.linear(x, a), sets.lora_b, 2.0, starts)
+            xa = None if mode == "nvfp4_lora32" else torch.nn.functional.linear(x, a)
+            lora = dispatch.LoraTerm(xa, sets.lora_b, 2.0, starts, a=a)
             return mma_backend.matmul(x, mma, t, shape, lora=lora)
         return [lambda t=t: call(t) for t in sets.mma]
     if mode == "triton":
@@ -215,7 +217,7 @@ def main(argv=None):
         results["sweep"] = {str(k): v for k, v in sweep(log).items()}
     ms = [int(v) for v in a.ms.split(",")]
     rows, final = [], []
-    modes = ["bf16", "nvfp4", "nvfp4_lora32", "triton", "tinygemm"]
+    modes = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "triton", "tinygemm"]
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
@@ -226,7 +228,7 @@ def main(argv=None):
                 for mode in modes:
                     if mode == "triton" and m > 64:
                         continue
-                    if mode == "nvfp4_lora32" and m not in (1, 16, 64, 2048):
+                    if mode.startswith("nvfp4_lora32") and m not in (1, 16, 64, 2048):
                         continue
                     r[mode] = _time(sets, mode, x, group)
                 for mode, us in r.items():

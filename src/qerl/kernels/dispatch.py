@@ -34,16 +34,25 @@ class LoraTerm:
 
     A fused group (q|k|v, gate|up) passes one shrink over its concatenated A matrices
     (xa [..., S*r]) and its members' B stacked by rows (b [out, r]); `seg_starts` are
-    the first rows of segments 1..S-1 (empty for a single projection)."""
+    the first rows of segments 1..S-1 (empty for a single projection). Instead of xa a
+    caller may pass `a` (the A matrices stacked, [S*r, in]): the backend then computes the
+    shrink x @ a.T itself (the MMA kernel does it inside the same launch)."""
 
-    xa: torch.Tensor
+    xa: torch.Tensor | None
     b: torch.Tensor
     scaling: float
     seg_starts: tuple[int, ...] = ()
+    a: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
         return self.b.shape[1]
+
+    def shrunk(self, x: torch.Tensor) -> "LoraTerm":
+        """This term with xa computed (x @ a.T in the adapter's dtype) if it was not given."""
+        if self.xa is not None:
+            return self
+        return LoraTerm(torch.nn.functional.linear(x.to(self.a.dtype), self.a), self.b, self.scaling, self.seg_starts)
 
 
 _BACKENDS: list[Backend] = []
@@ -104,11 +113,12 @@ def _dequantized(fmt, tensors, shape, dtype):
 def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
     y = torch.nn.functional.linear(x, _dequantized(fmt, tensors, shape, x.dtype), None if bias is None else bias.to(x.dtype))
-    return y if lora is None else y + lora_expand(lora, y.dtype)
+    return y if lora is None else y + lora_expand(lora.shrunk(x), y.dtype)
 
 
 def lora_expand(lora: LoraTerm, dtype):
-    """scaling * xa @ b.T per segment, in the adapter's dtype, then cast (the unfused reference)."""
+    """scaling * xa @ b.T per segment, in the adapter's dtype, then cast (the unfused reference;
+    xa must be given: `lora.shrunk(x)`)."""
     r, n = lora.rank, lora.b.shape[0]
     bounds = (0, *lora.seg_starts, n)
     parts = [torch.nn.functional.linear(lora.xa[..., s * r:(s + 1) * r], lora.b[bounds[s]:bounds[s + 1]])

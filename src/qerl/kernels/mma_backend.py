@@ -42,14 +42,17 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     if x2d.shape[0] <= w4_mma.MAX_M:
-        fuse = lora is not None and w4_mma.lora_fusable(lora)
+        fuse = lora is not None and w4_mma.lora_fusable(lora, k)
+        if lora is not None and not fuse:
+            lora = lora.shrunk(x2d)
+            fuse = w4_mma.lora_fusable(lora, k)
         y = w4_mma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
         if lora is not None and not fuse:
             y = y + lora_expand(lora, y.dtype).reshape(y.shape)
     else:
         y = w4_mma.dequant_matmul(x2d, packed, scale, inv_gs, n, bias=b)
         if lora is not None:
-            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
+            y = y + lora_expand(lora.shrunk(x2d), y.dtype).reshape(y.shape)
     return y.view(*x.shape[:-1], n).to(dtype)
 
 

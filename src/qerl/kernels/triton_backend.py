@@ -74,6 +74,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     if x2d.stride(-1) != 1 or x2d.stride(0) != k:
         x2d = x2d.contiguous()
     b = None if bias is None else bias.to(x.dtype)
+    lora = None if lora is None else lora.shrunk(x2d)
     fused_lora = lora is not None and not lora.seg_starts  # the Triton epilogue takes one segment
     if x2d.shape[0] <= FUSED_MAX_M:
         y = K.fused_matmul(x2d, fid, packed, scale, lut, inv, n, bias=b, asm=asm,

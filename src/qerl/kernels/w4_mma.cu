@@ -12,7 +12,7 @@
 //
 // Compile-time: MT (8-token tiles), RT (row tiles per warp), WARPS (per CTA), ST (chunks in flight
 // per warp), XSM (stage activations in shared memory, XST chunks deep), DUAL (two accumulator sets),
-// HAS_BIAS, HAS_LORA.
+// HAS_BIAS, HAS_LORA, FUSE_SHRINK (the LoRA shrink x @ A^T computed by extra CTAs of the same launch).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -89,20 +89,75 @@ __device__ __forceinline__ void scales(u32 s, u32& lo, u32& hi) {
   hi = prmt(b, b, 0x3232u);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 ld_u32_l2(const void* p) {  // written by other CTAs of this launch
+  u32 r;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p) : "memory");
+  return r;
+}
+
+// The LoRA shrink inside the launch (FUSE_SHRINK): xa[M, R] = x @ A^T for 16 rows of A per CTA,
+// its warps splitting K and adding their parts in warp order (deterministic), rounded to bf16 once.
+__device__ __forceinline__ void shrink_cta(int cta, const u16* __restrict__ x, const u16* __restrict__ la,
+                                           u16* __restrict__ xa, int R, int M, int K, int ldx) {
+  __shared__ f32x4 red[MT][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int row0 = imin(cta * 16 + g, R - 1), row1 = imin(cta * 16 + g + 8, R - 1);
+  float acc[MT][4];
+#pragma unroll
+  for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int k0 = warp * 16; k0 < K; k0 += WARPS * 16) {
+    const int ka = k0 + 2 * q, kb = ka + 8;
+    const u32 a0 = ld_u32(la + (u64)row0 * K + ka), a1 = ld_u32(la + (u64)row1 * K + ka);
+    const u32 a2 = ld_u32(la + (u64)row0 * K + kb), a3 = ld_u32(la + (u64)row1 * K + kb);
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      const u16* xr = x + (u64)imin(8 * j + g, M - 1) * ldx;
+      mma_bf16(acc[j], a0, a1, a2, a3, ld_u32(xr + ka), ld_u32(xr + kb));
+    }
+  }
+  for (int w = 0; w < WARPS; w++) {  // warps add their parts in order: the same bits every run
+    if (warp == w)
+#pragma unroll
+      for (int j = 0; j < MT; j++) {
+        f32x4 v = w ? red[j][lane] : f32x4{0.f, 0.f, 0.f, 0.f};
+        v.x += acc[j][0]; v.y += acc[j][1]; v.z += acc[j][2]; v.w += acc[j][3];
+        red[j][lane] = v;
+      }
+    __syncthreads();
+  }
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      const f32x4 v = red[j][lane];
+      const float o[4] = {v.x, v.y, v.z, v.w};
+      const int t0 = 8 * j + 2 * q, r0 = cta * 16 + g, r1 = r0 + 8;
+      if (t0 < M && r0 < R) xa[(u64)t0 * R + r0] = f32_to_bf16(o[0]);
+      if (t0 + 1 < M && r0 < R) xa[(u64)(t0 + 1) * R + r0] = f32_to_bf16(o[1]);
+      if (t0 < M && r1 < R) xa[(u64)t0 * R + r1] = f32_to_bf16(o[2]);
+      if (t0 + 1 < M && r1 < R) xa[(u64)(t0 + 1) * R + r1] = f32_to_bf16(o[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void matmul_cta(
+    const int bx, const int split, const int S,
     const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
     u16* __restrict__ y, f32x4* __restrict__ part, int* __restrict__ counters,
     const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
-    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split) {
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_ctas) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int KCH = K >> 6, NT = N >> 4;
-  const int S = gridDim.y, split = blockIdx.y;
   const int c_begin = split * chunks_per_split;
   const int c_end = imin(c_begin + chunks_per_split, KCH);
   const int nch = c_end - c_begin;
-  const int rt0 = (blockIdx.x * WARPS + warp) * RT;
+  const int rt0 = (bx * WARPS + warp) * RT;
 
   float acc[RT][MT][4];
 #pragma unroll
@@ -270,9 +325,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
     __syncthreads();
     __shared__ int is_last;
     if (threadIdx.x == 0) {
-      const int ticket = atomicAdd(&counters[blockIdx.x], 1);
+      const int ticket = atomicAdd(&counters[bx], 1);
       is_last = ticket == S - 1;
-      if (is_last) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays too)
+      if (is_last) counters[bx] = 0;  // ready for the next launch (graph replays too)
     }
     __syncthreads();
     if (!is_last) return;
@@ -292,6 +347,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
   }
 
   // Epilogue: c0,c1 = (row g, tokens 2q, 2q+1), c2,c3 = (row g+8, same tokens) of each 16 x 8 tile.
+  if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
+    if (threadIdx.x == 0)
+      while (ld_acquire(xa_ready) < shrink_ctas) {
+      }
+    __syncthreads();
+  }
   const float f = *out_factor;
 #pragma unroll
   for (int r = 0; r < RT; r++) {
@@ -318,8 +379,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
           const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
           const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
           const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
-          const u32 x0 = ka < rank ? ld_u32(xr + ka) : 0u;
-          const u32 x1 = kb < rank ? ld_u32(xr + kb) : 0u;
+          const u32 x0 = ka < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
+          const u32 x1 = kb < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
           mma_bf16(l, a0, a1, a2, a3, x0, x1);
         }
         const float sc = (float)lora_scaling;
@@ -335,6 +396,44 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
         y[(u64)(t0 + 1) * ldy + row1] = f32_to_bf16(o[3]);
       }
     }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
+    const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
+    u16* __restrict__ y, f32x4* __restrict__ part, int* __restrict__ counters,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, u16* __restrict__ xa,
+    const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split,
+    const u16* __restrict__ lora_a, int shrink_ctas, int splits, int sync_base) {
+  if (!FUSE_SHRINK) {
+    matmul_cta(blockIdx.x, blockIdx.y, gridDim.y, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb,
+               lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, counters, 0);
+    return;
+  }
+  // Roles by ticket, in the order CTAs start: tickets 0..shrink_ctas-1 compute xa, the rest the
+  // matmul (whose epilogue waits for xa). sync: [ticket, xa_ready, finished] counters.
+  int* sync = counters + sync_base;
+  __shared__ int role;
+  if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1);
+  __syncthreads();
+  const int t = role;
+  if (t < shrink_ctas) {
+    shrink_cta(t, x, lora_a, xa, ldxa, M, K, ldx);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[1], 1);
+  } else {
+    const int m = t - shrink_ctas, blocks = gridDim.x - shrink_ctas;
+    const int row_blocks = blocks / splits;
+    matmul_cta(m % row_blocks, m / row_blocks, splits, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb,
+               lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1], shrink_ctas);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&sync[2], 1) == gridDim.x - 1) {
+    sync[0] = 0;  // the last CTA to finish: every other one is done with the counters
+    sync[1] = 0;
+    sync[2] = 0;
   }
 }
 

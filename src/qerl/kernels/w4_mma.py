@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("w4_mma.cu").read_text()
 MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
-_COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block))
+_COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
+_SYNC = 4  # a fused-shrink launch's ticket / xa-ready / finished counters, at the end of the buffer
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,11 @@ def _compile(name: str, defines: dict, device: torch.device):
     return k
 
 
-def _matmul_kernel(cfg: MmaConfig, has_bias: bool, has_lora: bool, device):
+def _matmul_kernel(cfg: MmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False):
     return _compile("w4_mma_matmul", dict(MT=cfg.mt, RT=cfg.rt, WARPS=cfg.warps, ST=cfg.stages, XSM=int(cfg.xsm > 0),
                                           XST=max(2, cfg.xsm), DUAL=int(cfg.mt * cfg.rt <= 2), HAS_BIAS=int(has_bias),
-                                          HAS_LORA=int(has_lora), SCALE_BIAS=SCALE_BIAS), device)
+                                          HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink),
+                                          SCALE_BIAS=SCALE_BIAS), device)
 
 
 def available(device: torch.device) -> bool:
@@ -139,8 +141,9 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x2d [M <= MAX_M, K] bf16 -> [M, N] bf16 = x @ W^T (* out_factor = 2^7/gs) + bias + LoRA.
 
-    packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm with bf16 xa and b and at
-    most MAX_SEGMENTS segments (the caller checks `lora_fusable`)."""
+    packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm the caller checked with
+    `lora_fusable`; without xa (with `a`), extra CTAs of the same launch compute the shrink, and the
+    epilogues wait for it (roles go by a ticket in start order, so the wait cannot deadlock)."""
     M, K = x2d.shape
     dev = x2d.device
     cfg = config or plan(M, N, K, _sms(dev))
@@ -149,37 +152,51 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     nt = N // 16
     part = (torch.empty(cfg.splits * nt * cfg.mt * 32 * 4, device=dev, dtype=torch.float32)
             if cfg.splits > 1 else out_factor)
+    fuse_shrink = lora is not None and lora.xa is None
+    shrink_ctas = 0
     if lora is not None:
-        xa, lb = lora.xa.reshape(M, -1), lora.b
-        if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
-            xa = xa.contiguous()
-        lb = lb.contiguous()
+        lb = lora.b.contiguous()
+        if fuse_shrink:  # the launch computes xa = x @ a.T into this buffer first
+            xa = torch.empty(M, lora.a.shape[0], device=dev, dtype=torch.bfloat16)
+            shrink_ctas = math.ceil(lora.a.shape[0] / 16)
+        else:
+            xa = lora.xa.reshape(M, -1)
+            if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
+                xa = xa.contiguous()
         segs = list(lora.seg_starts) + [N] * (2 - len(lora.seg_starts))
         lora_args = [xa, lb, float(lora.scaling), lb.shape[1], segs[0], segs[1]]
         ldxa = xa.stride(0)
     else:
         lora_args = [x2d, x2d, 0.0, 0, N, N]
         ldxa = 0
-    kern = _matmul_kernel(cfg, bias is not None, lora is not None, dev)
+    kern = _matmul_kernel(cfg, bias is not None, lora is not None, dev, fuse_shrink)
     blocks = math.ceil(N / cfg.rows_per_block())
-    if blocks > _COUNTERS:
-        raise ValueError(f"N = {N} needs {blocks} row blocks; the kernel's counters hold {_COUNTERS}")
-    kern(grid=(blocks, cfg.splits, 1), block=(32 * cfg.warps, 1, 1),
+    if blocks > _COUNTERS - _SYNC:
+        raise ValueError(f"N = {N} needs {blocks} row blocks; the kernel's counters hold {_COUNTERS - _SYNC}")
+    grid = (blocks * cfg.splits + shrink_ctas, 1, 1) if fuse_shrink else (blocks, cfg.splits, 1)
+    kern(grid=grid, block=(32 * cfg.warps, 1, 1),
          args=[packed, scale, x2d, y, part, _counters(dev), out_factor, bias if bias is not None else x2d,
-               *lora_args, M, N, K, x2d.stride(0), y.stride(0), ldxa, cfg.chunks_per_split])
+               *lora_args, M, N, K, x2d.stride(0), y.stride(0), ldxa, cfg.chunks_per_split,
+               lora.a if fuse_shrink else x2d, shrink_ctas, cfg.splits, _COUNTERS - _SYNC])
     return y
 
 
-def lora_fusable(lora) -> bool:
-    return (lora.b.dtype == torch.bfloat16 and lora.xa.dtype == torch.bfloat16 and lora.rank % 2 == 0
-            and len(lora.seg_starts) < MAX_SEGMENTS and all(s % 16 == 0 for s in lora.seg_starts))
+def lora_fusable(lora, k: int) -> bool:
+    """Whether the epilogue takes this LoRA term: bf16, even rank, <= 3 segments on 16-row tiles, and
+    either xa given or the stacked A to shrink in the launch ([S*r, k], rows of 4-byte-aligned bf16)."""
+    src = lora.xa if lora.xa is not None else lora.a
+    ok = (lora.b.dtype == torch.bfloat16 and src.dtype == torch.bfloat16 and lora.rank % 2 == 0
+          and len(lora.seg_starts) < MAX_SEGMENTS and all(s % 16 == 0 for s in lora.seg_starts))
+    if ok and lora.xa is None:
+        ok = lora.a.shape == (lora.rank * (len(lora.seg_starts) + 1), k) and lora.a.is_contiguous()
+    return ok
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, N: int, K: int, out: torch.Tensor | None = None):
     """bf16 [N, K] = W * gs (the 1/gs is the GEMM's alpha), standard row order, from the MMA layout."""
     w = out if out is not None else torch.empty(N, K, device=packed.device, dtype=torch.bfloat16)
     threads = N // 16 * (K // 64) * 32
-    kern = _compile("w4_mma_dequantize", dict(MT=1, RT=1, WARPS=1, ST=1, XSM=0, XST=2, DUAL=0, HAS_BIAS=0, HAS_LORA=0,
+    kern = _compile("w4_mma_dequantize", dict(MT=1, RT=1, WARPS=1, ST=2, XSM=0, XST=2, DUAL=0, HAS_BIAS=0, HAS_LORA=0, FUSE_SHRINK=0,
                                               SCALE_BIAS=SCALE_BIAS), packed.device)
     kern(grid=(math.ceil(threads / 256), 1, 1), block=(256, 1, 1), args=[packed, scale, w, N, K])
     return w
