@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..layers import QLoRALinear
+from ..layers.qlora_linear import standalone
 
 SHARD_BYTES = 4 << 30
 
@@ -69,8 +70,8 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
     for name, m in model.named_modules():
         if isinstance(m, QLoRALinear):
             owned.add(name)
-            if m.fmt.name == fmt:
-                for k, t in m.quant_tensors().items():
+            if m.fmt.name == fmt:  # in the checkpoint's byte order (the layer may keep a kernel's)
+                for k, t in m.checkpoint_tensors().items():
                     out[f"{name}.{k}"] = t
             elif m.fmt.name == "bf16":
                 out[f"{name}.weight"] = m.dequantized_weight(m.dtype)
@@ -89,7 +90,9 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
         if tied and k == "lm_head.weight":
             continue
         out[k] = t
-    return {k: v.detach().contiguous().cpu() for k, v in out.items()}, ignore
+    # One owned copy each: group members' tensors are views into shared storage (their global
+    # scale one tensor), which safetensors refuses or would write whole.
+    return {k: standalone(v) for k, v in out.items()}, ignore
 
 
 def write_safetensors_sharded(tensors: dict[str, torch.Tensor], folder: Path, max_bytes: int = SHARD_BYTES) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..layers import QLoRALinear
+from ..layers.qlora_linear import standalone
 from ..model.safetensors_reader import CheckpointError
 
 CONFIG_NAME = "adapter_config.json"
@@ -133,8 +134,9 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     }
     tensors = {}
     for name, m in layers.items():
-        tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
-        tensors[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+        # standalone: a fused group's member views A_cat/B_cat; the file holds just its rows
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = standalone(m.lora_A.weight)
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = standalone(m.lora_B.weight)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -306,17 +308,23 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
     if not pairs:
         raise AdapterError(f"{path}: no LoRA tensors for this model")
 
+    regroup = {}
     with torch.no_grad():
         for mod_name, ab in pairs.items():
             layer = modules[mod_name]
             if layer.r != r:
-                layer.add_lora(r, alpha, dropout)
+                layer.add_lora(r, alpha, dropout)  # new parameters: its fused group must re-attach them
+                if layer.group is not None:
+                    regroup[id(layer.group)] = layer.group
             layer.lora_alpha = alpha
             layer.scaling = alpha / math.sqrt(r) if rslora else alpha / r
+            # In place: in a fused group these parameters are views into the group's A_cat / B_cat.
             layer.lora_A.weight.copy_(ab["lora_A"].to(layer.lora_A.weight.dtype))
             layer.lora_B.weight.copy_(ab["lora_B"].to(layer.lora_B.weight.dtype))
             layer.lora_A.weight.requires_grad_(True)
             layer.lora_B.weight.requires_grad_(True)
+    for group in regroup.values():
+        group.attach_lora()
 
     if policy is not None:
         for attr, value in (("lora_rank", r), ("lora_alpha", alpha)):

@@ -39,11 +39,10 @@ def unfused_lora():
 
 
 def standalone(t: torch.Tensor) -> torch.Tensor:
-    """t detached, contiguous, on the CPU, and owning its storage: a view into a fused group's
+    """A contiguous CPU copy of t that owns its storage, for writing: a view into a fused group's
     storage would otherwise take the whole group along (torch.save) or be refused as shared
-    memory (safetensors), and one tensor saved under several names (a shared global scale) too."""
-    t = t.detach().contiguous().cpu()
-    return t if t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0 else t.clone()
+    memory (safetensors), as would one tensor saved under several names (a shared global scale)."""
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -102,8 +101,9 @@ class QLoRALinear(nn.Module):
         return {name: getattr(self, name) for name in self.fmt.expected_shapes(self.weight_shape)}
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The quantized tensors in the standard (checkpoint) byte order, each owning its storage."""
-        return {k: standalone(t) for k, t in self.fmt.to_checkpoint(self.quant_tensors(), self.weight_shape).items()}
+        """The quantized tensors in the standard (checkpoint) byte order. For the standard layout
+        these are the buffers themselves (views, in a fused group): write them via `standalone`."""
+        return self.fmt.to_checkpoint(self.quant_tensors(), self.weight_shape)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -176,10 +176,14 @@ class QLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.r and not self.disable_adapters and not torch.is_grad_enabled() and _FUSE_LORA[-1]:
-            # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it.
-            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
-            return dispatch.base_matmul(x, self.fmt, self.quant_tensors(), self.weight_shape, self.bias,
-                                        lora=dispatch.LoraTerm(a, self.lora_B.weight, self.scaling))
+            # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it;
+            # without active dropout the shrink too (A handed over, the kernel computes x·Aᵀ in its launch).
+            if isinstance(self.lora_dropout, nn.Identity) or not self.lora_dropout.training:
+                lora = dispatch.LoraTerm(None, self.lora_B.weight, self.scaling, a=self.lora_A.weight)
+            else:
+                a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))
+                lora = dispatch.LoraTerm(a, self.lora_B.weight, self.scaling)
+            return dispatch.base_matmul(x, self.fmt, self.quant_tensors(), self.weight_shape, self.bias, lora=lora)
         y = _FrozenQuantMatmul.apply(x, self)
         if self.r and not self.disable_adapters:
             a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))

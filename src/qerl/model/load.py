@@ -5,6 +5,10 @@ time, the targeted projections are read from safetensors, quantized on the
 target device and installed, so peak memory is the quantized model plus about
 one bf16 layer. A compressed-tensors checkpoint (as llm-compressor writes it) is
 read directly: its packed tensors become the layer's buffers, never bf16.
+
+q|k|v and gate|up of a layer are loaded as fused groups (layers/fused_group.py)
+when their rows concatenate exactly: the group's storage is allocated once and
+each member is quantized (or read) straight into its rows.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..formats import QuantizationError, get_format
 from ..layers import QLoRALinear
+from ..layers.fused_group import QuantGroup, register, row_split, why_not_fusable
 from .architectures import DEFAULT_TARGETS, FUSED_GROUPS, TARGET_MODULES, check_architecture, normalize_targets
 from .resolve import resolve_model
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
@@ -118,12 +123,14 @@ def load_policy(
     revision: str | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    fuse_groups: bool = True,
 ) -> Policy:
     """Load a Llama / Qwen2 / Qwen3 causal LM with its targeted linears quantized + LoRA.
 
     quant: "nvfp4" | "mxfp4" | "nf4" | "bf16", or "auto" (the checkpoint's own format,
     nvfp4 for a dense checkpoint). lora_rank 0 gives a frozen quantized model.
     lora_alpha defaults to 2·rank. Embeddings, lm_head and norms stay in `dtype`.
+    fuse_groups: store q|k|v and gate|up as fused groups where exact (False: separate layers).
     """
     from transformers import AutoConfig
 
@@ -154,15 +161,18 @@ def load_policy(
             if not members:
                 continue
             names = [f"model.layers.{i}.{TARGET_MODULES[t]}" for t in members]
+            fuse = fuse_groups and len(group) > 1 and len(members) == len(group)
             if ckpt_fmt:
-                layers = _load_compressed(ckpt, names, fmt, ignore, lora, device)
+                layers, qgroup = _load_compressed(ckpt, names, fmt, ignore, lora, device, fuse)
             else:
-                layers = _quantize_group(ckpt, names, fmt, lora, device, fallback)
+                layers, qgroup = _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse)
             for name, layer in zip(names, layers):
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, layer)
                 done.update(f"{name}.{k}" for k in ("weight", "bias", *fmt.expected_shapes((1, fmt.block_size))))
                 done.update(f"{name}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale"))
+            if qgroup is not None:
+                install_group(model, names, qgroup)
 
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in list(model.state_dict(keep_vars=True).items()):
@@ -182,7 +192,52 @@ def load_policy(
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout, targets, fallback)
 
 
-def _quantize_group(ckpt, names, fmt, lora, device, fallback):
+def build_projections(
+    names: list[str], shapes: list[tuple[int, int]], biases: list[torch.Tensor | None], fmt, lora: dict, device,
+    tensors_of: Callable[[int], dict[str, torch.Tensor]], fuse: bool,
+) -> tuple[list[QLoRALinear], QuantGroup | None]:
+    """QLoRALinear layers for `names` ([out, in] shapes), fused into one group when `fuse` and their
+    rows concatenate exactly. tensors_of(i) gives member i's quantized tensors (storage order of
+    `fmt`), one member at a time; they are copied into its rows, so the group's bytes exist once.
+
+    The layers store their weights in the order the device's kernel reads (`kernels.storage_format`:
+    NVFP4's MMA layout on a GPU that runs it), repacked here member by member; a weight the layout
+    cannot hold (a zero or negative block scale) keeps the standard order, with a warning."""
+    from ..kernels import storage_format
+
+    store = storage_format(fmt, shapes[0], device)
+    if any(storage_format(fmt, s, device) is fmt for s in shapes):
+        store = fmt
+    try:
+        return _build(names, shapes, biases, store, lora, device, tensors_of, fuse, fmt)
+    except QuantizationError as e:
+        if store is fmt:
+            raise
+        warnings.warn(f"{e}; these layers keep the standard {fmt.name} layout (the Triton kernels)", stacklevel=3)
+        return _build(names, shapes, biases, fmt, lora, device, tensors_of, fuse, fmt)
+
+
+def _build(names, shapes, biases, store, lora, device, tensors_of, fuse, fmt):
+    layers = [QLoRALinear(k, n, store, bias=b is not None, device=device, defer_storage=True, **lora)
+              for (n, k), b in zip(shapes, biases)]
+    group = QuantGroup(layers, names) if fuse and why_not_fusable(layers) is None else None
+    for i, (name, layer, b, shape) in enumerate(zip(names, layers, biases, shapes)):
+        t = tensors_of(i)
+        if store is not fmt:
+            t = store.from_checkpoint(fmt.to_checkpoint(t, shape), shape, name)
+        layer.load_quantized(t, name)
+        if b is not None:
+            with torch.no_grad():
+                layer.bias.copy_(b)
+    return layers, group
+
+
+def install_group(model: nn.Module, names: list[str], group: QuantGroup) -> None:
+    parent = names[0].rpartition(".")[0]
+    register(model.get_submodule(parent), tuple(n.rpartition(".")[2] for n in names), group)
+
+
+def _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse):
     ws = [ckpt.get(f"{n}.weight", device) for n in names]
     biases = [ckpt.get(f"{n}.bias", device) if f"{n}.bias" in ckpt else None for n in names]
     ok = []
@@ -196,33 +251,64 @@ def _quantize_group(ckpt, names, fmt, lora, device, fallback):
             ok.append(False)
     good = [w for w, k in zip(ws, ok) if k]
     gs = fmt.global_scale(good) if good and fmt.has_global_scale else None
+    if all(ok):
+        return build_projections(names, [tuple(w.shape) for w in ws], biases, fmt, lora, device,
+                                 lambda i: fmt.quantize(ws[i], gs), fuse)
     out = []
     for n, w, b, k in zip(names, ws, biases, ok):
         f = fmt if k else get_format("bf16")
         out.append(QLoRALinear.from_weight(w, f, b, global_scale=gs if k else None, name=n, **lora))
-    return out
+    return out, None
 
 
-def _load_compressed(ckpt, names, fmt, ignore, lora, device):
-    out = []
-    for n in names:
-        bias = ckpt.get(f"{n}.bias", device) if f"{n}.bias" in ckpt else None
-        if f"{n}.weight_packed" in ckpt:
-            keys = fmt.expected_shapes((1, fmt.block_size))
-            for k in keys:
-                if f"{n}.{k}" not in ckpt:
-                    raise CheckpointError(f"{ckpt.folder}: missing tensor {n}.{k} ({fmt.name} layer)")
-            out_f, half_in = ckpt.shape(f"{n}.weight_packed")
-            layer = QLoRALinear(half_in * 2, out_f, fmt, bias=bias is not None, device=device, **lora)
-            layer.load_quantized({k: ckpt.get(f"{n}.{k}", device) for k in keys}, f"{ckpt.path_of(n + '.weight_packed')}: {n}")
-            if bias is not None:
-                layer.bias.data.copy_(bias)
-        elif f"{n}.weight" in ckpt:  # left dense by the checkpoint's ignore list
-            layer = QLoRALinear.from_weight(ckpt.get(f"{n}.weight", device), "bf16", bias, name=n, **lora)
-        else:
+def _load_compressed(ckpt, names, fmt, ignore, lora, device, fuse):
+    biases = [ckpt.get(f"{n}.bias", device) if f"{n}.bias" in ckpt else None for n in names]
+    keys = fmt.expected_shapes((1, fmt.block_size))
+    packed = [f"{n}.weight_packed" in ckpt for n in names]
+    for n, p in zip(names, packed):
+        for k in keys if p else ():
+            if f"{n}.{k}" not in ckpt:
+                raise CheckpointError(f"{ckpt.folder}: missing tensor {n}.{k} ({fmt.name} layer)")
+        if not p and f"{n}.weight" not in ckpt:
             raise CheckpointError(f"{ckpt.folder}: missing tensor {n}.weight_packed (or {n}.weight)")
-        out.append(layer)
-    return out
+    if all(packed):
+        shapes = [layer_shape(ckpt, n) for n in names]
+        fuse = fuse and _shared_tensors_agree(ckpt, names, fmt, shapes)
+        return build_projections(names, shapes, biases, fmt, lora, device,
+                                 lambda i: _read_packed(ckpt, names[i], keys, fmt, device), fuse)
+    out = []
+    for n, p, bias in zip(names, packed, biases):
+        if p:
+            out += build_projections([n], [layer_shape(ckpt, n)], [bias], fmt, lora, device,
+                                     lambda i, n=n: _read_packed(ckpt, n, keys, fmt, device), False)[0]
+        else:  # left dense by the checkpoint's ignore list
+            out.append(QLoRALinear.from_weight(ckpt.get(f"{n}.weight", device), "bf16", bias, name=n, **lora))
+    return out, None
+
+
+def _read_packed(ckpt, name, keys, fmt, device) -> dict[str, torch.Tensor]:
+    """One layer's packed tensors, in the format's storage order."""
+    label = f"{ckpt.path_of(name + '.weight_packed')}: {name}"
+    return fmt.from_checkpoint({k: ckpt.get(f"{name}.{k}", device) for k in keys}, layer_shape(ckpt, name), label)
+
+
+def layer_shape(ckpt, name: str) -> tuple[int, int]:
+    """[out, in] of a packed layer (two E2M1 codes per byte)."""
+    out_f, half_in = ckpt.shape(f"{name}.weight_packed")
+    return out_f, 2 * half_in
+
+
+def _shared_tensors_agree(ckpt, names, fmt, shapes) -> bool:
+    """Whether the per-tensor quantities (NVFP4's global scale) are identical across the members, as
+    llm-compressor writes fused groups; a checkpoint that differs keeps its layers separate."""
+    split = row_split(fmt, [s[0] for s in shapes], shapes[0][1])
+    if isinstance(split, str) or len({s[1] for s in shapes}) != 1:
+        return False
+    for key in (k for k, ext in split.items() if ext is None):
+        ts = [ckpt.get(f"{n}.{key}").view(torch.uint8) for n in names]
+        if any(not torch.equal(t, ts[0]) for t in ts[1:]):
+            return False
+    return True
 
 
 def _materialize_buffers(model, cfg, device):

@@ -10,9 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..formats import get_format
-from ..layers import QLoRALinear
 from .architectures import DEFAULT_TARGETS, FUSED_GROUPS, TARGET_MODULES, normalize_targets
-from .load import Policy, _build_skeleton, _materialize_buffers, _set_tensor
+from .load import Policy, _build_skeleton, _materialize_buffers, _set_tensor, build_projections, install_group
 
 # Shapes of the models the benchmarks use (hidden, intermediate, layers, heads, kv heads, vocab).
 QWEN25 = {
@@ -37,7 +36,7 @@ def qwen25_config(name: str, num_hidden_layers: int | None = None):
 
 def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alpha: float | None = None,
                   target_modules=DEFAULT_TARGETS, device="cuda", dtype=torch.bfloat16, seed: int = 0,
-                  std: float = 0.02, progress: bool = True) -> Policy:
+                  std: float = 0.02, progress: bool = True, fuse_groups: bool = True) -> Policy:
     fmt = get_format(quant)
     targets = normalize_targets(target_modules)
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
@@ -55,13 +54,18 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
             ws = [torch.randn(m.weight.shape, device=device, generator=g, dtype=torch.float32).mul_(std).to(dtype)
                   for m in mods]
             gs = fmt.global_scale(ws) if fmt.has_global_scale else None
-            for n, m, w in zip(names, mods, ws):
-                b = None
-                if m.bias is not None:
-                    b = torch.randn(m.bias.shape, device=device, generator=g).mul_(std).to(dtype)
-                layer = QLoRALinear.from_weight(w, fmt, b, global_scale=gs, name=n, **lora)
+            biases = [None if m.bias is None else
+                      torch.randn(m.bias.shape, device=device, generator=g).mul_(std).to(dtype) for m in mods]
+            for n, w in zip(names, ws):
+                fmt.validate(w, n)
+            fuse = fuse_groups and len(group) > 1 and len(names) == len(group)
+            layers, qgroup = build_projections(names, [tuple(w.shape) for w in ws], biases, fmt, lora, device,
+                                               lambda j: fmt.quantize(ws[j], gs), fuse)
+            for n, layer in zip(names, layers):
                 parent, _, attr = n.rpartition(".")
                 setattr(model.get_submodule(parent), attr, layer)
+            if qgroup is not None:
+                install_group(model, names, qgroup)
             del ws
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in list(model.state_dict(keep_vars=True).items()):

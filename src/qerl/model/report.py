@@ -26,15 +26,18 @@ def quantization_report(model: str, quant: str, device="cpu") -> dict:
         qbytes = sum(_bytes(t) for t in layer.quant_tensors().values())
         rows.append({"name": name, "shape": list(layer.weight_shape), "format": layer.fmt.name,
                      "bytes": qbytes, "bf16_bytes": w.numel() * 2, "rel_error": float(err)})
-    seen, model_bytes, model_bf16 = set(), 0, 0
+    # Memory as allocated: a fused group's members share one global scale, counted once here.
+    quant_ptrs = {t.data_ptr() for _, layer in quantized_layers(policy.model) for t in layer.quant_tensors().values()}
+    seen, model_bytes, quant_bytes = set(), 0, 0
     for t in list(policy.model.parameters()) + list(policy.model.buffers()):
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         model_bytes += _bytes(t)
+        quant_bytes += _bytes(t) if t.data_ptr() in quant_ptrs else 0
     lin_q = sum(r["bytes"] for r in rows)
     lin_b = sum(r["bf16_bytes"] for r in rows)
-    model_bf16 = model_bytes - lin_q + lin_b
+    model_bf16 = model_bytes - quant_bytes + lin_b
     summary = {
         "model": str(policy.source), "quant": quant, "device": str(device), "n_layers": len(rows),
         "bf16_fallback": policy.bf16_fallback, "linear_bytes": lin_q, "linear_bf16_bytes": lin_b,

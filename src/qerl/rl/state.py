@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.peft_adapter import save_adapter
+from ..layers.qlora_linear import standalone
 
 STATE_NAME = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -65,7 +66,8 @@ def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: d
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".checkpoint-{step}."))
     try:
         save_adapter(model, tmp / "adapter", base_model_name_or_path=base_name)
-        trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        # standalone: LoRA factors of a fused group are views into its storage
+        trainable = {n: standalone(p) for n, p in model.named_parameters() if p.requires_grad}
         save_file(trainable, tmp / "trainable.safetensors")
         opt_t, opt_meta = _flatten_optimizer(optimizer.state_dict())
         save_file(opt_t, tmp / "optimizer.safetensors")

@@ -5,12 +5,15 @@ QLoRALinear projections, lm_head), so rollouts run on exactly the objects the
 trainer updates: no second copy of the weights, no sync step. Only attention
 and the cache are ours, because the engine needs a static-shape, slot-indexed
 cache that CUDA graphs can replay (transformers' caches are per-batch objects).
+Where the loader fused q|k|v or gate|up (layers/fused_group.py), each is one call.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..layers.fused_group import GATE_UP, QKV, project
 
 
 # ---- decode glue ---------------------------------------------------------------------------------
@@ -114,9 +117,8 @@ def _rotate_half(x):
 def _qkv(view: ModelView, attn, h, cos, sin):
     """h [B, T, D] -> q [B, H, T, d], k and v [B, Hkv, T, d], rotary applied (cos/sin [B, 1, T, d])."""
     b, t, _ = h.shape
-    q = attn.q_proj(h).view(b, t, -1, view.head_dim)
-    k = attn.k_proj(h).view(b, t, -1, view.head_dim)
-    v = attn.v_proj(h).view(b, t, -1, view.head_dim).transpose(1, 2)
+    q, k, v = (y.view(b, t, -1, view.head_dim) for y in project(attn, QKV, h))
+    v = v.transpose(1, 2)
     if view.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -134,10 +136,10 @@ def _attend(view, q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=view.scaling)
 
 
-def _finish_layer(layer, attn, h, o, resid):
+def _finish_layer(view, layer, attn, h, o, resid):
     b, t = h.shape[:2]
     h = resid + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
 
 
 def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope):
@@ -159,7 +161,7 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope):
         for row, slots in enumerate(slots_per_row):
             if slots:
                 cache.write_prefix(i, slots, k[row], v[row], int(lengths[row]))
-        h = _finish_layer(layer, attn, h, _attend(view, q, k, v, mask), resid)
+        h = _finish_layer(view, layer, attn, h, _attend(view, q, k, v, mask), resid)
     last = h[torch.arange(b, device=ids.device), lengths - 1]
     return view.lm_head(view.norm(last)).float()
 
@@ -180,7 +182,7 @@ def _add_norm(view, ops, norm, h, d):
 def _mlp(view, ops, mlp, x):
     if not view.silu_mlp:
         return mlp(x)
-    return mlp.down_proj(ops["silu_mul"](mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp.down_proj(ops["silu_mul"](*project(mlp, GATE_UP, x)))
 
 
 def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope, ops=EAGER_GLUE):
@@ -196,9 +198,8 @@ def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope,
     x = _norm(view, ops, view.layers[0].input_layernorm, h)
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        q = attn.q_proj(x).view(s, 1, -1, d)
-        k = attn.k_proj(x).view(s, 1, -1, d)
-        v = attn.v_proj(x).view(s, 1, -1, d).transpose(1, 2)
+        q, k, v = (y.view(s, 1, -1, d) for y in project(attn, QKV, x))
+        v = v.transpose(1, 2)
         if view.qk_norm:
             q, k = _norm(view, ops, attn.q_norm, q), _norm(view, ops, attn.k_norm, k)
         q, k = ops["rope"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
