@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -196,6 +197,69 @@ def sweep(log) -> dict:
     return res
 
 
+def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, list[str]]:
+    """Record rows and table lines of one model's layer set from per-(mode, M) sums [µs, bytes]."""
+    rows, final = [], []
+    final.append(f"\n{model}: fused layer set (q|k|v, o, gate|up, down), µs summed over the groups")
+    final.append(f"{'M':>6} {'bf16':>9} {'nvfp4':>9} {'speedup':>8} {'%copy':>6} {'lora32':>8} {'triton':>8} "
+                 f"{'tinygemm':>9}")
+    for m in ms:
+        g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
+        bf, q = g("bf16"), g("nvfp4")
+        frac = agg[("nvfp4", m)][1] / q * 1e6 / bw
+        final.append(f"{m:>6} {bf:>9.1f} {q:>9.1f} {bf / q:>8.2f} {frac:>6.1%} {g('nvfp4_lora32'):>8.1f} "
+                     f"{g('triton'):>8.1f} {g('tinygemm'):>9.1f}")
+        case = f"{model} fused layer set M={m}"
+        main_model = model == "qwen2.5-7b"
+        sp_t = {1: ">=2.5", 2: ">=2.5", 4: ">=2.5", 8: ">=2.5", 16: ">=2.5", 32: ">=2.0", 64: ">=1.7",
+                128: ">=1.2"}.get(m)
+        rows += [(case, "nvfp4_us", q, "us", None), (case, "bf16_us", bf, "us", None),
+                 (case, "speedup_vs_bf16", bf / q, "x", sp_t), (case, "fraction_of_copy_bw", frac, "",
+                                                                ">=0.65" if m <= 16 and main_model else None)]
+        if m >= 2048:
+            rows.append((case, "time_vs_bf16", q / bf, "x", "<=1.10"))
+        if not (g("tinygemm") != g("tinygemm")):
+            rows.append((case, "speedup_vs_tinygemm", g("tinygemm") / q, "x", ">1.0"))
+        if not (g("triton") != g("triton")):
+            rows.append((case, "speedup_vs_previous_triton", g("triton") / q, "x", None))
+        if ("nvfp4_lora32", m) in agg:
+            over = g("nvfp4_lora32") / q - 1
+            rows.append((case, "lora32_overhead", over, "", {1: "<=0.10", 64: "<=0.05"}.get(m)))
+        if ("nvfp4_lora32_cublas_shrink", m) in agg:
+            rows.append((case, "lora32_overhead_cublas_shrink", g("nvfp4_lora32_cublas_shrink") / q - 1, "", None))
+    return rows, final
+
+
+LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\d+)x(\d+)\s+M=(\d+)\s+bf16\s+([\d.]+) \| nvfp4\s+([\d.]+) µs.*\| x\s*[\d.]+ \|(.*)$")
+
+
+def from_log(path: Path) -> tuple[float, dict]:
+    """(copy bandwidth, {model: agg}) from a run's bench_kernels.log: for a run stopped before it wrote
+    its record (every figure in it was measured; a shape missing from the log stays missing)."""
+    text = path.read_text().splitlines()
+    bw = float(re.search(r"copy bandwidth ([\d.]+) TB/s", text[0]).group(1)) * 1e12
+    out: dict = {}
+    for line in text:
+        m = LINE.match(line)
+        if not m:
+            continue
+        model, _, n, k, mm = m.group(1), m.group(2), int(m.group(3)), int(m.group(4)), int(m.group(5))
+        r = {"bf16": float(m.group(6)), "nvfp4": float(m.group(7))}
+        r.update({kk: float(v) for kk, v in re.findall(r"(\w+)=([\d.]+)", m.group(8))})
+        agg = out.setdefault(model, {})
+        for mode, us in r.items():
+            agg.setdefault((mode, mm), [0.0, 0, 0])
+            agg[(mode, mm)][0] += us
+            agg[(mode, mm)][1] += nvfp4_bytes(mm, n, k)
+            agg[(mode, mm)][2] += 1
+    # A sum over fewer groups than the layer set has is no layer-set figure: drop it.
+    for model, agg in out.items():
+        groups = len(LAYER_SETS[model])
+        for key in [key for key, v in agg.items() if v[2] != groups]:
+            del agg[key]
+    return bw, out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/kernels.jsonl")
@@ -204,7 +268,21 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=".", help="folder for the full json and the log")
+    ap.add_argument("--from-log", default=None, help="record the figures of a run's bench_kernels.log (a run cut off "
+                    "before it wrote them); --command names the command that ran")
+    ap.add_argument("--command", default=None)
+    ap.add_argument("--device", default=None, help="with --from-log: the device the run was on")
     a = ap.parse_args(argv)
+    if a.from_log:
+        bw, per_model = from_log(Path(a.from_log))
+        kw = {"results_dir": Path(a.results_dir)} if a.results_dir else {}
+        for model, agg in per_model.items():
+            ms = sorted({m for _, m in agg})
+            rows, final = summarize(model, agg, ms, bw)
+            print("\n".join(final))
+            for case, metric, value, unit, target in rows if a.record else ():
+                record("kernels", case, metric, float(value), unit, target, device=a.device, command=a.command, **kw)
+        return
     out = Path(a.out)
     log = tee_log(out / "bench_kernels.log")
     dev = torch.cuda.get_device_name(0)
@@ -243,31 +321,9 @@ def main(argv=None):
                     + " ".join(f"{kk}={v:.1f}" for kk, v in r.items() if kk not in ("bf16", "nvfp4") and v))
             del sets
             torch.cuda.empty_cache()
-        final.append(f"\n{model}: fused layer set (q|k|v, o, gate|up, down), µs summed over the groups")
-        final.append(f"{'M':>6} {'bf16':>9} {'nvfp4':>9} {'speedup':>8} {'%copy':>6} {'lora32':>8} {'triton':>8} "
-                     f"{'tinygemm':>9}")
-        for m in ms:
-            g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
-            bf, q = g("bf16"), g("nvfp4")
-            frac = agg[("nvfp4", m)][1] / q * 1e6 / bw
-            final.append(f"{m:>6} {bf:>9.1f} {q:>9.1f} {bf / q:>8.2f} {frac:>6.1%} {g('nvfp4_lora32'):>8.1f} "
-                         f"{g('triton'):>8.1f} {g('tinygemm'):>9.1f}")
-            case = f"{model} fused layer set M={m}"
-            main_model = model == "qwen2.5-7b"
-            sp_t = {1: ">=2.5", 2: ">=2.5", 4: ">=2.5", 8: ">=2.5", 16: ">=2.5", 32: ">=2.0", 64: ">=1.7",
-                    128: ">=1.2"}.get(m)
-            rows += [(case, "nvfp4_us", q, "us", None), (case, "bf16_us", bf, "us", None),
-                     (case, "speedup_vs_bf16", bf / q, "x", sp_t), (case, "fraction_of_copy_bw", frac, "",
-                                                                    ">=0.65" if m <= 16 and main_model else None)]
-            if m >= 2048:
-                rows.append((case, "time_vs_bf16", q / bf, "x", "<=1.10"))
-            if not (g("tinygemm") != g("tinygemm")):
-                rows.append((case, "speedup_vs_tinygemm", g("tinygemm") / q, "x", ">1.0"))
-            if not (g("triton") != g("triton")):
-                rows.append((case, "speedup_vs_previous_triton", g("triton") / q, "x", None))
-            if (("nvfp4_lora32", m)) in agg:
-                over = g("nvfp4_lora32") / q - 1
-                rows.append((case, "lora32_overhead", over, "", {1: "<=0.10", 64: "<=0.05"}.get(m)))
+        r_rows, r_final = summarize(model, agg, ms, bw)
+        rows += r_rows
+        final += r_final
     bw_end = copy_bandwidth()
     final.append(f"copy bandwidth at the start {bw / 1e12:.3f} TB/s, at the end {bw_end / 1e12:.3f} TB/s")
     for line in final:

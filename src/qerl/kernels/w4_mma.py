@@ -28,7 +28,8 @@ SOURCE = Path(__file__).with_name("w4_mma.cu").read_text()
 MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
 _COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
-_SYNC = 4  # a fused-shrink launch's ticket / xa-ready / finished counters, at the end of the buffer
+_SYNC = 16  # a fused-shrink launch's ticket / xa-ready / finished / - / per-row-tile counters (<= 12 tiles)
+SHRINK_K = 512  # inputs per shrink CTA: enough CTAs that xa is ready long before the epilogues need it
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ class MmaConfig:
 # (benchmarks/kernels.md); `plan` turns them into a grid for each weight shape.
 TUNING: dict[int, dict] = {
     1: dict(warps=8, ctas_per_sm=8, rt=1, stages=2, xsm=0),
-    2: dict(warps=8, ctas_per_sm=8, rt=1, stages=2, xsm=0),
-    4: dict(warps=4, ctas_per_sm=8, rt=2, stages=2, xsm=3),
-    8: dict(warps=8, ctas_per_sm=4, rt=1, stages=2, xsm=3),
+    2: dict(warps=4, ctas_per_sm=16, rt=1, stages=2, xsm=0),
+    4: dict(warps=4, ctas_per_sm=4, rt=1, stages=2, xsm=0),
+    8: dict(warps=4, ctas_per_sm=2, rt=2, stages=2, xsm=3),
 }
 
 
@@ -153,12 +154,15 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     part = (torch.empty(cfg.splits * nt * cfg.mt * 32 * 4, device=dev, dtype=torch.float32)
             if cfg.splits > 1 else out_factor)
     fuse_shrink = lora is not None and lora.xa is None
-    shrink_ctas = 0
+    shrink_ctas, shrink_splits, spart = 0, 1, out_factor
     if lora is not None:
         lb = lora.b.contiguous()
         if fuse_shrink:  # the launch computes xa = x @ a.T into this buffer first
-            xa = torch.empty(M, lora.a.shape[0], device=dev, dtype=torch.bfloat16)
-            shrink_ctas = math.ceil(lora.a.shape[0] / 16)
+            R = lora.a.shape[0]
+            xa = torch.empty(M, R, device=dev, dtype=torch.bfloat16)
+            shrink_splits = max(1, math.ceil(K / SHRINK_K))
+            shrink_ctas = math.ceil(R / 16) * shrink_splits
+            spart = torch.empty(shrink_ctas * cfg.mt * 32 * 4, device=dev, dtype=torch.float32)
         else:
             xa = lora.xa.reshape(M, -1)
             if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
@@ -177,7 +181,7 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     kern(grid=grid, block=(32 * cfg.warps, 1, 1),
          args=[packed, scale, x2d, y, part, _counters(dev), out_factor, bias if bias is not None else x2d,
                *lora_args, M, N, K, x2d.stride(0), y.stride(0), ldxa, cfg.chunks_per_split,
-               lora.a if fuse_shrink else x2d, shrink_ctas, cfg.splits, _COUNTERS - _SYNC])
+               lora.a if fuse_shrink else x2d, shrink_ctas, cfg.splits, _COUNTERS - _SYNC, spart, shrink_splits])
     return y
 
 
@@ -188,7 +192,8 @@ def lora_fusable(lora, k: int) -> bool:
     ok = (lora.b.dtype == torch.bfloat16 and src.dtype == torch.bfloat16 and lora.rank % 2 == 0
           and len(lora.seg_starts) < MAX_SEGMENTS and all(s % 16 == 0 for s in lora.seg_starts))
     if ok and lora.xa is None:
-        ok = lora.a.shape == (lora.rank * (len(lora.seg_starts) + 1), k) and lora.a.is_contiguous()
+        ok = (lora.a.shape == (lora.rank * (len(lora.seg_starts) + 1), k) and lora.a.is_contiguous()
+              and lora.a.shape[0] <= 16 * (_SYNC - 4))
     return ok
 
 
