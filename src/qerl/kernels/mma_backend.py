@@ -42,6 +42,8 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     if x2d.shape[0] <= w4_mma.MAX_M:
+        if lora is not None and not w4_mma.shrink_in_launch(x2d.shape[0], n, k):
+            lora = lora.shrunk(x2d)
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
         if lora is not None and not fuse:
             lora = lora.shrunk(x2d)

@@ -100,25 +100,17 @@ __device__ __forceinline__ u32 ld_u32_l2(const void* p) {  // written by other C
   return r;
 }
 
-// The LoRA shrink inside the launch (FUSE_SHRINK): xa[M, R] = x @ A^T. A CTA takes 16 rows of A and
-// one of `ksplits` ranges of K; its warps split the range and add their parts in warp order; the
-// last CTA of a row tile adds the ranges' parts in range order (deterministic), rounds to bf16 once
-// and counts the tile as ready.
-__device__ __forceinline__ void shrink_cta(int cta, int ksplits, const u16* __restrict__ x,
-                                           const u16* __restrict__ la, u16* __restrict__ xa,
-                                           f32x4* __restrict__ spart, int* tile_count, int* xa_ready,
-                                           int R, int M, int K, int ldx) {
+// The LoRA shrink inside the launch (FUSE_SHRINK): xa[M, R] = x @ A^T for 16 rows of A per CTA,
+// its warps splitting K and adding their parts in warp order (deterministic), rounded to bf16 once.
+__device__ __forceinline__ void shrink_cta(int cta, const u16* __restrict__ x, const u16* __restrict__ la,
+                                           u16* __restrict__ xa, int R, int M, int K, int ldx) {
   __shared__ f32x4 red[MT][32];
-  __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-  const int tiles = (R + 15) >> 4, rt = cta % tiles, ks = cta / tiles;
-  const int kc = (((K + ksplits - 1) / ksplits) + 15) & ~15;
-  const int k_lo = ks * kc, k_hi = imin(k_lo + kc, K);
-  const int row0 = imin(rt * 16 + g, R - 1), row1 = imin(rt * 16 + g + 8, R - 1);
+  const int row0 = imin(cta * 16 + g, R - 1), row1 = imin(cta * 16 + g + 8, R - 1);
   float acc[MT][4];
 #pragma unroll
   for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  for (int k0 = k_lo + warp * 16; k0 < k_hi; k0 += WARPS * 16) {
+  for (int k0 = warp * 16; k0 < K; k0 += WARPS * 16) {
     const int ka = k0 + 2 * q, kb = ka + 8;
     const u32 a0 = ld_u32(la + (u64)row0 * K + ka), a1 = ld_u32(la + (u64)row1 * K + ka);
     const u32 a2 = ld_u32(la + (u64)row0 * K + kb), a3 = ld_u32(la + (u64)row1 * K + kb);
@@ -138,41 +130,18 @@ __device__ __forceinline__ void shrink_cta(int cta, int ksplits, const u16* __re
       }
     __syncthreads();
   }
-  if (warp == 0)
+  if (warp == 0) {
 #pragma unroll
     for (int j = 0; j < MT; j++) {
       const f32x4 v = red[j][lane];
       const float o[4] = {v.x, v.y, v.z, v.w};
-      st_f32x4(&spart[(((u64)ks * tiles + rt) * MT + j) * 32 + lane], o);
-    }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int ticket = atomicAdd(&tile_count[rt], 1);
-    last = ticket == ksplits - 1;
-    if (last) tile_count[rt] = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (warp == 0) {
-#pragma unroll
-    for (int j = 0; j < MT; j++) {
-      float o[4] = {0.f, 0.f, 0.f, 0.f}, p[4];
-      for (int s = 0; s < ksplits; s++) {  // range order: the same bits every run
-        ld_f32x4_l2(&spart[(((u64)s * tiles + rt) * MT + j) * 32 + lane], p);
-        o[0] += p[0]; o[1] += p[1]; o[2] += p[2]; o[3] += p[3];
-      }
-      const int t0 = 8 * j + 2 * q, r0 = rt * 16 + g, r1 = r0 + 8;
+      const int t0 = 8 * j + 2 * q, r0 = cta * 16 + g, r1 = r0 + 8;
       if (t0 < M && r0 < R) xa[(u64)t0 * R + r0] = f32_to_bf16(o[0]);
       if (t0 + 1 < M && r0 < R) xa[(u64)(t0 + 1) * R + r0] = f32_to_bf16(o[1]);
       if (t0 < M && r1 < R) xa[(u64)t0 * R + r1] = f32_to_bf16(o[2]);
       if (t0 + 1 < M && r1 < R) xa[(u64)(t0 + 1) * R + r1] = f32_to_bf16(o[3]);
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(xa_ready, 1);
 }
 
 __device__ __forceinline__ void matmul_cta(
@@ -181,7 +150,7 @@ __device__ __forceinline__ void matmul_cta(
     u16* __restrict__ y, f32x4* __restrict__ part, int* __restrict__ counters,
     const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
-    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_rows) {
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_ctas) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int KCH = K >> 6, NT = N >> 4;
@@ -380,7 +349,7 @@ __device__ __forceinline__ void matmul_cta(
   // Epilogue: c0,c1 = (row g, tokens 2q, 2q+1), c2,c3 = (row g+8, same tokens) of each 16 x 8 tile.
   if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
     if (threadIdx.x == 0)
-      while (ld_acquire(xa_ready) < shrink_rows) {
+      while (ld_acquire(xa_ready) < shrink_ctas) {
       }
     __syncthreads();
   }
@@ -436,29 +405,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) w4_mma_matmul(
     const float* __restrict__ out_factor, const u16* __restrict__ bias, u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
     int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split,
-    const u16* __restrict__ lora_a, int shrink_ctas, int splits, int sync_base, f32x4* __restrict__ spart,
-    int shrink_splits) {
+    const u16* __restrict__ lora_a, int shrink_ctas, int splits, int sync_base) {
   if (!FUSE_SHRINK) {
     matmul_cta(blockIdx.x, blockIdx.y, gridDim.y, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb,
                lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, counters, 0);
     return;
   }
   // Roles by ticket, in the order CTAs start: tickets 0..shrink_ctas-1 compute xa, the rest the
-  // matmul (whose epilogue waits for xa). sync: [ticket, xa_ready (row tiles of xa done), finished,
-  // -, per-row-tile counters of the shrink's K ranges].
+  // matmul (whose epilogue waits for xa). sync: [ticket, xa_ready, finished] counters.
   int* sync = counters + sync_base;
   __shared__ int role;
   if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1);
   __syncthreads();
   const int t = role;
   if (t < shrink_ctas) {
-    shrink_cta(t, shrink_splits, x, lora_a, xa, spart, &sync[4], &sync[1], ldxa, M, K, ldx);
+    shrink_cta(t, x, lora_a, xa, ldxa, M, K, ldx);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[1], 1);
   } else {
     const int m = t - shrink_ctas, blocks = gridDim.x - shrink_ctas;
     const int row_blocks = blocks / splits;
     matmul_cta(m % row_blocks, m / row_blocks, splits, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb,
-               lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1],
-               shrink_ctas / shrink_splits);
+               lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1], shrink_ctas);
   }
   __syncthreads();
   if (threadIdx.x == 0 && atomicAdd(&sync[2], 1) == gridDim.x - 1) {

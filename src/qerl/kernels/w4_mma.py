@@ -28,8 +28,7 @@ SOURCE = Path(__file__).with_name("w4_mma.cu").read_text()
 MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
 _COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
-_SYNC = 16  # a fused-shrink launch's ticket / xa-ready / finished / - / per-row-tile counters (<= 12 tiles)
-SHRINK_K = 512  # inputs per shrink CTA: enough CTAs that xa is ready long before the epilogues need it
+_SYNC = 4  # a fused-shrink launch's ticket / xa-ready / finished counters, at the end of the buffer
 
 
 @dataclass(frozen=True)
@@ -154,15 +153,12 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     part = (torch.empty(cfg.splits * nt * cfg.mt * 32 * 4, device=dev, dtype=torch.float32)
             if cfg.splits > 1 else out_factor)
     fuse_shrink = lora is not None and lora.xa is None
-    shrink_ctas, shrink_splits, spart = 0, 1, out_factor
+    shrink_ctas = 0
     if lora is not None:
         lb = lora.b.contiguous()
         if fuse_shrink:  # the launch computes xa = x @ a.T into this buffer first
-            R = lora.a.shape[0]
-            xa = torch.empty(M, R, device=dev, dtype=torch.bfloat16)
-            shrink_splits = max(1, math.ceil(K / SHRINK_K))
-            shrink_ctas = math.ceil(R / 16) * shrink_splits
-            spart = torch.empty(shrink_ctas * cfg.mt * 32 * 4, device=dev, dtype=torch.float32)
+            xa = torch.empty(M, lora.a.shape[0], device=dev, dtype=torch.bfloat16)
+            shrink_ctas = math.ceil(lora.a.shape[0] / 16)
         else:
             xa = lora.xa.reshape(M, -1)
             if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
@@ -181,8 +177,17 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     kern(grid=grid, block=(32 * cfg.warps, 1, 1),
          args=[packed, scale, x2d, y, part, _counters(dev), out_factor, bias if bias is not None else x2d,
                *lora_args, M, N, K, x2d.stride(0), y.stride(0), ldxa, cfg.chunks_per_split,
-               lora.a if fuse_shrink else x2d, shrink_ctas, cfg.splits, _COUNTERS - _SYNC, spart, shrink_splits])
+               lora.a if fuse_shrink else x2d, shrink_ctas, cfg.splits, _COUNTERS - _SYNC])
     return y
+
+
+def shrink_in_launch(M: int, N: int, K: int) -> bool:
+    """Whether the LoRA shrink runs inside the matmul's launch or as its own GEMM first. Measured on the
+    H200 (benchmarks/kernels.md, 3fc7b36): the in-launch shrink (16 rows of A per CTA over all of K) is
+    ready in time only when the matmul is long next to K: gate|up at M <= 8 (-10 % of its LoRA time);
+    for q|k|v, o and down it finishes last and costs more than a separate GEMM (down 7B M = 1: 46.9 vs
+    26.2 µs)."""
+    return N >= 8 * K and M <= 8
 
 
 def lora_fusable(lora, k: int) -> bool:
@@ -192,8 +197,7 @@ def lora_fusable(lora, k: int) -> bool:
     ok = (lora.b.dtype == torch.bfloat16 and src.dtype == torch.bfloat16 and lora.rank % 2 == 0
           and len(lora.seg_starts) < MAX_SEGMENTS and all(s % 16 == 0 for s in lora.seg_starts))
     if ok and lora.xa is None:
-        ok = (lora.a.shape == (lora.rank * (len(lora.seg_starts) + 1), k) and lora.a.is_contiguous()
-              and lora.a.shape[0] <= 16 * (_SYNC - 4))
+        ok = lora.a.shape == (lora.rank * (len(lora.seg_starts) + 1), k) and lora.a.is_contiguous()
     return ok
 
 
