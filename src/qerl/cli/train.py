@@ -70,7 +70,13 @@ def run(args):
         print(cfg.to_yaml(), end="")
         return 0
     from ..rl import GRPOTrainer
+    from ..rl.run_folder import earlier_run
 
+    if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
+        # the trainer refuses it too; here before minutes of model loading
+        from ..rl.run_folder import refuse_or_clear
+
+        refuse_or_clear(cfg.output_dir, overwrite=False)
     trainer = GRPOTrainer(cfg)
     if args.resume:
         step = trainer.resume()

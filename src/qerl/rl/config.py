@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ class GRPOConfig:
     lora_r: int = _f(32, "LoRA rank (the paper: 32; 16 is about as good).")
     lora_alpha: float = _f(64.0, "LoRA alpha (scaling = alpha / r).")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input during the update passes.")
-    lora_target_modules: list = _f(["q", "k", "v", "o", "gate", "up", "down"], "Linears that get LoRA (and are quantized).")
+    lora_target_modules: list = _f(["q", "k", "v", "o", "gate", "up", "down"], "Linears that get LoRA (and are quantized).",
+                                   item=str)
     train_norms: bool = _f(False, "Also train the RMSNorm weights (the reference code's 'ln' option).")
     dtype: str = _f("auto", "Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     device: str = _f("auto", "auto | cuda | cpu.")
@@ -80,7 +82,7 @@ class GRPOConfig:
     overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong penalty at the limit.")
     importance_sampling_correction: bool = _f(False, "Truncated importance sampling between rollout and trainer logprobs.")
     importance_sampling_cap: float = _f(2.0, "Cap of the truncated importance weights.")
-    reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).")
+    reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).", item=float)
     # --- AQN ---------------------------------------------------------------------------------
     aqn: bool = _f(True, "Adaptive Quantization Noise on the RMSNorm weights feeding q/k/v and gate/up.")
     aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages.")
@@ -101,6 +103,9 @@ class GRPOConfig:
     eval_max_completion_length: int | None = _f(None, "New tokens per evaluation completion (null: max_completion_length).")
     # --- run ---------------------------------------------------------------------------------
     output_dir: str = _f("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
+    overwrite_output_dir: bool = _f(False, "Start afresh in an output_dir that holds an earlier run, deleting that run's "
+                                    "checkpoints, metrics, evaluations and adapter (without it, or --resume, such a "
+                                    "folder is refused).")
     seed: int = _f(42, "Seed of data order, rollouts and noise.")
     logging_steps: int = _f(1, "Print a metrics line every N steps (metrics.jsonl gets every step).")
     save_steps: int = _f(50, "Checkpoint every N steps (and at the end).")
@@ -112,6 +117,8 @@ class GRPOConfig:
     ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # GRPOConfig(max_steps="6") as well as files and flags
+            setattr(self, f.name, coerce(f, getattr(self, f.name), "config"))
         self.validate()
 
     def validate(self):
@@ -164,7 +171,9 @@ class GRPOConfig:
             if k not in names:
                 near = difflib.get_close_matches(k, names, n=1)
                 raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
-        return cls(**d)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        # typed here, before any model loads, so the error can name the file
+        return cls(**{k: coerce(fields[k], v, source) for k, v in d.items()})
 
     @classmethod
     def from_yaml(cls, path) -> "GRPOConfig":
@@ -195,25 +204,101 @@ class GRPOConfig:
 
 
 def _parse(name: str, text: str, cls):
+    """A command-line value as YAML would read it (from_dict then types it by the field)."""
     hints = typing.get_type_hints(cls)
     if name not in hints:
         near = difflib.get_close_matches(name, hints, n=1)
         raise ValueError(f"command line: unknown field '--{name}'" + (f" (did you mean '--{near[0]}'?)" if near else ""))
+    if str in _types(hints[name]):
+        return None if text in ("null", "~") and type(None) in _types(hints[name]) else text  # `--seed_name 007` stays text
     try:
         v = yaml.safe_load(text)
     except yaml.YAMLError:
-        v = text
-    hint = hints[name]
-    base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-    if v is None or isinstance(v, tuple(b for b in base if isinstance(b, type))):
+        return text
+    if list in _types(hints[name]) and isinstance(v, str):
+        return [s.strip() for s in v.split(",") if s.strip()]  # --lora_target_modules q,v
+    return v
+
+
+# ---- typing every value by its field ----------------------------------------------------------
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+_HINTS: dict = {}
+
+
+def _types(hint) -> tuple:
+    """(float,) for `float`, (float, NoneType) for `float | None`."""
+    args = typing.get_args(hint)
+    return args if args else (hint,)
+
+
+def coerce(f: dataclasses.Field, value, source: str):
+    """`value` as the type of field `f`, or a ValueError naming the field and `source` (a file or the
+    command line). YAML 1.1 reads 2e-5 as a string and users quote numbers and booleans: those
+    are converted; what has no exact meaning in the field's type (6.7 steps, aqn: "maybe") is an error."""
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(GRPOConfig))
+    types = _types(_HINTS[f.name])
+    if value is None and type(None) in types:
+        return None
+    label = f"--{f.name}" if source == "command line" else f"field '{f.name}'"
+    want = next(t for t in types if t is not type(None))
+    try:
+        out = _as(want, value)
+        if want is list and f.metadata.get("item") is not None:
+            out = [_as(f.metadata["item"], x) for x in out]
+        return out
+    except (TypeError, ValueError) as e:
+        null = " or null" if type(None) in types else ""
+        raise ValueError(f"{source}: {label}: {value!r} is not {e}{null}") from None
+
+
+def _as(want: type, v):
+    """v converted to `want`; raises ValueError('a <what>') when it cannot be, exactly."""
+    if want is bool:
+        if isinstance(v, bool):
+            return v
+        text = str(v).strip().lower() if isinstance(v, (str, int)) else None
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ValueError("a boolean (true/false, yes/no)")
+    if want is int:
+        if isinstance(v, bool):
+            raise ValueError("an integer")
+        if isinstance(v, int):
+            return v
+        x = _number(v, "an integer")
+        if isinstance(x, int):
+            return x
+        if math.isfinite(x) and x.is_integer():
+            return int(x)
+        raise ValueError("an integer (a non-integral value is not rounded)")
+    if want is float:
+        if isinstance(v, bool):
+            raise ValueError("a number")
+        x = float(_number(v, "a number"))
+        if math.isnan(x):
+            raise ValueError("a number (NaN is not a setting)")
+        return x
+    if want is str:
+        if isinstance(v, str):
+            return v
+        raise ValueError("a string (quote it in YAML)")
+    if want in (list, dict):
+        if isinstance(v, want):
+            return want(v)
+        raise ValueError(f"a {'list' if want is list else 'mapping'}")
+    return v
+
+
+def _number(v, what: str):
+    """An int or float from a number or its text ('6', '2e-5', '1_000'); ValueError(what) otherwise."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return v
-    if float in base:
-        try:
-            return float(text)  # YAML 1.1 reads 2e-5 as a string
-        except ValueError:
-            pass
-    if str in base:
-        return str(text)
-    if list in base and isinstance(v, str):
-        return [s.strip() for s in v.split(",") if s.strip()]
-    raise ValueError(f"command line: --{name} {text!r} is not a {' or '.join(getattr(b, '__name__', str(b)) for b in base)}")
+    if isinstance(v, str):
+        t = v.strip()
+        for conv in (int, float):
+            try:
+                return conv(t)
+            except ValueError:
+                pass
+    raise ValueError(what)

@@ -15,7 +15,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             # a resumed run repeats the steps after its checkpoint: drop their old lines
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < resume_step]
+            keep = [json.dumps(r) for r in read_rows(self.path) if r["step"] < resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(ln + "\n" for ln in keep))
             os.replace(tmp, self.path)
@@ -47,4 +47,26 @@ def read_metrics(run_dir) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a qerl run directory?)")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return read_rows(path)
+
+
+def read_rows(path) -> list[dict]:
+    """The rows of a metrics.jsonl. A run killed while writing leaves a partial last line: it is
+    dropped with a note. A bad line elsewhere is an error naming the file and line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a metrics row with an integer 'step'")
+        except ValueError as e:
+            if all(not x.strip() for x in lines[i + 1:]):
+                print(f"qerl: {path}: dropped its last line, cut short when a run was killed ({ln[:60]!r}...)")
+                break
+            raise ValueError(f"{path}:{i + 1}: not a metrics row ({e})") from None
+        rows.append(row)
+    return rows

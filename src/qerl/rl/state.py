@@ -103,22 +103,58 @@ def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
 
 
-def checkpoints(output_dir) -> list[Path]:
-    """Complete checkpoints in a run directory, oldest first."""
+def checkpoints(output_dir, complete: bool = True) -> list[Path]:
+    """Checkpoints in a run directory, oldest first (complete: those with their trainer_state.json)."""
     out = Path(output_dir)
     found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := _CKPT.match(p.name))
-             and (p / STATE_NAME).exists()]
+             and p.is_dir() and (not complete or (p / STATE_NAME).exists())]
     return [p for _, p in sorted(found)]
 
 
-def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
-    """Restore a checkpoint into live objects; returns its trainer_state (step, data position, ...)."""
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that is missing, truncated or not what qerl wrote; the message names it."""
+
+
+_STATE_KEYS = ("step", "optimizer", "scheduler", "python_random", "data")
+_TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
+def read_checkpoint(folder) -> tuple[dict, dict[str, dict]]:
+    """Every file of a checkpoint read and checked, nothing applied yet: (trainer_state, {file: tensors}).
+    Raises CorruptCheckpoint naming the file that fails."""
     folder = Path(folder)
-    if not (folder / STATE_NAME).exists():
-        raise FileNotFoundError(f"{folder}: not a qerl checkpoint (no {STATE_NAME})")
-    state = json.loads((folder / STATE_NAME).read_text())
+    f = folder / STATE_NAME
+    try:
+        state = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{f}: missing (not a complete qerl checkpoint)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{f}: not valid JSON ({type(e).__name__}: {e})"[:400]) from None
+    missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CorruptCheckpoint(f"{f}: not a qerl trainer state (no {', '.join(missing)})")
+    tensors = {}
+    for name in _TENSOR_FILES:
+        try:
+            tensors[name] = load_file(folder / name)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for truncation
+            raise CorruptCheckpoint(f"{folder / name}: unreadable ({type(e).__name__}: {e})"[:400]) from None
+    try:
+        keys = {v["tensor"] for m in state["optimizer"]["state"].values() for v in m.values() if "tensor" in v}
+    except (AttributeError, KeyError, TypeError):
+        raise CorruptCheckpoint(f"{f}: its optimizer section is not what qerl writes") from None
+    if not keys <= set(tensors["optimizer.safetensors"]):
+        raise CorruptCheckpoint(f"{folder / 'optimizer.safetensors'}: lacks tensors that {STATE_NAME} lists")
+    return state, tensors
+
+
+def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
+    """Restore a checkpoint into live objects; returns its trainer_state (step, data position, ...).
+    Every file is read and checked before anything is changed (CorruptCheckpoint names a bad file)."""
+    folder = Path(folder)
+    state, files = read_checkpoint(folder)
     params = dict(model.named_parameters())
-    saved = load_file(folder / "trainable.safetensors")
+    saved = files["trainable.safetensors"]
     want = {n for n, p in params.items() if p.requires_grad}
     if set(saved) != want:
         miss, extra = sorted(want - set(saved))[:3], sorted(set(saved) - want)[:3]
@@ -130,9 +166,9 @@ def load_checkpoint(folder, model, optimizer, scheduler) -> dict:
                 raise ValueError(f"{folder}/trainable.safetensors: {n} has shape {tuple(t.shape)}, "
                                  f"the model {tuple(params[n].shape)}")
             params[n].copy_(t)
-    optimizer.load_state_dict(_unflatten_optimizer(load_file(folder / "optimizer.safetensors"), state["optimizer"]))
+    optimizer.load_state_dict(_unflatten_optimizer(files["optimizer.safetensors"], state["optimizer"]))
     scheduler.load_state_dict(state["scheduler"])
-    rng = load_file(folder / "rng.safetensors")
+    rng = files["rng.safetensors"]
     torch.set_rng_state(rng["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))]

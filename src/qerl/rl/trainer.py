@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..layers import QLoRALinear, unfused_lora
 from ..rollout import Engine, SamplingParams
+from . import run_folder
 from . import state as ckpt
 from .advantages import group_advantages, informative_groups, overlong_penalty
 from .aqn import AQN, sigma_at
@@ -178,6 +180,8 @@ class GRPOTrainer:
         self.step = 0
         self.out = Path(cfg.output_dir)
         self._resumed_from = None
+        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
+        self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, row) -> list[int]:
@@ -507,14 +511,63 @@ class GRPOTrainer:
         self.dist.barrier()
         return path
 
+    def _claim(self, fresh: bool) -> None:
+        """Lock the run folder and clean what a killed save left; a fresh run's folder must hold no
+        earlier run (or overwrite_output_dir clears it). Rank 0 does it; every rank stops on its error."""
+        err = None
+        if self._lock is not None:
+            try:
+                self._lock.acquire()
+                if not self._claimed:
+                    run_folder.clean_temporaries(self.out)
+                    if fresh:
+                        run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir)
+            except (run_folder.RunFolderError, OSError) as e:
+                err = e
+        if self.dist.max(1.0 if err else 0.0, self.device):
+            self._release()  # a lock we took is not left behind by a refusal
+            raise err or run_folder.RunFolderError(f"{self.out}: rank 0 could not claim the run folder")
+        self._claimed = True
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _newest_good_checkpoint(self) -> tuple[Path, dict]:
+        """Load the newest checkpoint whose files all verify, skipping (and setting aside) corrupt ones."""
+        found = ckpt.checkpoints(self.out, complete=False)
+        if not found:
+            raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
+        skipped = []
+        for folder in reversed(found):
+            try:
+                st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+            except ckpt.CorruptCheckpoint as e:
+                print(f"qerl: resume: skipping {folder.name}: {e}", flush=True)
+                skipped.append((folder, str(e)))
+                continue
+            if self._lock is not None:
+                for bad, _ in skipped:  # out of the rotation and of later resumes; kept for a look
+                    aside = bad.with_name(bad.name + ".corrupt")
+                    n = 1
+                    while aside.exists():  # set aside before, in an earlier resume
+                        aside, n = bad.with_name(f"{bad.name}.corrupt{n}"), n + 1
+                    os.replace(bad, aside)
+                    print(f"qerl: resume: moved {bad.name} to {aside.name}", flush=True)
+            return folder, st
+        raise ckpt.CorruptCheckpoint(f"{self.out}: no checkpoint verifies: " + "; ".join(why for _, why in skipped))
+
     def resume(self, folder=None) -> int:
-        """Continue from `folder`, or the run directory's latest checkpoint. Returns the step."""
-        if folder is None:
-            found = ckpt.checkpoints(self.out)
-            if not found:
-                raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
-            folder = found[-1]
-        st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        """Continue from `folder`, or the run directory's newest checkpoint that verifies. Returns the step."""
+        self._claim(fresh=False)
+        try:
+            if folder is None:
+                folder, st = self._newest_good_checkpoint()
+            else:
+                st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        except BaseException:
+            self._release()
+            raise
         self.step = st["step"]
         then = st.get("updates_per_step", self._updates_per_step)
         if then != self._updates_per_step:
@@ -533,13 +586,21 @@ class GRPOTrainer:
     def train(self, stop_after: int | None = None) -> list[dict]:
         """Run to max_steps (or stop after `stop_after` more steps, as a killed run would, but with a
         checkpoint at the stop); returns the metrics rows of this run."""
+        self._claim(fresh=self._resumed_from is None)
+        try:
+            return self._train(stop_after)
+        finally:
+            self._release()
+
+    def _train(self, stop_after: int | None) -> list[dict]:
         cfg, main = self.cfg, self.dist.is_main
         end = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
         log = None
         if main:  # rank 0 logs; the metrics it writes are already aggregated over the ranks
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(cfg.to_yaml())
-            log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if self._resumed_from else None)
+            continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
+            log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None)
         rows = []
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.progress and main))

@@ -47,7 +47,9 @@ def command(run_dir: Path, args: list[str]) -> list[str]:
     """`qerl train` for a run: from its latest checkpoint when an earlier call stopped it."""
     from ..rl.state import checkpoints
 
-    resume = ["--resume", str(run_dir)] if checkpoints(run_dir) else []
+    # No checkpoint yet: a fresh start over what a killed earlier call left (its metrics), which
+    # `qerl train` otherwise refuses to mix with a new run.
+    resume = ["--resume", str(run_dir)] if checkpoints(run_dir) else ["--overwrite_output_dir", "true"]
     return [sys.executable, "-m", "qerl", "train", *resume, *args]
 
 

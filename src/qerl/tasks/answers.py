@@ -13,6 +13,7 @@ from fractions import Fraction
 
 TAIL = 4000  # answers sit at the end; longer completions are only read from their last TAIL characters
 MAX_DIGITS = 60  # longer digit strings are not answers to grade (and int() of 4300+ digits raises)
+MAX_EXPONENT = 300  # |e| of 1e300 or more is no answer to grade; Fraction('1e99999999') builds a 10^8-digit int
 
 _NUMBER = re.compile(
     r"(?<![\w.])[-−]?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?(?:[eE][-+]?\d+)?%?"
@@ -97,15 +98,20 @@ def parse_number(s: str) -> Fraction | None:
     tok = found[-1].replace("−", "-").replace("$", "").replace(" ", "").replace(",", "").rstrip("%")
     try:
         if "/" in tok:
-            a, b = tok.split("/")
-            if len(a) > MAX_DIGITS or len(b) > MAX_DIGITS or float(b) == 0:
-                return None
-            return Fraction(a) / Fraction(b)
-        if len(tok) > MAX_DIGITS:
-            return None
-        return Fraction(tok)
+            a, b = (_bounded(x) for x in tok.split("/"))
+            return a / b if a is not None and b else None
+        return _bounded(tok)
     except (ValueError, ZeroDivisionError, OverflowError):
         return None
+
+
+def _bounded(tok: str) -> Fraction | None:
+    """Fraction(tok) when its digits and exponent are within limits, checked on the text before
+    anything expands (the value of '1e99999999' is never built); None otherwise."""
+    mantissa, _, exp = tok.lower().partition("e")
+    if len(mantissa) > MAX_DIGITS or len(exp) > 6 or (exp and abs(int(exp)) > MAX_EXPONENT):
+        return None
+    return Fraction(tok)
 
 
 def same_number(pred: str, ref: str) -> bool:

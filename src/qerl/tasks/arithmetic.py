@@ -10,9 +10,9 @@ import random
 import re
 
 from . import Task
+from .answers import last_tag
 
 _NUM = re.compile(r"-?\d[\d,]*")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def _problem(rng: random.Random, digits: int):
@@ -25,8 +25,10 @@ def _problem(rng: random.Random, digits: int):
 
 
 def final_number(text: str) -> int | None:
-    m = _ANSWER.findall(text)
-    src = m[-1] if m else text[-2000:]
+    # last_tag scans backwards with rfind: linear, where a lazy `<answer>(.*?)</answer>` regex
+    # rescans the rest of the text from every unclosed tag (quadratic)
+    tagged = last_tag(text)
+    src = tagged[-2000:] if tagged is not None else text[-2000:]
     nums = _NUM.findall(src)
     if not nums:
         return None

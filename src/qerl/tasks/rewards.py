@@ -2,7 +2,7 @@
 
 `f.metric = "accuracy"` marks the function whose mean is reported as accuracy (and that
 evaluation scores pass@1 with); `"format"` marks the format reward. None of them evaluates
-model output; symbolic checking runs under a time limit; `qerl.rl.rewards.score` turns an
+model output; symbolic checking runs in worker processes under a hard time limit; `qerl.rl.rewards.score` turns an
 exception on one completion into a 0 and counts it.
 """
 
@@ -35,39 +35,74 @@ def numeric_accuracy(completions, answer, **_):
 numeric_accuracy.metric = "accuracy"
 
 
+class RewardTimeout(RuntimeError):
+    """A completion's reward passed its hard time limit (scored 0 and counted as a reward error)."""
+
+
+def _math_verify_one(completion: str, ref: str, timeout_s: int | None) -> float:
+    """One check, on at most the last 4 x TAIL characters; math-verify's own (signal) time limits
+    apply where this runs in a main thread, as in a worker process."""
+    from math_verify import parse, verify
+
+    t = timeout_s if threading.current_thread() is threading.main_thread() else None
+    tagged = last_tag(completion[-4 * TAIL:])
+    pred_text = tagged if tagged is not None else completion[-TAIL:]
+    if "\\boxed" not in pred_text and "$" not in pred_text and tagged is not None:
+        pred_text = f"${pred_text.strip()}$"  # a bare expression in the answer tag
+    gold = parse(ref if ("$" in ref or "\\boxed" in ref) else f"${ref}$", parsing_timeout=t)
+    pred = parse(pred_text, parsing_timeout=t)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
+
+
 class MathVerifyAccuracy:
     """LaTeX / symbolic answers (MATH-500, BigMath, AIME, AMC) through math-verify.
 
-    math-verify's time limit uses signal.alarm, which exists only in the main thread; elsewhere the
-    check runs without it, on at most the last TAIL characters (bounded input, bounded work)."""
+    Sympy work on model text has no bound by construction (a nested power tower never returns),
+    so every completion is checked in a worker process with a hard limit of `deadline_s` seconds
+    (`qerl.tasks.deadline`); past it the worker is killed and the completion raises RewardTimeout,
+    which `qerl.rl.rewards.score` scores 0 and counts. `isolate=False` checks in this process
+    (soft limits only; for debugging)."""
 
     metric = "accuracy"
     __name__ = "math_verify_accuracy"
 
-    def __init__(self, timeout_s: int = 2):
+    def __init__(self, timeout_s: int = 2, deadline_s: float | None = None, isolate: bool = True):
         try:
             import math_verify  # noqa: F401
         except ImportError as e:
             raise ModuleNotFoundError("symbolic math rewards need math-verify: pip install 'math-verify[antlr4_13_2]'") from e
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s if deadline_s is not None else 3 * timeout_s + 1  # parse, parse, verify
+        self.isolate = isolate
+        self._last: dict = {}  # the last batch's outcomes: score()'s one-by-one retry reads them
 
     def _one(self, completion: str, ref: str) -> float:
-        from math_verify import parse, verify
+        return _math_verify_one(completion, str(ref), self.timeout_s)
 
-        t = self.timeout_s if threading.current_thread() is threading.main_thread() else None
-        tagged = last_tag(completion[-4 * TAIL:])
-        pred_text = tagged if tagged is not None else completion[-TAIL:]
-        if "\\boxed" not in pred_text and "$" not in pred_text and tagged is not None:
-            pred_text = f"${pred_text.strip()}$"  # a bare expression in the answer tag
-        ref = str(ref)
-        gold = parse(ref if ("$" in ref or "\\boxed" in ref) else f"${ref}$", parsing_timeout=t)
-        pred = parse(pred_text, parsing_timeout=t)
-        if not gold or not pred:
-            return 0.0
-        return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
+    def _batch(self, jobs: list[tuple[str, str]]) -> list[tuple[bool, object]]:
+        if not self.isolate:
+            return [(True, self._one(c, a)) for c, a in jobs]
+        from .deadline import shared_pool
+
+        return shared_pool(("math_verify",)).map("qerl.tasks.rewards:_math_verify_one",
+                                                 [(c, a, self.timeout_s) for c, a in jobs], self.deadline_s)
 
     def __call__(self, completions, answer, **_):
-        return [self._one(c, a) for c, a in zip(completions, answer)]
+        jobs = [(c, str(a)) for c, a in zip(completions, answer)]
+        if len(jobs) == 1 and jobs[0] in self._last:  # a retry of a batch that failed somewhere
+            results = [self._last[jobs[0]]]
+        else:
+            results = self._batch(jobs)
+        failed = [r for ok, r in results if not ok]
+        if failed:
+            self._last = dict(zip(jobs, results))  # no job runs (or times out) twice
+            raise RewardTimeout(failed[0]) if "TimeoutError" in str(failed[0]) else RuntimeError(failed[0])
+        return [float(r) for _, r in results]
+
+    def __getstate__(self):
+        return {**self.__dict__, "_last": {}}
 
 
 class ReasoningGymAccuracy:

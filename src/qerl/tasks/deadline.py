@@ -1,0 +1,143 @@
+"""A hard time limit for work that cannot be bounded by construction (symbolic math on model text).
+
+Threads cannot be stopped and signal.alarm works only in the main thread, so each call runs in a
+small pool of worker processes: a call past its deadline has its worker killed (and replaced) and
+comes back as a failure; the caller never waits longer than the deadline.
+
+Workers are fresh interpreters (`python -m qerl.tasks.deadline`), not forks or multiprocessing
+children: nothing of the trainer's threads or CUDA state is inherited, and the user's main script
+is never re-imported. Jobs and results cross a pipe as JSON (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+STARTUP_S = 120.0  # a fresh worker's imports (sympy, antlr) are not charged to any call's deadline
+
+
+def _serve(rd: Connection, wr: Connection, warm: list[str]) -> None:
+    """Worker loop: import `warm`, say ready, then run ['module:function', args] jobs until EOF."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts are ours to report
+    for name in warm:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    wr.send_bytes(b'"ready"')
+    while True:
+        try:
+            target, args = json.loads(rd.recv_bytes())
+        except (EOFError, OSError):
+            return
+        mod, _, fn = target.partition(":")
+        try:
+            msg = [True, getattr(importlib.import_module(mod), fn)(*args)]
+        except Exception as e:  # noqa: BLE001 - reported to the caller as that job's failure
+            msg = [False, f"{type(e).__name__}: {e}"[:300]]
+        wr.send_bytes(json.dumps(msg).encode())
+
+
+class _Worker:
+    def __init__(self, warm: tuple[str, ...]):
+        child_rd, parent_wr = os.pipe()  # (read end, write end)
+        parent_rd, child_wr = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this qerl, from any cwd
+        self.proc = subprocess.Popen([sys.executable, "-m", "qerl.tasks.deadline", str(child_rd), str(child_wr),
+                                      json.dumps(list(warm))], pass_fds=(child_rd, child_wr), env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        os.close(child_rd)
+        os.close(child_wr)
+        self.send, self.conn = Connection(parent_wr, readable=False), Connection(parent_rd, writable=False)
+        try:
+            ok = self.conn.poll(STARTUP_S) and json.loads(self.conn.recv_bytes()) == "ready"
+        except (EOFError, OSError):
+            ok = False
+        if not ok:
+            self.kill()
+            raise RuntimeError(f"a reward worker process (python -m qerl.tasks.deadline) did not start within "
+                               f"{STARTUP_S:.0f} s")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.send.close()
+        self.conn.close()
+
+
+class DeadlinePool:
+    """`map('pkg.module:function', [args, ...], deadline_s)` -> [(True, result) | (False, error text)],
+    each job given at most `deadline_s` seconds of wall time once a worker has it."""
+
+    def __init__(self, workers: int | None = None, warm: tuple[str, ...] = ()):
+        self.n = workers or max(1, min(4, os.cpu_count() or 1))
+        self.warm = tuple(warm)
+        self._idle: list[_Worker] = []
+        atexit.register(self.close)
+
+    def _worker(self) -> _Worker:
+        return self._idle.pop() if self._idle else _Worker(self.warm)
+
+    def map(self, target: str, jobs: list[tuple], deadline_s: float) -> list[tuple[bool, object]]:
+        out: list = [None] * len(jobs)
+        todo, busy = deque(enumerate(jobs)), {}  # conn -> (worker, job index, deadline)
+        try:
+            while todo or busy:
+                while todo and len(busy) < self.n:
+                    w = self._worker()
+                    i, args = todo.popleft()
+                    w.send.send_bytes(json.dumps([target, list(args)]).encode())
+                    busy[w.conn] = (w, i, time.monotonic() + deadline_s)
+                first = min(d for _, _, d in busy.values())
+                for conn in wait(list(busy), timeout=max(0.0, first - time.monotonic())):
+                    w, i, _ = busy.pop(conn)
+                    try:
+                        out[i] = tuple(json.loads(conn.recv_bytes()))
+                        self._idle.append(w)
+                    except (EOFError, OSError):  # the worker died (out of memory, a crash in C)
+                        out[i] = (False, "the reward worker process died")
+                        w.kill()
+                now = time.monotonic()
+                for conn in [c for c, (_, _, d) in busy.items() if d <= now]:
+                    w, i, _ = busy.pop(conn)
+                    w.kill()  # the only way to stop it; a fresh worker takes its place
+                    out[i] = (False, f"TimeoutError: no result within the {deadline_s:g} s limit")
+        finally:
+            for w, _, _ in busy.values():  # interrupted: workers mid-job cannot be reused
+                w.kill()
+        return out
+
+    def close(self):
+        while self._idle:
+            self._idle.pop().kill()
+
+    def __getstate__(self):  # a reward function may be pickled (workers, pipes are not)
+        return {"n": self.n, "warm": self.warm}
+
+    def __setstate__(self, st):
+        self.__init__(st["n"], st["warm"])
+
+
+_SHARED: dict[tuple, DeadlinePool] = {}
+
+
+def shared_pool(warm: tuple[str, ...] = ()) -> DeadlinePool:
+    """One pool per process and warm-up list: reward functions built per task share its workers."""
+    if warm not in _SHARED:
+        _SHARED[warm] = DeadlinePool(warm=warm)
+    return _SHARED[warm]
+
+
+if __name__ == "__main__":  # a worker: python -m qerl.tasks.deadline READ_FD WRITE_FD WARM_JSON
+    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False),
+           json.loads(sys.argv[3]))
