@@ -74,3 +74,10 @@ class SafetensorsCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors spells it ("BF16", "F32", "I32", "U8", "F8_E4M3", ...),
+        read from the header without loading the tensor."""
+        if name not in self.file_of:
+            raise CheckpointError(f"{self.folder}: missing tensor {name!r}")
+        return self._handles[self.file_of[name]].get_slice(name).get_dtype()

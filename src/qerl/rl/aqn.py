@@ -1,10 +1,16 @@
-"""Adaptive Quantization Noise (AQN): scheduled Gaussian noise folded into RMSNorm weights.
+"""Adaptive Quantization Noise (AQN): scheduled Gaussian noise on the RMSNorm weights.
 
-Per step, every RMSNorm that feeds LoRA/quantized projections gets w + Z, Z ~ N(0, sigma^2) of
-the layer's input size (input_layernorm -> q/k/v, post_attention_layernorm -> gate/up): row-wise
+Per step, every RMSNorm that feeds LoRA/quantized projections computes with w + Z, Z ~ N(0, sigma^2)
+of the layer's input size (input_layernorm -> q/k/v, post_attention_layernorm -> gate/up): row-wise
 multiplicative noise (1 + Z/w) on those weights with no change to the 4-bit kernels
-(../shared/docs/paper.md). The weights are restored from an exact copy afterwards, so the noise
-never accumulates into a random walk. Works for every weight format, bf16 included.
+(../shared/docs/paper.md).
+
+Z is added in fp32 inside the norm (rollout/forward.py `rms_norm`), never folded into the stored
+weight: in bf16, w + Z rounds back to w once sigma is below half an ulp of w (~2e-3 for |w| ~ 1), so
+the schedule's late stages (sigma_end = 5e-4) would do nothing. The weights are never written: they
+are bit-identical afterwards and the noise cannot accumulate into a random walk. Both paths see the
+same Z: the engine's decode glue reads each norm's `aqn_noise` buffer, and while the noise is applied
+the norm modules' forward (prefill, the trainer's passes) is the same `rms_norm` with that buffer.
 """
 
 from __future__ import annotations
@@ -62,15 +68,21 @@ def noised_norms(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 class AQN:
-    """Draws the step's noise and applies it around a block: `with aqn.applied(sigma, seed): ...`."""
+    """Draws the step's noise and applies it around a block: `with aqn.applied(sigma, seed): ...`.
+
+    Build it before the engine captures CUDA graphs: the graphs read the noise buffers made here."""
 
     def __init__(self, model: nn.Module):
-        self.weights = noised_norms(model)
-        # RMS of the change actually applied: in bf16, w + Z rounds to a 2^-7 grid near |w| = 1, so
-        # noise much below ~4e-3 mostly vanishes; this says how much of sigma survived.
-        self.last_effective_sigma = 0.0
+        self.weights = noised_norms(model)  # never written: the noise lives in `self.noise`
         if not self.weights:
             raise ValueError("AQN: found no RMSNorm feeding q/k/v or gate/up projections in this model")
+        self.norms = {name: model.get_submodule(name) for name in self.weights}
+        self.eps = {name: _llama_eps(name, norm) for name, norm in self.norms.items()}
+        # name -> the fp32 Z its norm adds to its weight: zeros outside `applied`, filled in place
+        self.noise = {name: _noise_buffer(norm) for name, norm in self.norms.items()}
+        # RMS of the fp32 noise of the last noisy block (0 after a noiseless one), measured on the
+        # buffers the norms read: the trainer logs it as aqn_sigma_effective
+        self.last_effective_sigma = 0.0
 
     @contextlib.contextmanager
     def applied(self, sigma: float, seed: int):
@@ -79,17 +91,43 @@ class AQN:
             yield
             return
         g = torch.Generator(device="cpu").manual_seed(seed)
-        saved = {}
         try:
-            with torch.no_grad():
-                for name, w in self.weights.items():
-                    saved[name] = w.detach().clone()
-                    z = torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(sigma)
-                    w.add_(z.to(device=w.device, dtype=w.dtype))
-                sq = sum(float((w - saved[n]).float().pow(2).sum()) for n, w in self.weights.items())
-                self.last_effective_sigma = math.sqrt(sq / sum(w.numel() for w in self.weights.values()))
+            sq, n = 0.0, 0
+            for name, norm in self.norms.items():
+                buf = self.noise[name]
+                buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).mul_(sigma))
+                sq, n = sq + float(buf.double().pow(2).sum()), n + buf.numel()
+                norm.forward = _noisy_forward(norm, self.eps[name])
+            self.last_effective_sigma = math.sqrt(sq / n)
             yield
         finally:
-            with torch.no_grad():
-                for name, w0 in saved.items():
-                    self.weights[name].copy_(w0)
+            for name, norm in self.norms.items():
+                self.noise[name].zero_()
+                norm.__dict__.pop("forward", None)  # back to the class's own forward
+
+
+def _llama_eps(name: str, norm: nn.Module) -> float:
+    from ..rollout.forward import _rms_eps
+
+    eps = _rms_eps(norm)
+    if eps is None:
+        raise ValueError(f"AQN: {name} ({type(norm).__name__}) is not a Llama-style RMSNorm (weight * x / rms(x))")
+    return eps
+
+
+def _noise_buffer(norm: nn.Module) -> torch.Tensor:
+    """A zero fp32 tensor beside the norm's weight, kept for the model's lifetime and reused by every
+    noisy block (a plain attribute, not a buffer: no state_dict or checkpoint sees it)."""
+    w, buf = norm.weight, getattr(norm, "aqn_noise", None)
+    if buf is None or buf.shape != w.shape or buf.device != w.device:
+        buf = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        norm.aqn_noise = buf
+    return buf
+
+
+def _noisy_forward(norm: nn.Module, eps: float):
+    from ..rollout.forward import rms_norm
+
+    def forward(x):
+        return rms_norm(x, norm.weight, eps, norm.aqn_noise)
+    return forward

@@ -22,15 +22,24 @@ from ..layers.fused_group import GATE_UP, QKV, project
 # as much as reading the weights. These functions restate HF's arithmetic (fp32 norm statistics,
 # same casts) as a few fusable pieces; `glue_ops(True)` hands them to torch.compile, which fuses
 # each into one or two kernels. Eager, they are what the CPU and the tests run.
-def rms_norm(x, w, eps: float):
+def rms_norm(x, w, eps: float, noise=None):
+    """HF's Llama RMSNorm: w * normalized(x), the statistics in fp32.
+
+    noise: AQN's fp32 Z (rl/aqn.py), or None. With it the weight is w + Z in fp32 and the product is
+    rounded once to the output dtype: rounding w + Z to bf16 first would erase any Z below half a
+    bf16 ulp of w (all of the schedule's late stages for |w| ~ 1). At Z = 0 the result is bit-identical
+    to HF's `w * x_hat`: a product of two bf16 (or fp16) values is exact in fp32, so both round once."""
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if noise is None:
+        return w * xn
+    return ((w.float() + noise) * xn.float()).to(torch.promote_types(w.dtype, x.dtype))
 
 
-def add_rms_norm(h, d, w, eps: float):
+def add_rms_norm(h, d, w, eps: float, noise=None):
     """(h + d, rms_norm(h + d)): the residual add and the next norm in one pass."""
     h = h + d
-    return h, rms_norm(h, w, eps)
+    return h, rms_norm(h, w, eps, noise)
 
 
 def rope(q, k, cos, sin):
@@ -168,7 +177,7 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope):
 
 def _norm(view, ops, norm, x):
     eps = view.norm_eps.get(id(norm))
-    return norm(x) if eps is None else ops["rms_norm"](x, norm.weight, eps)
+    return norm(x) if eps is None else ops["rms_norm"](x, norm.weight, eps, _noise(norm))
 
 
 def _add_norm(view, ops, norm, h, d):
@@ -176,7 +185,13 @@ def _add_norm(view, ops, norm, h, d):
     if eps is None:
         h = h + d
         return h, norm(h)
-    return ops["add_rms_norm"](h, d, norm.weight, eps)
+    return ops["add_rms_norm"](h, d, norm.weight, eps, _noise(norm))
+
+
+def _noise(norm):
+    """The norm's AQN noise buffer (zeros outside a noisy block), or None for a norm AQN does not noise.
+    AQN fills it in place, so a CUDA graph captured after AQN was built reads each step's noise."""
+    return getattr(norm, "aqn_noise", None)
 
 
 def _mlp(view, ops, mlp, x):
