@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..device_memory import free_bytes
 from ..kernels import dispatch
-from .forward import ModelView, decode, glue_ops, prefill
+from .forward import ModelView, decode, fused_attention_ok, glue_ops, prefill
 from .kv_cache import KVCache, slots_for_budget
 from .sampling import SamplingParams, sample
 
@@ -67,15 +67,17 @@ class _Slot:
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
-                 prefill_tokens: int = 8192, cache_dequantized: bool | None = None, compile: bool | None = None):
+                 prefill_tokens: int = 8192, cache_dequantized: bool | None = None, compile: bool | None = None,
+                 kv_cache_dtype: str = "auto", fused_attention: bool | None = None):
         self.view = ModelView(model)
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
         self.max_len, self.sync_every, self.prefill_tokens = max_len, sync_every, prefill_tokens
         if kv_cache_gb is None:  # half of what is free now on a GPU (under a memory cap); 1 GiB on the CPU
             kv_cache_gb = free_bytes(dev) * 0.5 / 2**30 if dev.type == "cuda" else 1.0
-        self.n_slots = slots_for_budget(self.view, max_len, int(kv_cache_gb * 2**30), max_slots)
-        self.cache = KVCache(self.view, self.n_slots, max_len)
+        self.n_slots = slots_for_budget(self.view, max_len, int(kv_cache_gb * 2**30), max_slots, kv_cache_dtype)
+        self.cache = KVCache(self.view, self.n_slots, max_len, kv_cache_dtype)
+        self.fused_attention = fused_attention_ok(self.view) if fused_attention is None else fused_attention
         self.rope = self.view.rope_tables(max_len)
         self.cuda_graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         # fuse the decode step's small ops (norms, rotary, softmax) on GPUs; see forward.compile_glue
@@ -225,7 +227,8 @@ class Engine:
         return eos | stop | full, code
 
     def _step(self, b: int, keys: int, p: SamplingParams):
-        logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope, self.ops)
+        logits = decode(self.view, self.cache, self.tokens[:b], self.pos[:b], b, keys, self.rope, self.ops,
+                        self.fused_attention)
         tok, lp = sample(logits, p, self.gen, self._keyed(p, self.skey[:b], self.count[:b]))
         act = self.active[:b] & ~self.done[:b]
         idx = self.count[:b].clamp(max=self.max_len - 1)[:, None]

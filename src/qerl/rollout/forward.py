@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.fused_group import GATE_UP, QKV, project
+from . import attention, rope_kv
+from .kv_cache import dequantize
 
 
 # ---- decode glue ---------------------------------------------------------------------------------
@@ -200,28 +202,49 @@ def _mlp(view, ops, mlp, x):
     return mlp.down_proj(ops["silu_mul"](*project(mlp, GATE_UP, x)))
 
 
-def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope, ops=EAGER_GLUE):
+def fused_attention_ok(view: ModelView) -> bool:
+    """Whether decode can use the fused rotary+KV-write and split-KV attention kernels (CUDA,
+    power-of-two head size; Qwen3's q/k norms sit between projection and rotary, so not there)."""
+    probe = view.embed.weight
+    return not view.qk_norm and rope_kv.supports(probe, view.head_dim)
+
+
+def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope, ops=EAGER_GLUE,
+           fused: bool = False):
     """One token for slots 0..n_slots-1: tokens [S], positions [S] -> fp32 logits [S, V].
 
     Static shapes for a given (n_slots, n_keys), no host syncs: the step CUDA graphs replay.
-    Same arithmetic as HF's layers, in fewer pieces (see the decode glue above).
+    Same arithmetic as HF's layers, in fewer pieces (see the decode glue above). fused: rotary and
+    the cache write in one kernel, then split-KV attention (rollout/attention.py); a layer is then
+    norm, q|k|v, rope+write, attention (2), o, add+norm, gate|up, SiLU·mul, down, add+norm.
     """
     s, d = tokens.shape[0], view.head_dim
-    cos, sin = (t[pos][:, None, None] for t in rope)  # [S, 1, 1, d]
-    mask = (torch.arange(n_keys, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [S, 1, 1, L]
     h = view.embed(tokens[:, None])
     x = _norm(view, ops, view.layers[0].input_layernorm, h)
+    if fused:
+        lengths = pos + 1
+    else:
+        cos, sin = (t[pos][:, None, None] for t in rope)  # [S, 1, 1, d]
+        mask = (torch.arange(n_keys, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [S, 1, 1, L]
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        q, k, v = (y.view(s, 1, -1, d) for y in project(attn, QKV, x))
-        v = v.transpose(1, 2)
-        if view.qk_norm:
-            q, k = _norm(view, ops, attn.q_norm, q), _norm(view, ops, attn.k_norm, k)
-        q, k = ops["rope"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        kc, vc = cache.write_token(i, n_slots, pos, k[:, :, 0], v[:, :, 0])
-        o = ops["attend_decode"](q, kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys], mask, view.n_kv,
-                                 view.scaling)
-        h, x = _add_norm(view, ops, layer.post_attention_layernorm, h, attn.o_proj(o.transpose(1, 2).reshape(s, 1, -1)))
+        kc, vc, ks, vs = cache.layer(i)
+        if fused:
+            q, k, v = (y[:, 0] for y in project(attn, QKV, x))
+            q = rope_kv.rope_kv_write(q, k, v, rope[0], rope[1], pos, kc, vc, ks, vs)
+            o = attention.decode_attention(q, kc, vc, lengths, n_keys, view.scaling, ks, vs).view(s, 1, -1)
+        else:
+            q, k, v = (y.view(s, 1, -1, d) for y in project(attn, QKV, x))
+            v = v.transpose(1, 2)
+            if view.qk_norm:
+                q, k = _norm(view, ops, attn.q_norm, q), _norm(view, ops, attn.k_norm, k)
+            q, k = ops["rope"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            cache.write_token(i, n_slots, pos, k[:, :, 0], v[:, :, 0])
+            kk, vv = kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys]
+            if cache.fp8:
+                kk, vv = dequantize(kk, ks[:n_slots], q.dtype), dequantize(vv, vs[:n_slots], q.dtype)
+            o = ops["attend_decode"](q, kk, vv, mask, view.n_kv, view.scaling).transpose(1, 2).reshape(s, 1, -1)
+        h, x = _add_norm(view, ops, layer.post_attention_layernorm, h, attn.o_proj(o))
         nxt = view.layers[i + 1].input_layernorm if i + 1 < view.n_layers else view.norm
         h, x = _add_norm(view, ops, nxt, h, _mlp(view, ops, layer.mlp, x))
     return view.lm_head(x[:, 0]).float()

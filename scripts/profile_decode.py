@@ -1,0 +1,157 @@
+"""Decode attention alone, and where a decode step's time goes, by kernel kind (issue 20).
+
+1. Decode attention (7B geometry: 28 query heads, 4 KV heads, d 128) at batch 1-256 and 256-8k
+   keys: the split-KV kernel (bf16 and FP8 K/V) against the torch grouped path, as time and as a
+   fraction of copy bandwidth on the K/V bytes.
+2. A 7B NVFP4 + LoRA r32 decode step at batch 1 and 64, fused attention off and on: ms per step
+   in CUDA graphs, then a profiler pass over eager steps: kernels per step and µs per kind.
+Usage: python3 scripts/profile_decode.py [--layers N] [--skip-attention] [--skip-step]
+"""
+import argparse
+import collections
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "src")
+from qerl.bench.kernels import copy_bandwidth  # noqa: E402
+from qerl.model import qwen25_config, random_policy  # noqa: E402
+from qerl.rollout import Engine, SamplingParams, attention  # noqa: E402
+from qerl.rollout.kv_cache import FP8_MAX, _quantize  # noqa: E402
+
+KINDS = [  # first match wins
+    ("W4 matmul (MMA)", ("w4_mma_matmul",)),
+    ("W4 dequantize", ("w4_mma_dequantize",)),
+    ("attention split-KV", ("split_kernel",)),
+    ("attention merge", ("merge_kernel",)),
+    ("rope + KV write", ("rope_kv_kernel",)),
+    ("cuBLAS GEMM/GEMV (lm_head, LoRA)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "splitK")),
+    ("compiled glue (norms, SiLU, rope, softmax)", ("triton_",)),
+    ("sampling (softmax, exp, argmax, topk)", ("softmax", "exponential", "argmax", "sort", "topk", "distribution")),
+    ("index / scatter / gather / copy", ("index", "scatter", "gather", "copy", "cat", "Memcpy", "Memset")),
+    ("other elementwise / reduce", ("elementwise", "reduce", "vectorized")),
+]
+
+
+def kind(name: str) -> str:
+    for k, keys in KINDS:
+        if any(x in name for x in keys):
+            return k
+    return "other"
+
+
+def timed(fn, iters=50):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def attention_bench(bw, log):
+    h, n_kv, d = 28, 4, 128
+    rows = []
+    for b in (1, 8, 64, 256):
+        for ctx in (256, 1024, 4096, 8192):
+            q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, n_kv, ctx, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            lens = torch.full((b,), ctx, device="cuda")
+            ks = k.float().abs().amax((2, 3)) / FP8_MAX
+            vs = v.float().abs().amax((2, 3)) / FP8_MAX
+            k8, v8 = _quantize(k, ks), _quantize(v, vs)
+            t_bf = timed(lambda: attention.decode_attention(q, k, v, lens, ctx, d ** -0.5))
+            t_f8 = timed(lambda: attention.decode_attention(q, k8, v8, lens, ctx, d ** -0.5, ks, vs))
+            t_ref = timed(lambda: attention.reference(q, k, v, lens, ctx, d ** -0.5), iters=10)
+            kv_elems = 2 * b * n_kv * ctx * d  # K and V; bytes: x2 bf16, x1 FP8
+            r = dict(batch=b, ctx=ctx, us_bf16=t_bf * 1e6, us_fp8=t_f8 * 1e6, us_torch=t_ref * 1e6,
+                     bw_frac_bf16=2 * kv_elems / t_bf / bw, bw_frac_fp8=kv_elems / t_f8 / bw,
+                     splits=attention.n_splits(b, n_kv, ctx, torch.cuda.get_device_properties(0).multi_processor_count))
+            rows.append(r)
+            log(f"attn b={b:4d} ctx={ctx:5d} splits={r['splits']:3d}: bf16 {r['us_bf16']:8.1f} us "
+                f"({100 * r['bw_frac_bf16']:5.1f}% of copy BW), fp8 {r['us_fp8']:8.1f} us "
+                f"({100 * r['bw_frac_fp8']:5.1f}%), torch {r['us_torch']:8.1f} us")
+            del q, k, v, k8, v8
+    return rows
+
+
+def step_profile(layers, log):
+    cfg = qwen25_config("qwen2.5-7b", layers)
+    pol = random_policy(cfg, "nvfp4", lora_rank=32, device="cuda", progress=False)
+    out = []
+    for fused in (False, True):
+        for b in (1, 64):
+            eng = Engine(pol.model, max_len=640, max_slots=b, fused_attention=fused)
+            p = SamplingParams(max_new_tokens=96, temperature=1.0, ignore_eos=True, seed=0)
+            prompts = [list(range(256))] * b
+            eng.warmup([b], p)
+            eng.generate(prompts, params=p)
+            eng.generate(prompts, params=p)
+            s = eng.stats
+            ms = 1e3 * (s.seconds - s.prefill_seconds) / s.steps
+            eng_e = Engine(pol.model, max_len=640, max_slots=b, cuda_graphs=False, fused_attention=fused)
+            q = SamplingParams(max_new_tokens=17, ignore_eos=True)
+            eng_e.generate(prompts, params=q)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                eng_e.generate(prompts, params=q)
+                torch.cuda.synchronize()
+            steps = eng_e.stats.steps
+            per = collections.defaultdict(lambda: [0, 0.0])
+            n_pre = 0
+            for e in prof.events():
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                k = kind(e.name)
+                per[k][0] += 1
+                per[k][1] += e.device_time
+            total_n = sum(v[0] for v in per.values())
+            total_us = sum(v[1] for v in per.values())
+            log(f"\nfused_attention={fused} batch={b}: graph step {ms:.3f} ms; eager profile: {total_n / steps:.0f} "
+                f"kernels and {total_us / steps / 1e3:.3f} ms kernel time per step (prefill included, {steps} steps)")
+            for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                log(f"   {k:44s} {n / steps:7.1f} per step {us / steps:9.1f} us per step")
+            out.append(dict(fused=fused, batch=b, ms_per_step=ms, kernels_per_step=total_n / steps,
+                            kernel_ms_per_step=total_us / steps / 1e3,
+                            kinds={k: dict(per_step=n / steps, us_per_step=us / steps) for k, (n, us) in per.items()}))
+            log(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+            del eng, eng_e
+            torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    logf = open(f"{a.out}/profile_decode.log", "w")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+
+    bw = copy_bandwidth()
+    log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
+    res = {"copy_bw": bw}
+    if not a.skip_attention:
+        res["attention"] = attention_bench(bw, log)
+    if not a.skip_step:
+        res["step"] = step_profile(a.layers, log)
+    with open(f"{a.out}/profile_decode.json", "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
