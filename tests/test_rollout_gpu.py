@@ -82,7 +82,7 @@ def test_alternating_sampling_settings_reuse_their_graphs():
     b = SamplingParams(max_new_tokens=24, temperature=0.6, top_p=0.95, seed=5, ignore_eos=True)
     xa = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=a)]
     xb = [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=b)]
-    n = len(eng._graphs)
+    n = len(eng.runner.graphs)
     assert xa == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=a)]
     assert xb == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=b)]
-    assert len(eng._graphs) == n  # nothing recaptured
+    assert len(eng.runner.graphs) == n  # nothing recaptured

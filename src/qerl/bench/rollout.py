@@ -75,6 +75,11 @@ def _engine_case(pol, batches, prompt_len, new, log, bw, cfg, kv_dtype="auto", f
             out[b]["completions"] = comps
         log(f"  batch {b:4d}: {tps:8.1f} tok/s ({dtps:8.1f} decode, {100 * dtps / roof:5.1f}% of the {roof:7.0f} "
             f"tok/s roofline), prefill {s.prefill_seconds:.2f} s, peak {out[b]['peak_gib']:.1f} GiB")
+        by_keys: dict = {}
+        for bb, keys, ms in s.chunks:
+            by_keys.setdefault((bb, keys), []).append(ms)
+        log("    ms/step by (batch bucket, keys): " + ", ".join(
+            f"{bb}/{k}: {sum(v) / len(v):.2f}" for (bb, k), v in sorted(by_keys.items())))
     del eng
     return out
 

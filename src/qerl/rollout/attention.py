@@ -53,8 +53,14 @@ def _build():
         kb = k_ptr + s.to(tl.int64) * sk_s + g * sk_h
         vb = v_ptr + s.to(tl.int64) * sk_s + g * sk_h
         if FP8:
-            kscale = tl.load(ks_ptr + s * ss_s + g)
-            vscale = tl.load(vs_ptr + s * ss_s + g)
+            # E4M3 -> fp16 is one conversion per pair; the per-(slot, head) scales are constant over
+            # the program, so K's folds into the score scale and V's into the output
+            q = q.to(tl.float16)
+            qk_scale = scaling * tl.load(ks_ptr + s * ss_s + g)
+            v_out = tl.load(vs_ptr + s * ss_s + g)
+        else:
+            qk_scale = scaling
+            v_out = 1.0
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -64,9 +70,9 @@ def _build():
             k = tl.load(kb + n[:, None] * sk_l + d[None, :], mask=nm[:, None], other=0.0)
             v = tl.load(vb + n[:, None] * sk_l + d[None, :], mask=nm[:, None], other=0.0)
             if FP8:
-                k = (k.to(tl.float32) * kscale).to(q.dtype)
-                v = (v.to(tl.float32) * vscale).to(q.dtype)
-            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scaling
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
+            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
             sc = tl.where(nm[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             p = tl.exp(sc - m_new[:, None])
@@ -74,6 +80,7 @@ def _build():
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
+        acc = acc * v_out
         h = g * R + rows
         base = (s * (n_kv * R) + h) * SPLITS + sp
         tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=rmask[:, None])

@@ -73,7 +73,12 @@ def glue_ops(compiled: bool) -> dict:
     if not compiled:
         return EAGER_GLUE
     if not _COMPILED:
-        _COMPILED.update({n: torch.compile(f, dynamic=True) for n, f in EAGER_GLUE.items()})
+        # Inductor may skip a cast down and back up (bf16 -> fp32) unless told to emulate it; the norm
+        # must round where HF rounds, or zero AQN noise would not reproduce HF's output bit for bit
+        import torch._inductor.config as ic
+
+        opts = {"emulate_precision_casts": True} if hasattr(ic, "emulate_precision_casts") else {}
+        _COMPILED.update({n: torch.compile(f, dynamic=True, options=opts) for n, f in EAGER_GLUE.items()})
     return _COMPILED
 
 
@@ -147,32 +152,36 @@ def _attend(view, q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=view.scaling)
 
 
-def _finish_layer(view, layer, attn, h, o, resid):
-    b, t = h.shape[:2]
-    h = resid + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
-
-
-def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope):
+def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tokens: int = 2048):
     """Run prompts (right-padded ids [B, T], true lengths [B]) and write their K/V.
 
     slots_per_row: for each row, the cache slots that receive its K/V (a group's samples share
     one prefill). Returns the fp32 logits at each prompt's last token [B, V].
+    Layer by layer, the projections run on all B·T tokens at once (the large-M path), while
+    attention and the MLP run over chunks of about chunk_tokens tokens (queries [c0, c1) against
+    keys [0, c1)), so neither a [B, H, T, T] score tensor nor a [B·T, intermediate] activation is
+    ever held: an 8k-token prompt costs chunk-sized temporaries. Each query row's arithmetic is
+    the same as unchunked.
     """
     b, t = ids.shape
+    c = max(1, chunk_tokens // b)
     cos, sin = (x[:t][None, None] for x in rope)
     keys = torch.arange(t, device=ids.device)
     mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
-    mask = mask[:, None]  # [B, 1, T, T]
+    mask = mask[:, None]  # [B, 1, T, T] bool
     h = view.embed(ids)
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        resid = h
         q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
         for row, slots in enumerate(slots_per_row):
             if slots:
                 cache.write_prefix(i, slots, k[row], v[row], int(lengths[row]))
-        h = _finish_layer(view, layer, attn, h, _attend(view, q, k, v, mask), resid)
+        o = torch.cat([_attend(view, q[:, :, c0:c0 + c], k[:, :, :c0 + c], v[:, :, :c0 + c],
+                               mask[:, :, c0:c0 + c, :c0 + c]) for c0 in range(0, t, c)], 2)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        del q, k, v, o
+        h = torch.cat([x + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(x))
+                       for x in h.split(c, 1)], 1)
     last = h[torch.arange(b, device=ids.device), lengths - 1]
     return view.lm_head(view.norm(last)).float()
 

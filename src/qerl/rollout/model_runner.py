@@ -1,0 +1,226 @@
+"""The rollout's tensors: the KV cache, the per-slot state, prefill, the decode step and its graphs.
+
+Everything the scheduler decides in Python happens here on the device: a prompt's prefill into
+its slots, the first token of each admitted sample, decode steps over the slots [0, B) (one
+CUDA graph per (sampling setting, B, key-length bucket)), reading finished slots back, moving
+a slot. The per-slot state is one dataclass, so snapshots, moves and resets cover every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .forward import decode, fused_attention_ok, glue_ops, prefill
+from .kv_cache import KVCache
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class SlotState:
+    """What a slot's sequence carries between decode steps; one row per slot."""
+    tokens: torch.Tensor  # [S] long: the token the next step feeds
+    pos: torch.Tensor  # [S] long: where that token's K/V goes
+    count: torch.Tensor  # [S] long: tokens generated
+    skey: torch.Tensor  # [S] long: the sample's key (keyed CPU sampling)
+    active: torch.Tensor  # [S] bool: holds a sequence
+    done: torch.Tensor  # [S] bool: finished (EOS, stop token, length)
+    reason: torch.Tensor  # [S] int8: 1 eos, 2 length, 3 stop
+    out_tok: torch.Tensor  # [S, L] long: generated tokens
+    out_lp: torch.Tensor  # [S, L] fp32: their logprobs under the sampling distribution
+
+    @classmethod
+    def zeros(cls, n: int, max_len: int, device) -> "SlotState":
+        z = lambda dt, *shape: torch.zeros(n, *shape, dtype=dt, device=device)  # noqa: E731
+        return cls(z(torch.long), z(torch.long), z(torch.long), z(torch.long), z(torch.bool), z(torch.bool),
+                   z(torch.int8), z(torch.long, max_len), z(torch.float32, max_len))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        for t, v in zip(self.tensors(), snap):
+            t.copy_(v)
+
+    def move(self, src: int, dst: int) -> None:
+        for t in self.tensors():
+            t[dst] = t[src]
+        self.active[src] = False
+
+
+REASONS = {1: "eos", 2: "length", 3: "stop"}
+
+
+class ModelRunner:
+    def __init__(self, view, n_slots: int, max_len: int, *, kv_cache_dtype: str = "auto", cuda_graphs: bool,
+                 compile: bool, fused_attention: bool | None = None):
+        self.view, self.n_slots, self.max_len = view, n_slots, max_len
+        dev = view.device
+        self.cache = KVCache(view, n_slots, max_len, kv_cache_dtype)
+        self.rope = view.rope_tables(max_len)
+        self.cuda_graphs = cuda_graphs
+        self.ops = glue_ops(compile)  # the decode step's small ops, fused by torch.compile on GPUs
+        self.fused_attention = fused_attention_ok(view) if fused_attention is None else fused_attention
+        self.state = SlotState.zeros(n_slots, max_len, dev)
+        self.max_new_t = torch.zeros((), dtype=torch.long, device=dev)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs_captured = 0
+        self._graph_key = None
+        self._pool = None
+        self.gen = None
+
+    # ---- settings ----------------------------------------------------------------------------
+    def setup(self, p: SamplingParams, eos: list[int]) -> None:
+        key = (p.greedy, p.temperature, p.top_p, p.top_k, p.ignore_eos, tuple(p.stop_token_ids or ()))
+        if key != self._graph_key:
+            # graphs bake the sampling settings in: keep each setting's graphs (training and evaluation
+            # alternate); past a few settings drop them all and start a fresh memory pool (capturing
+            # into the pool of destroyed graphs trips the CUDA caching allocator)
+            if len({k[0] for k in self.graphs} | {key}) > 4:
+                self.graphs.clear()
+                self._pool = None
+            self._graph_key = key
+        dev = self.view.device
+        self.max_new_t.fill_(p.max_new_tokens)
+        stop = [] if p.ignore_eos else list(p.stop_token_ids or [])
+        self.eos_t = torch.tensor(([] if p.ignore_eos else eos) or [-1], dtype=torch.long, device=dev)
+        self.stop_t = torch.tensor(stop or [-1], dtype=torch.long, device=dev)
+        self.gen = None
+        if p.seed is not None:
+            if dev.type == "cuda":  # graphs replay the default CUDA generator's stream
+                torch.cuda.manual_seed(p.seed)
+            else:
+                self.gen = torch.Generator(device=dev).manual_seed(p.seed)
+        st = self.state
+        st.active.zero_(), st.done.zero_(), st.count.zero_()
+
+    def _keyed(self, p: SamplingParams, keys, pos):
+        """Keyed sampling on the CPU with a seed; CUDA keeps the generator stream its graphs replay."""
+        if p.seed is None or self.view.device.type == "cuda":
+            return None
+        return (p.seed, keys, pos)
+
+    def _finish_flags(self, tok, count, pos):
+        """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos)."""
+        eos = torch.isin(tok, self.eos_t)
+        stop = torch.isin(tok, self.stop_t)
+        full = (count >= self.max_new_t) | (pos >= self.max_len - 1)
+        code = torch.where(eos, 1, torch.where(stop, 3, 2)).to(torch.int8)
+        return eos | stop | full, code
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def prefill(self, need: dict[int, list[int]], ids: list[list[int]], max_tokens: int,
+                chunk_tokens: int = 2048) -> dict[int, torch.Tensor]:
+        """Prefill each prompt of `need` into its slots, batched up to max_tokens (padded) per batch,
+        attention and MLP in chunks of chunk_tokens; returns each prompt's last-token logits."""
+        order = sorted(need, key=lambda i: -len(ids[i]))
+        dev = self.view.device
+        logits_of = {}
+        while order:
+            batch, t = [], 0
+            while order and (not batch or (len(batch) + 1) * max(t, len(ids[order[0]])) <= max_tokens):
+                i = order.pop(0)
+                batch.append(i)
+                t = max(t, len(ids[i]))
+            x = torch.zeros(len(batch), t, dtype=torch.long, device=dev)
+            for r, i in enumerate(batch):
+                x[r, : len(ids[i])] = torch.tensor(ids[i], device=dev)
+            lengths = torch.tensor([len(ids[i]) for i in batch], device=dev)
+            logits = prefill(self.view, self.cache, x, lengths, [need[i] for i in batch], self.rope, chunk_tokens)
+            for r, i in enumerate(batch):
+                logits_of[i] = logits[r]
+        return logits_of
+
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        self.cache.copy_slot(src, dst, length)
+
+    def start(self, slots: list[int], logits: torch.Tensor, skeys: list[int], lengths: list[int],
+              p: SamplingParams) -> None:
+        """Sample each admitted slot's first token from its prompt's logits [n, V] and arm the slot."""
+        dev, st = self.view.device, self.state
+        rows = torch.tensor(slots, device=dev)
+        st.skey[rows] = torch.tensor(skeys, device=dev)
+        tok, lp = sample(logits, p, self.gen, self._keyed(p, st.skey[rows], torch.zeros_like(rows)))
+        st.tokens[rows] = tok
+        st.pos[rows] = torch.tensor(lengths, device=dev)
+        st.count[rows] = 1
+        st.out_tok[rows, 0] = tok
+        st.out_lp[rows, 0] = lp
+        st.active[rows] = True
+        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows])
+        st.reason[rows] = code
+        st.done[rows] = fin
+
+    # ---- decode ------------------------------------------------------------------------------
+    def _step(self, b: int, keys: int, p: SamplingParams):
+        st = self.state
+        logits = decode(self.view, self.cache, st.tokens[:b], st.pos[:b], b, keys, self.rope, self.ops,
+                        self.fused_attention)
+        tok, lp = sample(logits, p, self.gen, self._keyed(p, st.skey[:b], st.count[:b]))
+        act = st.active[:b] & ~st.done[:b]
+        idx = st.count[:b].clamp(max=self.max_len - 1)[:, None]
+        st.out_tok[:b].scatter_(1, idx, torch.where(act, tok, st.out_tok[:b].gather(1, idx)[:, 0])[:, None])
+        st.out_lp[:b].scatter_(1, idx, torch.where(act, lp, st.out_lp[:b].gather(1, idx)[:, 0])[:, None])
+        a = act.long()
+        st.count[:b] += a
+        st.pos[:b] += a
+        st.tokens[:b] = torch.where(act, tok, st.tokens[:b])
+        fin, code = self._finish_flags(tok, st.count[:b], st.pos[:b])
+        newly = act & fin
+        st.reason[:b] = torch.where(newly, code, st.reason[:b])
+        st.done[:b] |= newly
+
+    def step(self, b: int, keys: int, p: SamplingParams) -> None:
+        """One decode step over slots [0, b) with keys [0, keys): replayed from a graph on CUDA."""
+        if not self.cuda_graphs:
+            return self._step(b, keys, p)
+        g = self.graphs.get((self._graph_key, b, keys))
+        if g is None:
+            snap = self.state.snapshot()
+            rng = torch.cuda.get_rng_state()  # the warm-up's samples must not shift the seeded stream
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # warm-up: compiles kernels, sizes workspaces (its K/V writes are the real ones)
+                self._step(b, keys, p)
+            torch.cuda.current_stream().wait_stream(s)
+            self.state.restore(snap)
+            torch.cuda.set_rng_state(rng)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._step(b, keys, p)
+            self.graphs[(self._graph_key, b, keys)] = g
+            self.graphs_captured += 1
+        g.replay()
+
+    # ---- reading back ------------------------------------------------------------------------
+    def finished(self, hi: int) -> list[bool]:
+        return self.state.done[:hi].cpu().tolist()
+
+    def max_count(self, hi: int) -> int:
+        return int(self.state.count[:hi].max())
+
+    def tokens_of(self, slots: list[int]) -> tuple[list[int], list[list[int]], list[list[float]], list[str]]:
+        """(counts, token ids, logprobs, finish reasons) of the given slots, one transfer each."""
+        st = self.state
+        counts = st.count[slots].cpu().tolist()
+        reasons = st.reason[slots].cpu().tolist()
+        toks = st.out_tok[slots].cpu()
+        lps = st.out_lp[slots].cpu()
+        return (counts, [toks[r, :c].tolist() for r, c in enumerate(counts)],
+                [lps[r, :c].tolist() for r, c in enumerate(counts)], [REASONS.get(x, "length") for x in reasons])
+
+    def release(self, slots: list[int]) -> None:
+        self.state.active[torch.tensor(slots, device=self.view.device)] = False
+
+    def move(self, src: int, dst: int) -> None:
+        """A live slot into a hole: its K/V up to its position and its state."""
+        n = int(self.state.pos[src]) + 1
+        self.cache.copy_slot(src, dst, min(n, self.max_len))
+        self.state.move(src, dst)
