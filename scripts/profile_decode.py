@@ -81,6 +81,13 @@ def attention_bench(bw, log):
             log(f"attn b={b:4d} ctx={ctx:5d} splits={r['splits']:3d}: bf16 {r['us_bf16']:8.1f} us "
                 f"({100 * r['bw_frac_bf16']:5.1f}% of copy BW), fp8 {r['us_fp8']:8.1f} us "
                 f"({100 * r['bw_frac_fp8']:5.1f}%), torch {r['us_torch']:8.1f} us")
+            if ctx == 4096 and b in (8, 64, 256):  # tile sweep: keys per tile x pipeline stages
+                for bn, stg in ((64, 2), (64, 3), (128, 2), (128, 3), (32, 4)):
+                    tb = timed(lambda: attention.decode_attention(q, k, v, lens, ctx, d ** -0.5, block_n=bn, stages=stg))
+                    tf = timed(lambda: attention.decode_attention(q, k8, v8, lens, ctx, d ** -0.5, ks, vs,
+                                                                  block_n=bn, stages=stg))
+                    log(f"  tiles b={b} ctx={ctx} block_n={bn} stages={stg}: bf16 {tb * 1e6:7.1f} us "
+                        f"({100 * 2 * kv_elems / tb / bw:5.1f}%), fp8 {tf * 1e6:7.1f} us ({100 * kv_elems / tf / bw:5.1f}%)")
             del q, k, v, k8, v8
     return rows
 
@@ -89,7 +96,7 @@ def step_profile(layers, log):
     cfg = qwen25_config("qwen2.5-7b", layers)
     pol = random_policy(cfg, "nvfp4", lora_rank=32, device="cuda", progress=False)
     out = []
-    for fused in (False, True):
+    for fused in (True,):  # the torch decode path (fused=False) was profiled at f73d1df
         for b in (1, 64):
             eng = Engine(pol.model, max_len=640, max_slots=b, fused_attention=fused)
             p = SamplingParams(max_new_tokens=96, temperature=1.0, ignore_eos=True, seed=0)
@@ -104,7 +111,7 @@ def step_profile(layers, log):
             eng_e.generate(prompts, params=q)  # compiles; leaves 256-token prompts + 17 tokens in the cache
             eng_e.runner.setup(q, [])
             steps = 8
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:  # decode steps only, 384 keys
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:  # decode only, 384 keys
                 for _ in range(steps):
                     eng_e.runner.step(b, 384, q)
                 torch.cuda.synchronize()

@@ -22,7 +22,8 @@ import torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-BLOCK_N = 64  # keys per inner tile
+# (keys per inner tile, pipeline stages) for bf16 / FP8 caches
+TILES = {False: (64, 2), True: (64, 2)}
 MIN_KEYS_PER_SPLIT = 128  # a split smaller than this costs more in its merge than it saves
 # Debug aid for CPU tests: run the Triton kernels on CPU tensors in the interpreter.
 RUN_ON_CPU_INTERPRETER = False
@@ -124,7 +125,8 @@ def supports(q: torch.Tensor, head_dim: int) -> bool:
     return q.is_cuda or (RUN_ON_CPU_INTERPRETER and q.device.type == "cpu")
 
 
-def decode_attention(q, k_cache, v_cache, lengths, n_keys: int, scaling: float, k_scale=None, v_scale=None):
+def decode_attention(q, k_cache, v_cache, lengths, n_keys: int, scaling: float, k_scale=None, v_scale=None,
+                     block_n: int | None = None, stages: int | None = None):
     """q [S, H, d] (the S slots' query tokens), caches [>=S, Hkv, L, d] (bf16/fp16/fp32, or FP8
     with scales [>=S, Hkv] fp32), lengths [S]: slot i attends to keys [0, lengths[i]) (at most
     n_keys, the static bound). Returns [S, H, d] in q's dtype."""
@@ -136,9 +138,10 @@ def decode_attention(q, k_cache, v_cache, lengths, n_keys: int, scaling: float, 
     n_kv = k_cache.shape[1]
     r = h // n_kv
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    bn, st = TILES[fp8] if block_n is None else (block_n, stages or 2)
     splits = n_splits(s, n_kv, n_keys, _sm_count(q.device))
     chunk = -(-n_keys // splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = -(-chunk // bn) * bn
     q = q.contiguous()
     acc = torch.empty(s * h * splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(s * h * splits * 2, dtype=torch.float32, device=q.device)
@@ -149,8 +152,8 @@ def decode_attention(q, k_cache, v_cache, lengths, n_keys: int, scaling: float, 
         q, k_cache, v_cache, ks, vs, lengths, acc, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if fp8 else 0, chunk, scaling, splits,
-        R=r, BLOCK_R=max(16, triton_next_pow2(r)), D=d, BLOCK_N=BLOCK_N, FP8=fp8,
-        num_warps=4, num_stages=2)
+        R=r, BLOCK_R=max(16, triton_next_pow2(r)), D=d, BLOCK_N=bn, FP8=fp8,
+        num_warps=4, num_stages=st)
     merge_kernel[(s * h,)](acc, ml, out, splits, D=d, BLOCK_S=max(2, triton_next_pow2(splits)), num_warps=4)
     return out
 
