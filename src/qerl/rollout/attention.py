@@ -23,7 +23,7 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # (keys per inner tile, pipeline stages) for bf16 / FP8 caches
-TILES = {False: (64, 2), True: (64, 2)}
+TILES = {False: (64, 2), True: (128, 3)}  # H200 sweep (scripts/profile_decode.py, 06ea5f6)
 MIN_KEYS_PER_SPLIT = 128  # a split smaller than this costs more in its merge than it saves
 # Debug aid for CPU tests: run the Triton kernels on CPU tensors in the interpreter.
 RUN_ON_CPU_INTERPRETER = False
