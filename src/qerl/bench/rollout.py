@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ..model import qwen25_config, random_policy
 from ..rollout import Engine, SamplingParams
 from .record import RESULTS, record, tee_log
 
-CMD = "python -m qerl.bench.rollout --record"
+CMD = "python -m qerl.bench.rollout"
 # issue 20's targets at 7B (prompt 256, 1024 new)
 TARGETS = {("nvfp4", 1, "tokens_per_s"): ">=450", ("nvfp4", 8, "tokens_per_s"): ">=3200",
            ("nvfp4", 64, "tokens_per_s"): ">=15000"}
@@ -176,7 +177,8 @@ def main(argv=None):
     log = tee_log(out / "bench_rollout.log")
 
     rdir = Path(a.results_dir) if a.results_dir else RESULTS
-    rec = (lambda *x, **k: record("rollout", *x, command=CMD, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
+    cmd = " ".join([CMD] + list(argv if argv is not None else sys.argv[1:]))  # the exact command, in each row
+    rec = (lambda *x, **k: record("rollout", *x, command=cmd, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
     bw = copy_bandwidth()
     log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
     cfg = qwen25_config(a.model, a.layers)
