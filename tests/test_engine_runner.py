@@ -75,3 +75,67 @@ def test_fp8_kv_cache_stays_close_to_full_precision():
 def test_engine_refuses_an_unknown_kv_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(_model(), max_len=64, max_slots=2, kv_cache_dtype="int8")
+
+
+# ---- multi-turn: a tool's output appended into the slot, decoding resumed --------------------------------
+class _Tool:
+    def __init__(self, stop, out, max_turns=1):
+        self.stop, self.out, self.max_turns, self.calls = [stop], out, max_turns, []
+
+    def respond(self, prompt_index, sample_index, token_ids, text):
+        self.calls.append((prompt_index, sample_index, list(token_ids), text))
+        return self.out
+
+
+def _tool_setup():
+    from tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_config(config("qwen2", vocab_size=99, max_position_embeddings=256)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.4)  # large enough that greedy text does not collapse to one repeated character
+    return m, tok
+
+
+def test_multi_turn_appends_tool_output_and_continues_as_a_fresh_prompt_would():
+    m, tok = _tool_setup()
+    prompt = tok("user: add\nassistant: ", add_special_tokens=False)["input_ids"]
+    p = SamplingParams(max_new_tokens=40, greedy=True, ignore_eos=True)
+    single = Engine(m, tok, max_len=160, max_slots=2, sync_every=4).generate([prompt], params=p)[0]
+    text = tok.decode(single.token_ids)
+    k = next(i for i in range(3, len(text)) if text[i] not in text[:i])  # a character first seen at k
+    tool_ids = tok("=42;", add_special_tokens=False)["input_ids"]
+    handler = _Tool(text[k], tool_ids)
+    multi = Engine(m, tok, max_len=160, max_slots=2, sync_every=4).generate([prompt], params=p, turns=handler)[0]
+    c = k + 1  # the call's last token
+    assert len(handler.calls) == 1 and handler.calls[0][2] == single.token_ids[:c]
+    assert handler.calls[0][3].endswith(text[k])
+    assert multi.token_ids[:c] == single.token_ids[:c]
+    assert multi.token_ids[c:c + len(tool_ids)] == tool_ids and multi.tool_spans == [(c, c + len(tool_ids))]
+    assert multi.logprobs[c:c + len(tool_ids)] == [0.0] * len(tool_ids)
+    assert multi.model_token_mask() == [True] * c + [False] * len(tool_ids) + [True] * (40 - c - len(tool_ids))
+    assert len(multi.token_ids) == 40 and multi.finish_reason == "length"
+    # the independent reference: a fresh single-turn run whose prompt is everything up to the tool output
+    head = multi.token_ids[:c + len(tool_ids)]
+    rest = Engine(m, tok, max_len=160, max_slots=2).generate(
+        [prompt + head], params=SamplingParams(max_new_tokens=40 - len(head), greedy=True, ignore_eos=True))[0]
+    assert multi.token_ids[len(head):] == rest.token_ids
+    assert max(abs(a - b) for a, b in zip(multi.logprobs[len(head):], rest.logprobs)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(multi.logprobs[:c], single.logprobs[:c])) < 1e-5
+
+
+def test_multi_turn_handler_can_end_the_sample_and_turns_are_bounded():
+    m, tok = _tool_setup()
+    prompt = tok("user: go\nassistant: ", add_special_tokens=False)["input_ids"]
+    p = SamplingParams(max_new_tokens=30, greedy=True, ignore_eos=True)
+    text = tok.decode(Engine(m, tok, max_len=128, max_slots=1).generate([prompt], params=p)[0].token_ids)
+    k = next(i for i in range(3, len(text)) if text[i] not in text[:i])
+    ended = Engine(m, tok, max_len=128, max_slots=1, sync_every=4).generate([prompt], params=p,
+                                                                             turns=_Tool(text[k], None))[0]
+    assert ended.finish_reason == "stop" and len(ended.token_ids) == k + 1 and ended.tool_spans == []
+    # a tool that always answers with the stop character itself would loop forever without max_turns
+    loop = _Tool(text[k], tok(text[k], add_special_tokens=False)["input_ids"], max_turns=3)
+    out = Engine(m, tok, max_len=128, max_slots=1, sync_every=4).generate([prompt], params=p, turns=loop)[0]
+    assert len(loop.calls) <= 3 and len(out.tool_spans) == len(loop.calls)

@@ -28,6 +28,7 @@ from .kv_cache import slots_for_budget
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BUCKETS, Scheduler
+from .turns import TurnHandler
 
 
 @dataclass
@@ -39,6 +40,14 @@ class Completion:
     logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
     finish_reason: str  # eos | stop | length
     text: str | None = None
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of tool tokens (logprob 0)
+
+    def model_token_mask(self) -> list[bool]:
+        """True for the tokens the model sampled; False for tool output appended between turns."""
+        m = [True] * len(self.token_ids)
+        for a, b in self.tool_spans:
+            m[a:b] = [False] * (b - a)
+        return m
 
 
 @dataclass
@@ -85,6 +94,7 @@ class Engine:
         # without kernels (CPU), keep dequantized weights for the rollout's duration
         self.cache_dequantized = not cuda if cache_dequantized is None else cache_dequantized
         self.stats = RolloutStats()
+        self._turns: TurnHandler | None = None
 
     # ---- public ------------------------------------------------------------------------------
     def eos_ids(self) -> list[int]:
@@ -98,15 +108,21 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts, n: int = 1, params: SamplingParams | None = None, *, perturb=None,
-                 progress: bool = False, prompt_keys: list[int] | None = None) -> list[Completion]:
+                 progress: bool = False, prompt_keys: list[int] | None = None,
+                 turns: TurnHandler | None = None) -> list[Completion]:
         """prompts: strings (tokenized as they are: apply a chat template first) or token-id lists.
 
         Returns len(prompts)·n completions, ordered by prompt then sample. perturb: a context
         manager entered around the whole rollout (AQN's noise on the norm weights). On the CPU with
         a seed, sample j of prompt i draws from keyed_uniform(seed, prompt_keys[i]·n + j, position)
         (prompt_keys default to 0..len-1), so its tokens depend on neither batch nor slot.
+        turns: a multi-turn handler (rollout/turns.py): tool calls end a model turn, the tool's
+        output is appended into the same slot and decoding resumes.
         """
         p = params or SamplingParams()
+        if turns is not None and self.tokenizer is None:
+            raise ValueError("multi-turn rollouts need the engine's tokenizer (to find the tool-call stop)")
+        self._turns = turns
         ids = [self._encode(x) for x in prompts]
         for i, x in enumerate(ids):
             if not x:
@@ -197,7 +213,10 @@ class Engine:
 
     def _retire(self, sched: Scheduler, results, ids, p, hi) -> int:
         done = self.runner.finished(hi)
-        stop_hits = self._stop_strings(sched, hi, p) if p.stop and self.tokenizer is not None else {}
+        stop_hits = self._stop_strings(sched, hi, p.stop) if p.stop and self.tokenizer is not None else {}
+        if self._turns is not None:
+            self._take_turns(sched, hi, done, stop_hits, p)
+            done = self.runner.finished(hi)
         fin = [s for s in sched.live(hi) if done[s] or s in stop_hits]
         if not fin:
             return 0
@@ -209,21 +228,51 @@ class Engine:
             tid = toks[r][:c]
             results[(seq.prompt, seq.sample)] = Completion(
                 seq.prompt, seq.sample, ids[seq.prompt], tid, lps[r][:c], reason,
-                self.tokenizer.decode(tid, skip_special_tokens=True) if self.tokenizer is not None else None)
+                self.tokenizer.decode(tid, skip_special_tokens=True) if self.tokenizer is not None else None,
+                [(a, min(b, c)) for a, b in seq.tool_spans if a < c])
         self.runner.release(fin)
         return len(fin)
 
-    def _stop_strings(self, sched: Scheduler, hi, p) -> dict[int, int]:
-        """slot -> number of tokens up to and including the one that completes a stop string."""
+    def _take_turns(self, sched: Scheduler, hi, done, stop_hits, p):
+        """Slots whose current model turn ended in a tool call: run the handler, append its tokens."""
+        h = self._turns
+        calls = self._stop_strings(sched, hi, h.stop)
+        for s, c in calls.items():
+            seq = sched.slots[s]
+            if (s in stop_hits and stop_hits[s] <= c) or seq.turns >= h.max_turns:
+                continue
+            counts, toks, _, reasons = self.runner.tokens_of([s])
+            if done[s] and counts[0] <= c:  # finished (EOS, length) at or before the call's end
+                continue
+            tid = toks[0][:c]
+            out = h.respond(seq.prompt, seq.sample, tid, self.tokenizer.decode(tid, skip_special_tokens=False))
+            if out is None:
+                stop_hits[s] = c  # the handler ends the sample at its call
+                continue
+            room = min(p.max_new_tokens, self.max_len - seq.length) - c - 1  # keep room for one model token
+            if room < 0:
+                stop_hits[s] = c
+                continue
+            out = list(out)[:room]
+            stop_hits.pop(s, None)  # a stop string past the call was in the discarded tokens
+            self.runner.continue_with(s, c, out, seq.length, p)
+            seq.tool_spans.append((c, c + len(out)))
+            seq.turns += 1
+            seq.turn_start = c + len(out)
+
+    def _stop_strings(self, sched: Scheduler, hi, strings) -> dict[int, int]:
+        """slot -> completion tokens up to and including the one that completes one of `strings` in
+        the slot's current model turn (the text since its last tool output)."""
         live = sched.live(hi)
         _, toks, _, _ = self.runner.tokens_of(live)
         hits = {}
         for s, tid in zip(live, toks):
-            text = self.tokenizer.decode(tid, skip_special_tokens=True)
-            if not any(x in text for x in p.stop):
+            t0 = sched.slots[s].turn_start
+            dec = lambda c: self.tokenizer.decode(tid[t0:c], skip_special_tokens=True)  # noqa: E731
+            if not any(x in dec(len(tid)) for x in strings):
                 continue
-            for c in range(1, len(tid) + 1):  # the shortest prefix that contains a stop string
-                if any(x in self.tokenizer.decode(tid[:c], skip_special_tokens=True) for x in p.stop):
+            for c in range(t0 + 1, len(tid) + 1):  # the shortest prefix that contains a stop string
+                if any(x in dec(c) for x in strings):
                     hits[s] = c
                     break
         return hits

@@ -186,6 +186,27 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tok
     return view.lm_head(view.norm(last)).float()
 
 
+def extend(view: ModelView, cache, slot: int, ids, start: int, rope):
+    """Append tokens ids [T] to one slot whose cache holds positions [0, start): their K/V go to
+    [start, start + T), each attends to the slot's cached keys and to the new ones before it.
+    Returns the fp32 logits at the last new token [V]. The multi-turn path: a tool's output joins
+    the sequence without re-prefilling what came before."""
+    t = ids.shape[0]
+    cos, sin = (x[start:start + t][None, None] for x in rope)
+    keys = torch.arange(start + t, device=ids.device)
+    mask = (keys[None, :] <= (start + torch.arange(t, device=ids.device))[:, None])[None, None]  # [1, 1, T, start+T]
+    h = view.embed(ids[None])
+    for i, layer in enumerate(view.layers):
+        attn = layer.self_attn
+        q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
+        cache.write_span(i, slot, k[0], v[0], start)
+        kc, vc = cache.read_span(i, slot, start + t, q.dtype)
+        o = _attend(view, q, kc[None], vc[None], mask)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, -1))
+        h = h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
+    return view.lm_head(view.norm(h[0, -1:]))[0].float()
+
+
 def _norm(view, ops, norm, x):
     eps = view.norm_eps.get(id(norm))
     return norm(x) if eps is None else ops["rms_norm"](x, norm.weight, eps, _noise(norm))

@@ -88,6 +88,22 @@ class KVCache:
         self.v[layer][rows, :, pos] = v
         return self.k[layer], self.v[layer]
 
+    def write_span(self, layer: int, slot: int, k, v, start: int) -> None:
+        """k, v [Hkv, T, d] at positions [start, start + T) of one slot (FP8: with the slot's scales)."""
+        t = k.shape[1]
+        if self.fp8:
+            k, v = _quantize(k, self.k_scale[layer][slot]), _quantize(v, self.v_scale[layer][slot])
+        self.k[layer][slot, :, start:start + t] = k
+        self.v[layer][slot, :, start:start + t] = v
+
+    def read_span(self, layer: int, slot: int, end: int, dtype):
+        """The slot's K/V at positions [0, end) as [Hkv, end, d] in dtype."""
+        k, v = self.k[layer][slot, :, :end], self.v[layer][slot, :, :end]
+        if self.fp8:
+            return (dequantize(k[None], self.k_scale[layer][slot][None], dtype)[0],
+                    dequantize(v[None], self.v_scale[layer][slot][None], dtype)[0])
+        return k.to(dtype), v.to(dtype)
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for t in self.k + self.v:
             t[dst, :, :length] = t[src, :, :length]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import decode, fused_attention_ok, glue_ops, prefill
+from .forward import decode, extend, fused_attention_ok, glue_ops, prefill
 from .kv_cache import KVCache
 from .sampling import SamplingParams, sample
 
@@ -198,6 +198,28 @@ class ModelRunner:
             self.graphs[(self._graph_key, b, keys)] = g
             self.graphs_captured += 1
         g.replay()
+
+    def continue_with(self, slot: int, keep: int, tokens: list[int], length: int, p: SamplingParams) -> None:
+        """Multi-turn: cut the slot's completion back to its first `keep` tokens, append `tokens` (a
+        tool's output: in the sequence, not sampled, logprob 0), and sample the next model token after
+        them. Only the new tokens run through the model; the cached prefix is reused."""
+        st, dev = self.state, self.view.device
+        start = length + keep - 1  # where the last kept token goes: it was sampled but not yet fed
+        ids = torch.tensor([int(st.out_tok[slot, keep - 1])] + list(tokens), device=dev)
+        logits = extend(self.view, self.cache, slot, ids, start, self.rope)
+        n = len(tokens)
+        if n:
+            st.out_tok[slot, keep:keep + n] = ids[1:]
+            st.out_lp[slot, keep:keep + n] = 0.0
+        rows = torch.tensor([slot], device=dev)
+        tok, lp = sample(logits[None], p, self.gen, self._keyed(p, st.skey[rows], torch.full_like(rows, keep + n)))
+        st.out_tok[slot, keep + n] = tok[0]
+        st.out_lp[slot, keep + n] = lp[0]
+        st.count[slot] = keep + n + 1
+        st.pos[slot] = start + n + 1
+        st.tokens[slot] = tok[0]
+        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows])
+        st.done[slot], st.reason[slot] = fin[0], code[0]
 
     # ---- reading back ------------------------------------------------------------------------
     def finished(self, hi: int) -> list[bool]:

@@ -21,6 +21,9 @@ class Sequence:
     prompt: int  # index into the rollout's prompts
     sample: int  # 0..n-1 within its prompt's group
     length: int  # prompt tokens
+    turns: int = 0  # tool turns taken (multi-turn rollouts)
+    turn_start: int = 0  # completion tokens before the current model turn
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of appended tool tokens
 
 
 @dataclass

@@ -1,0 +1,23 @@
+"""Multi-turn rollouts: what the engine asks of whoever runs the tools.
+
+A model turn ends when the completion's text since the last tool output contains one of
+`stop` (e.g. "</tool_call>"). The engine then calls `respond` with the completion so far; the
+handler runs the tool (under its own limits) and returns the token ids to append (the tool's
+output, formatted as the chat template wants), or None to end the sample there. The engine
+appends them into the same KV slot and decoding resumes, up to `max_turns` tool turns; the
+group's other samples keep decoding meanwhile. Appended tokens carry logprob 0 and are listed
+in `Completion.tool_spans`, so the loss can leave them out while rewards see the whole text.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class TurnHandler(Protocol):
+    stop: list[str]
+    max_turns: int
+
+    def respond(self, prompt_index: int, sample_index: int, token_ids: list[int], text: str) -> list[int] | None:
+        """Tokens to append after the model's turn (token_ids / text: the completion so far, ending
+        with the stop string), or None to finish the sample."""
