@@ -30,6 +30,8 @@ from .sampling import SamplingParams
 from .scheduler import BUCKETS, Scheduler
 from .turns import TurnHandler
 
+SCAN_OVERLAP = 32  # tokens re-decoded before the new ones when scanning for stop strings
+
 
 @dataclass
 class Completion:
@@ -213,9 +215,11 @@ class Engine:
 
     def _retire(self, sched: Scheduler, results, ids, p, hi) -> int:
         done = self.runner.finished(hi)
-        stop_hits = self._stop_strings(sched, hi, p.stop) if p.stop and self.tokenizer is not None else {}
-        if self._turns is not None:
-            self._take_turns(sched, hi, done, stop_hits, p)
+        stop_hits, calls = {}, {}
+        if self.tokenizer is not None and (p.stop or self._turns is not None):
+            stop_hits, calls = self._scan(sched, hi, p.stop, self._turns.stop if self._turns is not None else [])
+        if calls:
+            self._take_turns(sched, done, stop_hits, calls, p)
             done = self.runner.finished(hi)
         fin = [s for s in sched.live(hi) if done[s] or s in stop_hits]
         if not fin:
@@ -233,10 +237,9 @@ class Engine:
         self.runner.release(fin)
         return len(fin)
 
-    def _take_turns(self, sched: Scheduler, hi, done, stop_hits, p):
+    def _take_turns(self, sched: Scheduler, done, stop_hits, calls, p):
         """Slots whose current model turn ended in a tool call: run the handler, append its tokens."""
         h = self._turns
-        calls = self._stop_strings(sched, hi, h.stop)
         for s, c in calls.items():
             seq = sched.slots[s]
             if (s in stop_hits and stop_hits[s] <= c) or seq.turns >= h.max_turns:
@@ -258,21 +261,27 @@ class Engine:
             self.runner.continue_with(s, c, out, seq.length, p)
             seq.tool_spans.append((c, c + len(out)))
             seq.turns += 1
-            seq.turn_start = c + len(out)
+            seq.turn_start = seq.scanned = c + len(out)
 
-    def _stop_strings(self, sched: Scheduler, hi, strings) -> dict[int, int]:
-        """slot -> completion tokens up to and including the one that completes one of `strings` in
-        the slot's current model turn (the text since its last tool output)."""
+    def _scan(self, sched: Scheduler, hi, stops, calls) -> tuple[dict[int, int], dict[int, int]]:
+        """(stop hits, tool-call hits): slot -> completion tokens up to and including the token that
+        completes one of `stops` (or `calls`) in the slot's current model turn. Only the tokens since
+        the last scan are decoded (with SCAN_OVERLAP tokens before them, for strings that straddle
+        the boundary), so a long rollout does not re-decode every completion at every sync."""
         live = sched.live(hi)
         _, toks, _, _ = self.runner.tokens_of(live)
-        hits = {}
+        hits: tuple[dict[int, int], dict[int, int]] = ({}, {})
         for s, tid in zip(live, toks):
-            t0 = sched.slots[s].turn_start
-            dec = lambda c: self.tokenizer.decode(tid[t0:c], skip_special_tokens=True)  # noqa: E731
-            if not any(x in dec(len(tid)) for x in strings):
-                continue
-            for c in range(t0 + 1, len(tid) + 1):  # the shortest prefix that contains a stop string
-                if any(x in dec(c) for x in strings):
-                    hits[s] = c
-                    break
+            seq = sched.slots[s]
+            w0 = max(seq.turn_start, seq.scanned - SCAN_OVERLAP)
+            seq.scanned = len(tid)
+            dec = lambda c: self.tokenizer.decode(tid[w0:c], skip_special_tokens=True)  # noqa: E731
+            text = dec(len(tid))
+            for strings, out in zip((stops, calls), hits):
+                if not any(x in text for x in strings):
+                    continue
+                for c in range(w0 + 1, len(tid) + 1):  # the shortest prefix that contains one
+                    if any(x in dec(c) for x in strings):
+                        out[s] = c
+                        break
         return hits

@@ -24,6 +24,7 @@ class Sequence:
     turns: int = 0  # tool turns taken (multi-turn rollouts)
     turn_start: int = 0  # completion tokens before the current model turn
     tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of appended tool tokens
+    scanned: int = 0  # completion tokens already searched for stop strings
 
 
 @dataclass
