@@ -11,7 +11,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${STEPS:-1}" = 1 ]; then
   timeout ${PROFILE_TIMEOUT:-200} python3 scripts/profile_decode.py --out $OUT ${PROFILE_ARGS:-} 2>&1 | grep -v Warning \
-    | grep -E "^attn|tiles|fused_attention|   [A-Za-z]|copy bandwidth" | head -160
+    | grep -E "^attn|tiles|^shrink|fused_attention|   [A-Za-z]|copy bandwidth" | head -160
 fi
 if [ -n "${BENCH:-1,8,64}" ] && [ "${BENCH:-x}" != none ]; then
   SKIP=--skip-hf; [ "${HF:-0}" = 1 ] && SKIP="--hf-new-tokens 32"

@@ -92,6 +92,24 @@ def attention_bench(bw, log):
     return rows
 
 
+def shrink_bench(log):
+    """The decode LoRA shrink of the 7B's projections: cuBLAS (F.linear) against the one-kernel Triton GEMV."""
+    from qerl.kernels import lora_shrink
+
+    rows = []
+    for m in (1, 8):
+        for name, k, r in (("q|k|v", 3584, 96), ("o", 3584, 32), ("down", 18944, 32)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a = torch.randn(r, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            t_cb = timed(lambda: torch.nn.functional.linear(x, a))
+            t_tr = timed(lambda: lora_shrink.shrink(x, a))
+            err = float((lora_shrink.shrink(x, a).float() - torch.nn.functional.linear(x, a).float()).abs().max())
+            rows.append(dict(m=m, proj=name, us_cublas=t_cb * 1e6, us_triton=t_tr * 1e6, max_diff=err))
+            log(f"shrink M={m} {name:6s} K={k:5d} r={r}: cuBLAS {t_cb * 1e6:6.2f} us, Triton {t_tr * 1e6:6.2f} us "
+                f"(max |diff| {err:.2e})")
+    return rows
+
+
 def step_profile(layers, log):
     cfg = qwen25_config("qwen2.5-7b", layers)
     pol = random_policy(cfg, "nvfp4", lora_rank=32, device="cuda", progress=False)
@@ -146,6 +164,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--shrink", action="store_true", help="also time the decode LoRA shrink variants")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     logf = open(f"{a.out}/profile_decode.log", "w")
@@ -159,6 +178,8 @@ def main():
     res = {"copy_bw": bw}
     if not a.skip_attention:
         res["attention"] = attention_bench(bw, log)
+    if a.shrink:
+        res["shrink"] = shrink_bench(log)
     if not a.skip_step:
         res["step"] = step_profile(a.layers, log)
     with open(f"{a.out}/profile_decode.json", "w") as f:

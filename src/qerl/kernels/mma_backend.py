@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
-from . import w4_mma
-from .dispatch import lora_expand
+from . import lora_shrink, w4_mma
+from .dispatch import LoraTerm, lora_expand
 
 _STATE: dict[int, tuple] = {}
 
@@ -43,7 +43,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     if x2d.shape[0] <= w4_mma.MAX_M:
         if lora is not None and not w4_mma.shrink_in_launch(x2d.shape[0], n, k):
-            lora = lora.shrunk(x2d)
+            lora = _shrunk(lora, x2d)
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
         if lora is not None and not fuse:
             lora = lora.shrunk(x2d)
@@ -56,6 +56,13 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
         if lora is not None:
             y = y + lora_expand(lora.shrunk(x2d), y.dtype).reshape(y.shape)
     return y.view(*x.shape[:-1], n).to(dtype)
+
+
+def _shrunk(lora, x2d):
+    """The term with xa computed: by the one-kernel decode shrink where it applies, else cuBLAS."""
+    if lora.xa is None and lora.a is not None and lora_shrink.supports(x2d, lora.a):
+        return LoraTerm(lora_shrink.shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
+    return lora.shrunk(x2d)
 
 
 def matmul_grad_input(gy, fmt, tensors, shape):

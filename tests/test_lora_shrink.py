@@ -1,0 +1,40 @@
+"""The one-kernel decode LoRA shrink against torch's x @ A.T (Triton interpreter on the CPU, native on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+from qerl.kernels import lora_shrink
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    if not CUDA:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+        monkeypatch.setattr(lora_shrink, "RUN_ON_CPU_INTERPRETER", True)
+    return torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.mark.parametrize("m,k,r", [(1, 3584, 96), (3, 1000, 32), (8, 2048, 64), (16, 520, 8)])
+def test_shrink_matches_matmul(dev, m, k, r):
+    dt = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(m * 7 + r)
+    x = torch.randn(m, k, generator=g).to(dev, dt)
+    a = (torch.randn(r, k, generator=g) * 0.02).to(dev, dt)
+    got = lora_shrink.shrink(x, a)
+    want = x.double() @ a.double().T
+    assert got.shape == (m, r) and got.dtype == dt
+    tol = 2 ** -7 if dt == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-4).all()
+
+
+def test_supports_only_small_contiguous_same_dtype(dev):
+    a = torch.zeros(32, 64, device=dev)
+    assert lora_shrink.supports(torch.zeros(16, 64, device=dev), a)
+    assert not lora_shrink.supports(torch.zeros(17, 64, device=dev), a)  # prefill: cuBLAS
+    assert not lora_shrink.supports(torch.zeros(4, 128, device=dev)[:, ::2], a)  # strided rows
+    assert not lora_shrink.supports(torch.zeros(4, 64, device=dev, dtype=torch.float16), a)
