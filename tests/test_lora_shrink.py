@@ -36,5 +36,8 @@ def test_supports_only_small_contiguous_same_dtype(dev):
     a = torch.zeros(32, 64, device=dev)
     assert lora_shrink.supports(torch.zeros(16, 64, device=dev), a)
     assert not lora_shrink.supports(torch.zeros(17, 64, device=dev), a)  # prefill: cuBLAS
+    big = torch.zeros(32, 8192, device=dev)
+    assert lora_shrink.supports(torch.zeros(1, 8192, device=dev), big)  # one token: any K
+    assert not lora_shrink.supports(torch.zeros(8, 8192, device=dev), big)  # 8 tokens, long K: cuBLAS
     assert not lora_shrink.supports(torch.zeros(4, 128, device=dev)[:, ::2], a)  # strided rows
     assert not lora_shrink.supports(torch.zeros(4, 64, device=dev, dtype=torch.float16), a)
