@@ -20,6 +20,7 @@ class Tool:
     name: str = ""
     description: str = ""
     parameters: dict = field(default_factory=dict)  # a JSON schema of type "object"
+    returns: dict | None = None  # transformers writes the return type hint as "return"
 
     @classmethod
     def from_callable(cls, func: Callable, name: str | None = None, description: str | None = None) -> Tool:
@@ -30,13 +31,16 @@ class Tool:
         except Exception as e:  # transformers raises its own DocstringParsingException / TypeError
             raise ValueError(f"tool {getattr(func, '__name__', func)!r}: no JSON schema from its signature and "
                              f"docstring ({e}); give every argument a type hint and an 'Args:' line") from None
-        return cls(func, name or fn["name"], description or fn.get("description", ""), fn["parameters"])
+        return cls(func, name or fn["name"], description or fn.get("description", ""), fn["parameters"],
+                   fn.get("return"))
 
     @property
     def schema(self) -> dict:
         """The OpenAI / transformers function-calling form: what `apply_chat_template(tools=[...])` takes."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.returns is not None:
+            fn["return"] = self.returns
+        return {"type": "function", "function": fn}
 
     def check_arguments(self, arguments: dict) -> str | None:
         """None when `arguments` fit the signature and the schema's types, else what is wrong (for the model)."""
