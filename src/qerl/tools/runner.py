@@ -90,6 +90,8 @@ class ToolRunner:
         self.tools, self.limits = tools, limits
         # isolate=None: each tool that can be imported by name runs in a worker process
         self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in tools.items()}
+        # workers import the tools' modules before their first job, so no call pays for that import
+        self.warm = ("qerl.tools.runner",) + tuple(sorted({p.partition(":")[0] for p in self.targets.values() if p}))
         if isolate:
             missing = [n for n, p in self.targets.items() if p is None]
             if missing:
@@ -116,7 +118,7 @@ class ToolRunner:
         if pooled:
             from qerl.tasks.deadline import shared_pool
 
-            results = shared_pool(("qerl.tools.runner",)).map(
+            results = shared_pool(self.warm).map(
                 "qerl.tools.runner:_worker_call",
                 [(self.targets[calls[i].name], calls[i].arguments, lim.max_output_chars) for i in pooled], lim.timeout_s)
             for i, (ok, text) in zip(pooled, results):
