@@ -39,13 +39,27 @@ def as_template_messages(tool_messages: list[dict], tokenizer) -> list[dict]:
     return [{"role": "user", "content": body}]
 
 
+def scrub_special_tokens(text: str, tokenizer) -> str:
+    """`text` with the tokenizer's special-token strings removed: a tool echoing model text (an error
+    quoting the call) must not forge turn markers such as <|im_end|> into the conversation."""
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    try:
+        specials |= set(tokenizer.get_added_vocab())
+    except (AttributeError, NotImplementedError):
+        pass
+    for tok in sorted((t for t in specials if t), key=len, reverse=True):
+        while tok in text:  # removal can join pieces into a new marker ("<|im_<|im_end|>end|>"): repeat
+            text = text.replace(tok, "")
+    return text
+
+
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def tool_response_text(tokenizer, tool_messages: list[dict], fmt: ToolCallFormat = HERMES) -> str:
     """The text that follows the model's closing tool-call marker: end of the assistant turn, the
-    tool results, and the header of the next assistant turn."""
+    tool results (special-token strings scrubbed from them), and the header of the next assistant turn."""
     if not tool_messages:
         raise ValueError("tool_response_text: no tool messages")
     name = tool_messages[0].get("name") or "tool"
@@ -57,7 +71,8 @@ def tool_response_text(tokenizer, tool_messages: list[dict], fmt: ToolCallFormat
         raise ValueError("the chat template does not render an assistant message's content as written, so tool "
                          "results cannot be appended after it")
     end += len(call)
-    after = _render(tokenizer, convo + as_template_messages(tool_messages, tokenizer), True)
+    safe = [{**m, "content": scrub_special_tokens(str(m["content"]), tokenizer)} for m in tool_messages]
+    after = _render(tokenizer, convo + as_template_messages(safe, tokenizer), True)
     if after[:end] != before[:end]:
         raise ValueError("the chat template renders the conversation before the tool message differently once "
                          "the tool message is added (not prefix-preserving); tool results cannot be appended")
