@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.tools import (HERMES, Tool, ToolCall, ToolCallFormat, ToolEnvironment, ToolLimits, ToolRunner, as_tools,
+from qerl.tools import (Tool, ToolCall, ToolCallFormat, ToolEnvironment, ToolLimits, ToolRunner, as_tools,
                         calculator, evaluate, parse_tool_calls, template_has_tool_role, tool_call_stop_strings,
                         tool_message, tool_response_ids, tool_response_text, with_tools_prompt)
 from qerl.tools.calculator import CalculatorError
@@ -101,7 +101,8 @@ def test_schema_of_several_typed_arguments():
         "parameters": {"type": "object", "properties": {
             "a": {"type": "integer", "description": "The first factor."},
             "b": {"type": "number", "description": "The second factor."},
-            "tags": {"type": "array", "items": {"type": "string"}, "nullable": True, "description": "Labels to attach."},
+            "tags": {"type": "array", "items": {"type": "string"}, "nullable": True,
+                     "description": "Labels to attach."},
             "exact": {"type": "boolean", "description": "Whether to round."}},
             "required": ["a"]},
         "return": {"type": "number"}}}
@@ -511,7 +512,8 @@ def test_tool_call_rate():
     assert tool_call_rate([]) == 0.0
     assert tool_call_rate([CALL_TEXT + "<answer>84</answer>", "<answer>84</answer>", "<tool_call>{bad</tool_call>",
                            "<tool_call>unclosed"]) == 0.5
-    chat = [[{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}, {"role": "tool", "content": "1"}],
+    chat = [[{"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]},
+             {"role": "tool", "content": "1"}],
             [{"role": "assistant", "content": "<answer>1</answer>"}],
             [{"role": "user", "content": CALL_TEXT}]]  # a call in a non-assistant turn is not the model's
     assert tool_call_rate(chat) == pytest.approx(1 / 3)

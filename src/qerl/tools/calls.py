@@ -70,7 +70,8 @@ def parse_call(raw: str, tools: dict | None = None) -> ToolCall:
     except RecursionError:
         return ToolCall("", error="Error: the tool call's JSON is nested too deeply", text=raw)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ToolCall("", error=f"Error: the tool call must be a JSON object with a string \"name\"; {usage}", text=raw)
+        return ToolCall("", error=f'Error: the tool call must be a JSON object with a string "name"; {usage}',
+                        text=raw)
     name = obj["name"]
     args = obj.get("arguments", obj.get("parameters", {}))  # Llama-style templates say "parameters"
     if isinstance(args, str):  # OpenAI's wire form sends arguments as a JSON string

@@ -100,7 +100,8 @@ def tools_system_prompt(schemas: list[dict], fmt: ToolCallFormat = HERMES) -> st
     """The tool offer Qwen2.5's template writes into the system turn, for templates without `tools=`."""
     lines = "\n".join(json.dumps(s) for s in schemas)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
             f"For each function call, return a json object with function name and arguments within "
             f"{fmt.open}{fmt.close} XML tags:\n{fmt.open}\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{fmt.close}")

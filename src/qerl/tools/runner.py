@@ -118,9 +118,8 @@ class ToolRunner:
         if pooled:
             from qerl.tasks.deadline import shared_pool
 
-            results = shared_pool(self.warm).map(
-                "qerl.tools.runner:_worker_call",
-                [(self.targets[calls[i].name], calls[i].arguments, lim.max_output_chars) for i in pooled], lim.timeout_s)
+            jobs = [(self.targets[calls[i].name], calls[i].arguments, lim.max_output_chars) for i in pooled]
+            results = shared_pool(self.warm).map("qerl.tools.runner:_worker_call", jobs, lim.timeout_s)
             for i, (ok, text) in zip(pooled, results):
                 name = calls[i].name
                 out[i] = str(text) if ok else (f"Error: {name} took longer than {lim.timeout_s:g} s"
