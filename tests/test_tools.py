@@ -465,6 +465,39 @@ def test_stateful_environment_overrides_step():
     assert env.respond("<tool_call>{nope</tool_call>")[0]["content"].startswith("Error: the tool call is not valid")
 
 
+class CounterEnv(ToolEnvironment):
+    """TRL's environment style: the environment's own methods are the tools (bound, so they run in process)."""
+
+    def __init__(self):
+        super().__init__([self.add])
+
+    def reset(self, row):
+        super().reset(row)
+        self.total = row["start"]
+
+    def add(self, k: int) -> str:
+        """Add to the running total.
+
+        Args:
+            k: The amount to add.
+        """
+        self.total += k
+        return str(self.total)
+
+
+def test_environment_methods_as_tools():
+    env = CounterEnv()
+    assert env.schemas[0]["function"]["parameters"]["properties"] == {
+        "k": {"type": "integer", "description": "The amount to add."}}
+    assert env.runner.targets == {"add": None}
+    env.reset({"start": 10})
+    turn = ('<tool_call>{"name": "add", "arguments": {"k": 3}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"k": 4}}</tool_call>')
+    assert [m["content"] for m in env.respond(turn)] == ["13", "17"]
+    env.reset({"start": 0})
+    assert env.respond(turn)[1]["content"] == "7"
+
+
 # ---- the tool_arithmetic task ----
 
 @pytest.fixture(scope="module")
