@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from .calls import ToolCall
-from .tool import Tool
+from .tool import as_tools
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def _worker_call(target: str, arguments: dict, max_chars: int) -> str:
         return _error_text(e)
 
 
-def _thread_call(func, arguments: dict, timeout_s: float) -> tuple[bool, object]:
+def _thread_call(name: str, func, arguments: dict, timeout_s: float) -> tuple[bool, object]:
     box: list = []
 
     def go():
@@ -80,14 +80,15 @@ def _thread_call(func, arguments: dict, timeout_s: float) -> tuple[bool, object]
     t = threading.Thread(target=go, daemon=True, name="qerl-tool")
     t.start()
     t.join(timeout_s)
-    return box[0] if box else (False, f"Error: the tool took longer than {timeout_s:g} s")
+    return box[0] if box else (False, f"Error: {name} took longer than {timeout_s:g} s")
 
 
 class ToolRunner:
     """Runs parsed calls against a fixed tool list; `run` always returns text for the model."""
 
-    def __init__(self, tools: dict[str, Tool], limits: ToolLimits = ToolLimits(), isolate: bool | None = None):
-        self.tools, self.limits = tools, limits
+    def __init__(self, tools, limits: ToolLimits = ToolLimits(), isolate: bool | None = None):
+        self.tools = tools if isinstance(tools, dict) else as_tools(tools)  # name -> Tool, or a list of tools
+        self.limits = limits
         # isolate=None: each tool that can be imported by name runs in a worker process
         self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in tools.items()}
         # workers import the tools' modules before their first job, so no call pays for that import
@@ -123,9 +124,9 @@ class ToolRunner:
             for i, (ok, text) in zip(pooled, results):
                 name = calls[i].name
                 out[i] = str(text) if ok else (f"Error: {name} took longer than {lim.timeout_s:g} s"
-                                               if "TimeoutError" in str(text) else f"Error: {name} failed ({text})")
+                                               if "TimeoutError" in str(text) else f"Error: {name} failed: its worker process died")
         for i, c in enumerate(calls):
             if out[i] is None:  # not importable by name: run here, on a thread we can stop waiting for
-                ok, res = _thread_call(self.tools[c.name].func, c.arguments, lim.timeout_s)
+                ok, res = _thread_call(c.name, self.tools[c.name].func, c.arguments, lim.timeout_s)
                 out[i] = truncate(to_text(res), lim.max_output_chars) if ok else str(res)
         return out
