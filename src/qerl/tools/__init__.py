@@ -1,12 +1,18 @@
 """Tools for multi-turn rollouts: schemas, parsing calls out of model text, running them under
 limits, the built-in calculator, and the token ids that put results back into the conversation.
 
-The engine's loop, per sample and turn:
+The engine's loop, per sample (one environment each; samples of a group proceed independently):
 
-    env = ToolEnvironment([calculator]); env.reset(row)
-    ... decode until a stop string from tool_call_stop_strings() or EOS ...
-    msgs = env.respond(turn_text)                  # [] -> the sample is done
-    ids = tool_response_ids(tokenizer, msgs)       # append to the KV slot (masked from the loss), resume
+    env = ToolEnvironment(task.tools, ToolLimits(timeout_s=5, max_output_chars=2000)); env.reset(row)
+    prompt: the chat template rendered with tools=env.schemas, or rows whose system turn already
+            offers the tools (with_tools_prompt; tool_arithmetic's rows do)
+    decode with stop=tool_call_stop_strings() until a stop string, EOS or the length limit
+    msgs = env.respond(turn_text)              # [] -> no call: the sample is finished
+    ids = tool_response_ids(tokenizer, msgs)   # append into the same KV slot, masked out of the loss
+    resume decoding; at most max_turns tool turns
+
+`respond` never raises on model text: malformed calls, unknown tools, bad arguments, timeouts,
+exceptions and oversized outputs all come back as text for the model.
 """
 
 from .calculator import CalculatorError, calculator, evaluate
