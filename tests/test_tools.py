@@ -552,3 +552,71 @@ def test_tool_call_rate():
     assert tool_call_rate(chat) == pytest.approx(1 / 3)
     # a call echoed inside a tool response is not the model's either
     assert tool_call_rate([f"<tool_response>{CALL_TEXT}</tool_response>"]) == 0.0
+
+
+# ---- the reference multi-turn rollout ----
+
+class ScriptedLM:
+    """Stands in for an HF causal LM: its k-th forward puts all probability on script[k], whatever the input,
+    and records what it was fed (so the test sees exactly what went into the KV cache)."""
+
+    def __init__(self, script, vocab):
+        import torch
+
+        self.script, self.vocab, self.fed, self.k = list(script), vocab, [], 0
+        self.generation_config = None
+        self._p = torch.nn.Parameter(torch.zeros(1))
+
+    def parameters(self):
+        return iter([self._p])
+
+    def __call__(self, input_ids, past_key_values=None, use_cache=True):
+        import types
+
+        import torch
+
+        self.fed.append((input_ids[0].tolist(), past_key_values))
+        logits = torch.zeros(1, input_ids.shape[1], self.vocab)
+        logits[0, -1, self.script[self.k]] = 1.0
+        self.k += 1
+        return types.SimpleNamespace(logits=logits, past_key_values=("cache", self.k))
+
+
+def test_reference_rollout_appends_tool_tokens_and_masks_them(smol_tok):
+    from qerl.tools.reference import reference_rollout
+
+    enc = lambda s: smol_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = enc('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>')
+    answer = enc("So <answer>42</answer>") + [smol_tok.eos_token_id]
+    prompt = enc("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    model = ScriptedLM(call + answer, len(smol_tok))
+    env = ToolEnvironment([calculator])
+    env.reset({})
+    r = reference_rollout(model, smol_tok, prompt, env, max_new_tokens=200)
+    tool_ids = tool_response_ids(smol_tok, [tool_message("42", "calculator")])
+    assert r.completion_ids == call + tool_ids + answer
+    assert r.tool_mask == [1] * len(call) + [0] * len(tool_ids) + [1] * len(answer)
+    assert (r.tool_calls, r.tool_turns, r.finish_reason) == (1, 1, "eos")
+    # the prompt once, then one token at a time, the call's last token with the tool's ids in one chunk,
+    # always on the previous cache (never a re-prefill)
+    assert model.fed[0] == (prompt, None)
+    assert [f for f, _ in model.fed[1:len(call)]] == [[t] for t in call[:-1]]
+    assert model.fed[len(call)] == ([call[-1]] + tool_ids, ("cache", len(call)))
+    assert [c for _, c in model.fed[1:]] == [("cache", k) for k in range(1, len(model.fed))]
+    assert len(model.fed) == len(call) + len(answer)
+
+
+def test_reference_rollout_limits(smol_tok):
+    from qerl.tools.reference import reference_rollout
+
+    enc = lambda s: smol_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = enc('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    env = ToolEnvironment([calculator])
+    r = reference_rollout(ScriptedLM(call * 3, len(smol_tok)), smol_tok, [1], env, max_new_tokens=500, max_turns=1)
+    assert (r.finish_reason, r.tool_turns) == ("max_turns", 1) and len(r.completion_ids) == len(r.tool_mask)
+    assert r.tool_mask.count(1) == 2 * len(call)
+    r = reference_rollout(ScriptedLM(call * 3, len(smol_tok)), smol_tok, [1], env, max_new_tokens=len(call) + 5)
+    assert (r.finish_reason, r.tool_turns, r.completion_ids) == ("length", 0, call)  # the answer would not fit
+    bad = enc("oops</tool_call>")
+    r = reference_rollout(ScriptedLM(bad, len(smol_tok)), smol_tok, [1], env)
+    assert (r.finish_reason, r.completion_ids) == ("stop", bad)
