@@ -123,8 +123,12 @@ class ToolRunner:
             results = shared_pool(self.warm).map("qerl.tools.runner:_worker_call", jobs, lim.timeout_s)
             for i, (ok, text) in zip(pooled, results):
                 name = calls[i].name
-                out[i] = str(text) if ok else (f"Error: {name} took longer than {lim.timeout_s:g} s"
-                                               if "TimeoutError" in str(text) else f"Error: {name} failed: its worker process died")
+                if ok:
+                    out[i] = str(text)
+                elif "TimeoutError" in str(text):
+                    out[i] = f"Error: {name} took longer than {lim.timeout_s:g} s"
+                else:  # _worker_call catches the tool's exceptions: only a dead process gets here
+                    out[i] = f"Error: {name} failed: its worker process died"
         for i, c in enumerate(calls):
             if out[i] is None:  # not importable by name: run here, on a thread we can stop waiting for
                 ok, res = _thread_call(c.name, self.tools[c.name].func, c.arguments, lim.timeout_s)
