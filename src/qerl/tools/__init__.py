@@ -26,6 +26,7 @@ from .runner import ToolLimits, ToolRunner, truncate
 from .tool import Tool, as_tool, as_tools
 
 __all__ = ["CalculatorError", "HERMES", "Tool", "ToolCall", "ToolCallFormat", "ToolEnvironment", "ToolLimits",
-           "ToolRollout", "ToolRunner", "as_template_messages", "as_tool", "as_tools", "calculator", "evaluate", "find_tool_calls",
-           "has_tool_call", "parse_tool_calls", "reference_rollout", "template_has_tool_role", "tool_call_stop_strings", "tool_message",
-           "tool_response_ids", "tool_response_text", "tools_system_prompt", "truncate", "with_tools_prompt"]
+           "ToolRollout", "ToolRunner", "as_template_messages", "as_tool", "as_tools", "calculator", "evaluate",
+           "find_tool_calls", "has_tool_call", "parse_tool_calls", "reference_rollout", "template_has_tool_role",
+           "tool_call_stop_strings", "tool_message", "tool_response_ids", "tool_response_text", "tools_system_prompt",
+           "truncate", "with_tools_prompt"]
