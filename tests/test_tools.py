@@ -620,3 +620,52 @@ def test_reference_rollout_limits(smol_tok):
     bad = enc("oops</tool_call>")
     r = reference_rollout(ScriptedLM(bad, len(smol_tok)), smol_tok, [1], env)
     assert (r.finish_reason, r.completion_ids) == ("stop", bad)
+
+
+class Forced:
+    """A real HF model run through its KV cache, whose choices are overridden by a script: the rollout follows
+    the script while the model's own last-position logits of every forward are kept for comparison."""
+
+    def __init__(self, model, script):
+        self.model, self.script, self.logits, self.k = model, list(script), [], 0
+        self.generation_config = model.generation_config
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, input_ids, past_key_values=None, use_cache=True):
+        import types
+
+        out = self.model(input_ids, past_key_values=past_key_values, use_cache=use_cache)
+        self.logits.append(out.logits[0, -1].clone())
+        forced = out.logits.new_full(out.logits.shape, -1e9)
+        forced[0, -1, self.script[self.k]] = 0.0
+        self.k += 1
+        return types.SimpleNamespace(logits=forced, past_key_values=out.past_key_values)
+
+
+def test_reference_rollout_cache_matches_recomputing_the_whole_sequence():
+    """Appending the tool's ids to the KV cache gives the logits a full forward of the trajectory gives."""
+    import torch
+    from tiny_models import config, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from qerl.tools.reference import reference_rollout
+
+    tok = tiny_tokenizer()
+    model = AutoModelForCausalLM.from_config(config("llama")).float().eval()
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    script = enc('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>') + enc(
+        "<answer>42</answer>") + [tok.eos_token_id]
+    prompt = enc(tok.apply_chat_template([{"role": "user", "content": "6*7?"}], tokenize=False,
+                                         add_generation_prompt=True))
+    forced = Forced(model, script)
+    r = reference_rollout(forced, tok, prompt, ToolEnvironment([calculator]), max_new_tokens=400)
+    assert r.finish_reason == "eos" and r.tool_turns == 1 and 0 in r.tool_mask
+    assert tok.decode([t for t, m in zip(r.completion_ids, r.tool_mask) if m == 0]) == (
+        "\nuser: <tool_response>\n42\n</tool_response>\nassistant: ")
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + r.completion_ids])).logits[0]
+    model_positions = [len(prompt) + j - 1 for j, m in enumerate(r.tool_mask) if m == 1]
+    assert len(model_positions) == len(forced.logits)
+    torch.testing.assert_close(torch.stack(forced.logits), full[model_positions], atol=1e-4, rtol=1e-4)
