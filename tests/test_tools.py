@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -28,6 +29,16 @@ def multiply(a: int, b: float = 1.0, tags: list[str] | None = None, exact: bool 
         exact: Whether to round.
     """
     return a * b
+
+
+def convert(value: float, unit: Literal["km", "mi"]) -> str:
+    """Convert a distance.
+
+    Args:
+        value: The distance.
+        unit: The unit to convert to.
+    """
+    return f"{value} {unit}"
 
 
 def sleepy(seconds: float) -> str:
@@ -161,7 +172,7 @@ def test_chat_template_takes_the_schema_like_the_callable(qwen_tok):
 
 # ---- parsing ----
 
-TOOLS = as_tools([calculator, multiply])
+TOOLS = as_tools([calculator, multiply, convert])
 
 
 def test_parse_one_call_amid_text():
@@ -179,6 +190,8 @@ def test_parse_several_calls_and_variants():
         ("multiply", {"a": 3, "b": 2.5}, None), ("calculator", {"expression": "1+1"}, None),
         ("multiply", {"a": 1}, None)]  # the unclosed fourth block is no call
     assert parse_tool_calls("no calls here", TOOLS) == []
+    (c,) = parse_tool_calls('<tool_call>{"name": "convert", "arguments": {"value": 3, "unit": "mi"}}</tool_call>', TOOLS)
+    assert c.error is None
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -186,13 +199,14 @@ def test_parse_several_calls_and_variants():
     ("calculator(1+1)", "not valid JSON"),
     ('["calculator"]', 'string "name"'),
     ('{"arguments": {}}', 'string "name"'),
-    ('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}', "unknown tool 'shell' (available: calculator, multiply)"),
+    ('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}', "unknown tool 'shell' (available: calculator, convert, multiply)"),
     ('{"name": "calculator", "arguments": {}}', "missing a required argument: 'expression'"),
     ('{"name": "calculator", "arguments": {"expression": "1", "x": 2}}', "unexpected keyword argument 'x'"),
     ('{"name": "calculator", "arguments": {"expression": 12}}', "'expression' must be of type string, got int"),
     ('{"name": "multiply", "arguments": {"a": true}}', "'a' must be of type integer, got bool"),
     ('{"name": "multiply", "arguments": {"a": 1.5}}', "'a' must be of type integer, got float"),
     ('{"name": "calculator", "arguments": [1]}', "must be a JSON object, got list"),
+    ('{"name": "convert", "arguments": {"value": 3, "unit": "ft"}}', "'unit' must be one of ['km', 'mi'], got 'ft'"),
     ('{"name": "calculator", "arguments": "{oops"}', "arguments of calculator are not valid JSON"),
     ("[" * 10_000, "nested too deeply"),
     ('{"name": "calculator", "arguments": {"expression": "' + "1" * 30_000 + '"}}', "characters long"),

@@ -63,6 +63,8 @@ class Tool:
             if not ok:
                 return (f"bad arguments for {self.name}: {key!r} must be of type {' or '.join(types)}, "
                         f"got {type(value).__name__} {str(value)[:50]!r}")
+            if "enum" in spec and value not in spec["enum"]:  # a Literal[...] hint
+                return f"bad arguments for {self.name}: {key!r} must be one of {spec['enum']}, got {str(value)[:50]!r}"
         return None
 
 
