@@ -190,7 +190,8 @@ def test_parse_several_calls_and_variants():
         ("multiply", {"a": 3, "b": 2.5}, None), ("calculator", {"expression": "1+1"}, None),
         ("multiply", {"a": 1}, None)]  # the unclosed fourth block is no call
     assert parse_tool_calls("no calls here", TOOLS) == []
-    (c,) = parse_tool_calls('<tool_call>{"name": "convert", "arguments": {"value": 3, "unit": "mi"}}</tool_call>', TOOLS)
+    (c,) = parse_tool_calls('<tool_call>{"name": "convert", "arguments": {"value": 3, "unit": "mi"}}</tool_call>',
+                            TOOLS)
     assert c.error is None
 
 
@@ -199,7 +200,8 @@ def test_parse_several_calls_and_variants():
     ("calculator(1+1)", "not valid JSON"),
     ('["calculator"]', 'string "name"'),
     ('{"arguments": {}}', 'string "name"'),
-    ('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}', "unknown tool 'shell' (available: calculator, convert, multiply)"),
+    ('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}',
+     "unknown tool 'shell' (available: calculator, convert, multiply)"),
     ('{"name": "calculator", "arguments": {}}', "missing a required argument: 'expression'"),
     ('{"name": "calculator", "arguments": {"expression": "1", "x": 2}}', "unexpected keyword argument 'x'"),
     ('{"name": "calculator", "arguments": {"expression": 12}}', "'expression' must be of type string, got int"),
