@@ -393,6 +393,16 @@ def test_tool_message_and_tools_prompt():
     assert msgs[0]["content"].startswith("Be brief.\n\n# Tools") and len(msgs) == 2
 
 
+def test_tools_prompt_is_what_qwen25_writes_for_tools(qwen_tok):
+    """Rows that carry the tool offer themselves render as a template's own `tools=` would."""
+    system = {"role": "system", "content": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."}
+    msgs = [system, {"role": "user", "content": "What is 6 * 7?"}]
+    ours = qwen_tok.apply_chat_template(with_tools_prompt(msgs, [CALC_SCHEMA]), tokenize=False,
+                                        add_generation_prompt=True)
+    theirs = qwen_tok.apply_chat_template(msgs, tools=[CALC_SCHEMA], tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+
+
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
 
 
