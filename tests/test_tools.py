@@ -643,6 +643,10 @@ def test_reference_rollout_limits(smol_tok):
     assert r.tool_mask.count(1) == 2 * len(call)
     r = reference_rollout(ScriptedLM(call * 3, len(smol_tok)), smol_tok, [1], env, max_new_tokens=len(call) + 5)
     assert (r.finish_reason, r.tool_turns, r.completion_ids) == ("length", 0, call)  # the answer would not fit
+    # a call begun in the prompt (a forced start) is read from turn_prefix
+    half = enc('{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>') + [smol_tok.eos_token_id]
+    r = reference_rollout(ScriptedLM(half, len(smol_tok)), smol_tok, [1], env, turn_prefix="<tool_call>")
+    assert (r.finish_reason, r.tool_calls) == ("eos", 1) and "5" in smol_tok.decode([t for t, m in zip(r.completion_ids, r.tool_mask) if not m])
     bad = enc("oops</tool_call>")
     r = reference_rollout(ScriptedLM(bad, len(smol_tok)), smol_tok, [1], env)
     assert (r.finish_reason, r.completion_ids) == ("stop", bad)

@@ -21,6 +21,9 @@ from .rewards import ReasoningGymAccuracy
 
 INSTRUCTION = ("\nUse the calculator tool for the arithmetic, then give the final answer inside <answer> </answer> "
                "tags.")
+# a one-shot demonstration: SmolLM2-135M never calls the tool from the offer alone (0 of 6 greedy samples)
+EXAMPLE = ('\nFor example, for 3 + 4 * 2 write <tool_call>{"name": "calculator", "arguments": {"expression": '
+           '"3 + 4 * 2"}}</tool_call>, read the result 11, then write <answer>11</answer>.')
 # small enough for a 135M model to learn to call the tool: 2-3 terms of at most 3 digits
 EASY = {"min_terms": 2, "max_terms": 3, "max_digits": 3}
 _RESPONSE = re.compile(r"<tool_response>.*?(?:</tool_response>|\Z)", re.S)

@@ -28,7 +28,9 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def reference_rollout(model, tokenizer, prompt_ids: list[int], env, *, max_new_tokens: int = 256,
-                      max_turns: int = 4) -> ToolRollout:
+                      max_turns: int = 4, turn_prefix: str = "") -> ToolRollout:
+    """turn_prefix: assistant text the prompt already ends with (a forced start such as '<tool_call>{...'),
+    read as the start of the first turn when looking for calls."""
     import torch
 
     stop = tool_call_stop_strings(env.fmt)
@@ -48,7 +50,8 @@ def reference_rollout(model, tokenizer, prompt_ids: list[int], env, *, max_new_t
             if len(r.completion_ids) >= max_new_tokens:
                 r.finish_reason = "length"
                 return r
-            turn = tokenizer.decode(r.completion_ids[turn_start:], skip_special_tokens=True)
+            turn = (turn_prefix if turn_start == 0 else "") + tokenizer.decode(r.completion_ids[turn_start:],
+                                                                               skip_special_tokens=True)
             if not any(s in turn for s in stop):
                 continue
             msgs = env.respond(turn)
