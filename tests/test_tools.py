@@ -545,6 +545,18 @@ def test_tool_arithmetic_rows_offer_the_calculator(tool_task):
         assert user["content"].startswith(row["question"]) and "calculator" in user["content"]
 
 
+def test_tool_arithmetic_example_option():
+    pytest.importorskip("reasoning_gym")
+    from qerl.tasks import get_task
+    from qerl.tasks.tool_arithmetic import EXAMPLE
+
+    plain, shown = (get_task("tool_arithmetic", size=3, eval_size=1, example=e) for e in (False, True))
+    assert plain.train[0]["question"] == shown.train[0]["question"]
+    assert shown.train[0]["prompt"][1]["content"] == plain.train[0]["prompt"][1]["content"] + EXAMPLE
+    (call,) = parse_tool_calls(EXAMPLE, TOOLS)  # the demonstration itself is a valid call
+    assert call.error is None and calculator(**call.arguments) == "11"
+
+
 def test_the_calculator_solves_every_problem_of_the_task(tool_task):
     """Its semantics match reasoning-gym's references, so calling it is worth learning."""
     for row in tool_task.train + tool_task.eval:
@@ -646,7 +658,8 @@ def test_reference_rollout_limits(smol_tok):
     # a call begun in the prompt (a forced start) is read from turn_prefix
     half = enc('{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>') + [smol_tok.eos_token_id]
     r = reference_rollout(ScriptedLM(half, len(smol_tok)), smol_tok, [1], env, turn_prefix="<tool_call>")
-    assert (r.finish_reason, r.tool_calls) == ("eos", 1) and "5" in smol_tok.decode([t for t, m in zip(r.completion_ids, r.tool_mask) if not m])
+    assert (r.finish_reason, r.tool_calls) == ("eos", 1)
+    assert "\n5\n" in smol_tok.decode([t for t, m in zip(r.completion_ids, r.tool_mask) if not m])
     bad = enc("oops</tool_call>")
     r = reference_rollout(ScriptedLM(bad, len(smol_tok)), smol_tok, [1], env)
     assert (r.finish_reason, r.completion_ids) == ("stop", bad)

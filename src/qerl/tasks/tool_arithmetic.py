@@ -21,7 +21,9 @@ from .rewards import ReasoningGymAccuracy
 
 INSTRUCTION = ("\nUse the calculator tool for the arithmetic, then give the final answer inside <answer> </answer> "
                "tags.")
-# a one-shot demonstration: SmolLM2-135M never calls the tool from the offer alone (0 of 6 greedy samples)
+# a one-shot demonstration (task option example=True). Measured on the CPU, greedy, SmolLM2-135M-Instruct: no tool
+# call from the offer alone (0 of 6) nor with this example (0 of 4); with '<tool_call>{"name": "calculator",
+# "arguments": {"expression": "' forced at the start of the answer it finishes a parseable call in 3 of 4.
 EXAMPLE = ('\nFor example, for 3 + 4 * 2 write <tool_call>{"name": "calculator", "arguments": {"expression": '
            '"3 + 4 * 2"}}</tool_call>, read the result 11, then write <answer>11</answer>.')
 # small enough for a 135M model to learn to call the tool: 2-3 terms of at most 3 digits
@@ -55,9 +57,11 @@ def tool_call_rate(completions) -> float:
 
 
 def task(size: int = 2000, eval_size: int = 200, seed: int = 0, dataset: str = "basic_arithmetic",
-         format_reward_weight: float = 0.0, **generator_options) -> Task:
+         format_reward_weight: float = 0.0, example: bool = False, **generator_options) -> Task:
+    """example: add the one-shot call demonstration (EXAMPLE) to every question's instruction."""
     options = {**(EASY if dataset == "basic_arithmetic" else {}), **generator_options}
-    base = rg_task(dataset, size=size, eval_size=eval_size, seed=seed, instruction=INSTRUCTION,
+    instruction = INSTRUCTION + (EXAMPLE if example else "")
+    base = rg_task(dataset, size=size, eval_size=eval_size, seed=seed, instruction=instruction,
                    format_reward_weight=format_reward_weight, **options)
     tools = [Tool.from_callable(calculator)]
     schemas = [t.schema for t in tools]
