@@ -712,3 +712,61 @@ def test_reference_rollout_cache_matches_recomputing_the_whole_sequence():
     model_positions = [len(prompt) + j - 1 for j, m in enumerate(r.tool_mask) if m == 1]
     assert len(model_positions) == len(forced.logits)
     torch.testing.assert_close(torch.stack(forced.logits), full[model_positions], atol=1e-4, rtol=1e-4)
+
+
+# ---- the engine's turns= hook ----
+
+def test_turn_handler_answers_each_samples_current_turn(smol_tok):
+    from qerl.tools import ToolTurnHandler
+
+    enc = lambda s: smol_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [{"start": 100}, {"start": 0}]
+
+    class Counter(ToolEnvironment):
+        def __init__(self):
+            super().__init__([self.add])
+
+        def reset(self, row):
+            self.total = row["start"]
+
+        def add(self, k: int) -> str:
+            """Add to the running total.
+
+            Args:
+                k: The amount to add.
+            """
+            self.total += k
+            return str(self.total)
+
+    h = ToolTurnHandler(smol_tok, rows, env_factory=Counter, max_turns=3)
+    assert (h.stop, h.max_turns) == (["</tool_call>"], 3)
+    add = lambda k: enc(f'<tool_call>{{"name": "add", "arguments": {{"k": {k}}}}}</tool_call>')  # noqa: E731
+    # prompt 0 sample 0: two turns; the second turn's text holds only the new call
+    t1 = enc("first ") + add(5)
+    out1 = h.respond(0, 0, t1, smol_tok.decode(t1))
+    assert out1 == tool_response_ids(smol_tok, [tool_message("105", "add")])
+    t2 = t1 + out1 + add(1)
+    assert h.respond(0, 0, t2, smol_tok.decode(t2)) == tool_response_ids(smol_tok, [tool_message("106", "add")])
+    # prompt 0 sample 1 and prompt 1 sample 0 have their own environments, reset with their own rows
+    assert h.respond(0, 1, add(2), "") == tool_response_ids(smol_tok, [tool_message("102", "add")])
+    assert h.respond(1, 0, add(2), "") == tool_response_ids(smol_tok, [tool_message("2", "add")])
+    assert h.calls == 4
+    # a closing marker without a call ends the sample; a malformed call is answered with its error
+    assert h.respond(1, 1, enc("no call</tool_call>"), "") is None
+    bad = h.respond(1, 1, enc("<tool_call>{oops</tool_call>"), "")
+    assert "not valid JSON" in smol_tok.decode(bad)
+    with pytest.raises(ValueError, match="max_turns"):
+        ToolTurnHandler(smol_tok, rows, max_turns=-1)
+
+
+def test_turn_handler_ignores_calls_quoted_by_earlier_tool_output(smol_tok):
+    from qerl.tools import ToolTurnHandler
+
+    enc = lambda s: smol_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    h = ToolTurnHandler(smol_tok, [{}], [calculator])
+    t1 = enc("<tool_call>{oops</tool_call>")
+    out1 = h.respond(0, 0, t1, "")
+    assert len(parse_tool_calls(smol_tok.decode(out1))) == 1  # the error's usage hint is a complete block
+    t2 = t1 + out1 + enc('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    out2 = smol_tok.decode(h.respond(0, 0, t2, ""))
+    assert out2.count("<tool_response>") == 1 and "\n2\n" in out2  # only the model's new call ran
