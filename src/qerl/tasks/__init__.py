@@ -82,6 +82,8 @@ def get_task(name: str, **options) -> Task:
     fmt_w = float(options.pop("format_reward_weight", 0.0))
     if name == "arithmetic":
         return arithmetic.task(**options)
+    if name in ("tool_arithmetic", "tool-arithmetic"):
+        return __import__("qerl.tasks.tool_arithmetic", fromlist=["task"]).task(format_reward_weight=fmt_w, **options)
     if name.startswith(("rg:", "reasoning_gym/")):
         from . import reasoning_gym
 
