@@ -116,8 +116,8 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ratio-targets", default=None, help='targets of NVFP4/bf16 per batch, e.g. "8:>=2.5"')
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--results-dir", "--results_dir", default=None)
+    ap.add_argument("--out", default="runs/bench_rollout")
     a = ap.parse_args(argv)
     from .kernels import copy_bandwidth
 
