@@ -22,7 +22,8 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
 
@@ -69,9 +70,12 @@ class GRPOConfig:
     temperature: float = _f(1.0, "Rollout temperature (the loss uses the same temperature).")
     top_p: float = _f(1.0, "Rollout nucleus sampling.")
     top_k: int = _f(0, "Rollout top-k (0: off).")
-    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length).")
-    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
-    epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon).")
+    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length) | cispo (clipped IS weight without gradient x logp, MiniMax-M1; token mean per update).")
+    importance_sampling_level: str = _f("token", "token (a ratio per token) | sequence (GSPO: exp of the completion's mean log-ratio, one per completion).")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio (unused by cispo).")
+    epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon). cispo: the cap of the IS weight itself (TRL recommends 5.0).")
+    top_entropy_quantile: float = _f(1.0, "Train only on this fraction of tokens, those of highest entropy (TRL; 0.2 in the 80/20 paper; 1.0: all).")
+    entropy_coeff: float = _f(0.0, "Entropy bonus: subtract coeff x the per-token entropy, aggregated as the loss (verl's entropy_coeff; 0: off).")
     beta: float = _f(0.0, "KL coefficient against the base policy (adapters off); 0 as in DAPO.")
     scale_rewards: str = _f("group", "Advantage scaling: group (std per group) | batch (std of the batch) | none.")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu: 4 on GSM8K, 1 on BigMath in the paper).")
@@ -127,6 +131,15 @@ class GRPOConfig:
 
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"{self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            bad("importance_sampling_level", f"{self.importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}")
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
+            bad("epsilon_high", f"{self.epsilon_high} with loss_type cispo: there it caps the IS weight itself, so it "
+                "must be >= 1 (TRL recommends 5.0)")
+        if not 0 < self.top_entropy_quantile <= 1:
+            bad("top_entropy_quantile", f"must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.entropy_coeff < 0:
+            bad("entropy_coeff", f"must be >= 0 (a bonus), got {self.entropy_coeff}")
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
         if self.aqn_schedule not in AQN_SCHEDULES:
