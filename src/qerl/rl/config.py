@@ -25,7 +25,7 @@ def _f(default, help: str, **kw):
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
-AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
 @dataclass
@@ -89,10 +89,13 @@ class GRPOConfig:
     reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).", item=float)
     # --- AQN ---------------------------------------------------------------------------------
     aqn: bool = _f(True, "Adaptive Quantization Noise on the RMSNorm weights feeding q/k/v and gate/up.")
-    aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages.")
+    aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages | adaptive (sigma follows aqn_adaptive_target within [aqn_sigma_end, aqn_sigma_start]).")
     aqn_stages: int = _f(10, "K stages evenly dividing max_steps (at most max_steps); stage 0 has sigma 0.")
     aqn_sigma_start: float = _f(1e-2, "sigma of stage 1.")
     aqn_sigma_end: float = _f(5e-4, "sigma of the last stage.")
+    aqn_adaptive_signal: str = _f("entropy", "adaptive: the rollout signal sigma steers, entropy (mean token entropy) | zero_variance (fraction of groups whose rewards are all equal).")
+    aqn_adaptive_target: float = _f(0.5, "adaptive: the signal's target (entropy in nats a token, or a fraction).")
+    aqn_adaptive_gain: float = _f(1.0, "adaptive: log sigma moves by gain x the relative error a step (at most x2 or /2).")
     aqn_in_training: bool = _f(False, "Also apply the step's noise in the training forward passes.")
     # --- evaluation (held-out pass@1 on the rollout engine) -----------------------------------
     eval_steps: int = _f(0, "Evaluate every N steps (0: only as eval_on_start / eval_on_end say).")
@@ -144,6 +147,13 @@ class GRPOConfig:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
         if self.aqn_schedule not in AQN_SCHEDULES:
             bad("aqn_schedule", f"{self.aqn_schedule!r} is not one of {AQN_SCHEDULES}")
+        if self.aqn_schedule == "adaptive":
+            if self.aqn_adaptive_signal not in ("entropy", "zero_variance"):
+                bad("aqn_adaptive_signal", f"{self.aqn_adaptive_signal!r} is not entropy or zero_variance")
+            if not 0 < self.aqn_sigma_end <= self.aqn_sigma_start:
+                bad("aqn_sigma_end", "adaptive AQN keeps sigma in [aqn_sigma_end, aqn_sigma_start]: need 0 < end <= start")
+            if self.aqn_adaptive_gain < 0:
+                bad("aqn_adaptive_gain", f"must be >= 0, got {self.aqn_adaptive_gain}")
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
         if self.generation_batch_size % self.num_generations:
