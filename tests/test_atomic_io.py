@@ -275,3 +275,19 @@ def test_smollm2_cache_start_removes_a_killed_conversions_temporaries(tmp_path, 
     (tmp_path / f".SmolLM2-135M-Instruct{atomic.TMP}1234").mkdir()
     assert smollm2.smollm2_path() == out
     assert debris(tmp_path) == [] and (out / "model.safetensors").read_bytes() == b"cached"
+
+
+def test_recover_leaves_a_live_writers_temporaries_alone(tmp_path):
+    """Two processes filling the same cache at once: neither deletes the other's work in progress."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = tmp_path / f".model{atomic.TMP}{live.pid}-abcd"
+        theirs.mkdir()
+        dead = tmp_path / f".model{atomic.TMP}999999999-abcd"  # no such process
+        dead.mkdir()
+        assert atomic.recover(tmp_path / "model") == [dead.name]
+        assert theirs.exists() and not dead.exists()
+    finally:
+        live.kill()
+        live.wait()
+    assert atomic.recover(tmp_path / "model") == [theirs.name]

@@ -6,15 +6,15 @@ behaviour: at any instant the target is either its complete previous content or 
 content, and nothing else is left beside it once `recover` has run.
 
 Temporaries live beside their target (same filesystem, so rename is atomic):
-  .<name>.qerl-tmp-<random>   the new content being written
-  .<name>.qerl-old-<random>   the previous folder, moved aside during a folder swap
+  .<name>.qerl-tmp-<pid>-<random>   the new content being written
+  .<name>.qerl-old-<pid>-<random>   the previous folder, moved aside during a folder swap
 A file is replaced in one rename. A folder cannot be (rename onto a non-empty folder fails), so its
 swap is two renames: previous -> aside, new -> target. A SIGKILL between the two leaves no target and
 an aside copy: `recover(target)` puts it back. Every save calls `recover` on its target first, and a
 run folder's start calls `recover_all` on the folder (rl/run_folder.py).
 
-Two processes must not save the same target at once (recover would take the other's temporaries);
-the run folder's lock guarantees that for training runs.
+`recover` leaves alone the temporaries of another live process on this host (two ranks converting
+the SmolLM2 cache at once both finish; the second swap wins), so only a dead writer's are undone.
 """
 
 from __future__ import annotations
@@ -47,7 +47,24 @@ def _stage(name: str) -> None:
 
 
 def _temp_name(target: Path, kind: str) -> Path:
-    return target.with_name(f".{target.name}{kind}{secrets.token_hex(4)}")
+    return target.with_name(f".{target.name}{kind}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _writer_alive(temp: Path, kind: str) -> bool:
+    """Whether the process named in a temporary's name is another live process (its save goes on)."""
+    try:
+        pid = int(temp.name.rsplit(kind, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # our own: a save of ours that failed before it could clean up
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(p: Path) -> None:
@@ -89,8 +106,9 @@ def recover(target) -> list[str]:
     if not parent.is_dir():
         return []
     prefix = f".{target.name}"
-    tmps = [p for p in parent.iterdir() if p.name.startswith(prefix + TMP)]
-    olds = sorted((p for p in parent.iterdir() if p.name.startswith(prefix + OLD)), key=lambda p: p.stat().st_mtime)
+    tmps = [p for p in parent.iterdir() if p.name.startswith(prefix + TMP) and not _writer_alive(p, TMP)]
+    olds = sorted((p for p in parent.iterdir() if p.name.startswith(prefix + OLD) and not _writer_alive(p, OLD)),
+                  key=lambda p: p.stat().st_mtime)
     touched = [p.name for p in tmps + olds]
     if olds and not os.path.lexists(target):
         os.replace(olds.pop(), target)  # killed between the two renames of a folder swap

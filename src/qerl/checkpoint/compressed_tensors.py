@@ -91,10 +91,6 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
     return {k: standalone(v) for k, v in out.items()}, ignore
 
 
-def write_safetensors_sharded(tensors: dict[str, torch.Tensor], folder: Path, max_bytes: int = SHARD_BYTES) -> None:
-    write_sharded(folder, entries(tensors), max_bytes)
-
-
 def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:
     """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically)."""
     model = policy.model if hasattr(policy, "model") else policy
@@ -106,7 +102,7 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
     cfg.pop("quantization_config", None)
     cfg["quantization_config"] = quantization_config(fmt, ignore)
     with atomic_folder(out_dir) as tmp:
-        write_safetensors_sharded(tensors, tmp)
+        write_sharded(tmp, entries(tensors))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
         src = Path(getattr(policy, "source", "") or "")
         if (src / "generation_config.json").exists():
