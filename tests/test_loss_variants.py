@@ -169,3 +169,34 @@ def test_config_takes_the_new_loss_fields_and_refuses_meaningless_values():
         with pytest.raises(ValueError, match=field):
             GRPOConfig(**bad)
     assert "importance_sampling_level" in GRPOConfig().to_yaml() and "top_entropy_quantile" in GRPOConfig().to_yaml()
+
+
+def test_entropies_carry_their_gradient_when_asked(tmp_path):
+    """The entropy bonus needs d entropy / d weights: chunked entropies with entropy_grad match a full forward."""
+    from tiny_models import save_tiny
+
+    from qerl.model import load_policy, quantized_layers
+    from qerl.rl.logprobs import completion_logprobs, pad_batch
+
+    save_tiny(tmp_path / "base", "llama")
+    m = load_policy(tmp_path / "base", "nvfp4", lora_rank=4, dtype=torch.float32, progress=False).model
+    with torch.no_grad():
+        for _, layer in quantized_layers(m):
+            layer.lora_B.weight.normal_(0, 0.05)
+    prompts, comps = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15, 16, 17, 18]]
+    batch = pad_batch(prompts, comps)
+    _, ent = completion_logprobs(m, *batch, temperature=0.7, chunk=3, entropy_grad=True)
+    ent.sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert got and any(g.abs().sum() > 0 for g in got.values())
+    m.zero_grad()
+    tot = 0
+    for p, c in zip(prompts, comps):
+        ls = torch.log_softmax(m(torch.tensor([p + c])).logits[0, len(p) - 1: -1].float() / 0.7, -1)
+        tot = tot - (ls.exp() * ls).sum()
+    tot.backward()
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(got[n], p.grad, atol=1e-5), n
+    _, ent_default = completion_logprobs(m, *batch, temperature=0.7)
+    assert not ent_default.requires_grad  # unchanged default: detached
