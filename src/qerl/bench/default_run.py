@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default="runs/bench_default")
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--results-dir", "--results_dir", default=str(RESULTS), help="where the jsonl goes")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="more `qerl train` arguments after --")
     args = ap.parse_args(argv)
     import torch

@@ -263,11 +263,11 @@ def from_log(path: Path) -> tuple[float, dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/kernels.jsonl")
-    ap.add_argument("--results-dir", default=None, help="where the jsonl goes (default: the repository's)")
+    ap.add_argument("--results-dir", "--results_dir", default=None, help="where the jsonl goes (default: ./benchmarks/results)")
     ap.add_argument("--sweep", action="store_true", help="first sweep the MMA kernel's launch shapes")
     ap.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--out", default=".", help="folder for the full json and the log")
+    ap.add_argument("--out", default="runs/bench_kernels", help="folder for the full json and the log")
     ap.add_argument("--from-log", default=None, help="record the figures of a run's bench_kernels.log (a run cut off "
                     "before it wrote them); --command names the command that ran")
     ap.add_argument("--command", default=None)

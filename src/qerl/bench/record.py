@@ -1,7 +1,8 @@
 """Append measured figures to the benchmark record and re-render its table.
 
-One JSON object per figure in benchmarks/results/<bench>.jsonl (append-only);
-benchmarks/README.md shows the latest row of each (bench, case, metric).
+One JSON object per figure in <results_dir>/<bench>.jsonl (append-only; default
+./benchmarks/results); benchmarks/README.md shows the latest row of each (bench, case, metric).
+Logs go to each bench's --out folder, never into git (benchmarks/logs is ignored).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-RESULTS = ROOT / "benchmarks" / "results"
+# relative: resolved in the current directory (the repository root when run from a checkout), so an
+# installed package never writes into its own source tree; every bench takes --results_dir
+RESULTS = Path("benchmarks") / "results"
 
 
 def _commit() -> str | None:

@@ -168,8 +168,8 @@ def main(argv=None):
     ap.add_argument("--fused-attention", choices=("auto", "on", "off"), default="auto",
                     help="the fused rotary+KV write and split-KV attention (off: the torch decode path)")
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--results-dir", default=None)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--results-dir", "--results_dir", default=None)
+    ap.add_argument("--out", default="runs/bench_rollout")
     a = ap.parse_args(argv)
     from .kernels import copy_bandwidth
 

@@ -98,7 +98,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench scaling", description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+", help="qerl bench step --json files, one per GPU count (one of them 1 GPU)")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/results/scaling.jsonl")
-    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--results-dir", "--results_dir", default=None)
     a = ap.parse_args(argv)
     try:
         rows = scaling(load(a.json))

@@ -47,7 +47,7 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--record", action="store_true", help="append figures to benchmarks/results/step.jsonl")
-    ap.add_argument("--results-dir", default=None)
+    ap.add_argument("--results-dir", "--results_dir", default=None)
     ap.add_argument("--peak-target", default=None, help='target of the peak allocated GiB, e.g. "<=40"')
     ap.add_argument("--out", default="runs/bench_step", help="scratch run directory")
 

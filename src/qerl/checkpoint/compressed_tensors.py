@@ -10,18 +10,14 @@ already hold exactly those bytes; compressing again would need a dense model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
-
-SHARD_BYTES = 4 << 30
+from .atomic import SHARD_BYTES, atomic_folder, entries, write_sharded
 
 _WEIGHT_ARGS = {
     "nvfp4": {"strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
@@ -95,30 +91,6 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
     return {k: standalone(v) for k, v in out.items()}, ignore
 
 
-def write_safetensors_sharded(tensors: dict[str, torch.Tensor], folder: Path, max_bytes: int = SHARD_BYTES) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += n
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, s in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(s, str(folder / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(s, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
-
-
 def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:
     """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically)."""
     model = policy.model if hasattr(policy, "model") else policy
@@ -129,11 +101,8 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["quantization_config"] = quantization_config(fmt, ignore)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
-    try:
-        write_safetensors_sharded(tensors, tmp)
+    with atomic_folder(out_dir) as tmp:
+        write_sharded(tmp, entries(tensors))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
         src = Path(getattr(policy, "source", "") or "")
         if (src / "generation_config.json").exists():
@@ -141,14 +110,4 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
         tok = getattr(policy, "tokenizer", None)
         if tok is not None:
             tok.save_pretrained(tmp)
-        # Move the old folder aside first, so a crash leaves either the old or the new one whole.
-        old = out.with_name(f".old-{out.name}-{os.getpid()}") if out.exists() else None
-        if old is not None:
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)

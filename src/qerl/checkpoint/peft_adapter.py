@@ -14,18 +14,17 @@ import json
 import math
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
 from ..model.safetensors_reader import CheckpointError
+from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -73,24 +72,11 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str] | str:
     return "^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
     """Write the model's LoRA factors as a PEFT adapter folder; returns the folder.
 
-    The two files are written to temporary files in `out_dir` and moved into place
-    with os.replace (the weights first, the config last).
+    The folder is written as a whole and swapped in (checkpoint/atomic.py): a failed save leaves
+    the previous adapter intact; other files already in `out_dir` are kept.
     """
     model, policy = _split(policy_or_model)
     layers = _lora_layers(model)
@@ -138,12 +124,10 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
         tensors[f"{PREFIX}{name}.lora_A.weight"] = standalone(m.lora_A.weight)
         tensors[f"{PREFIX}{name}.lora_B.weight"] = standalone(m.lora_B.weight)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
-    return out
+    with atomic_folder(out_dir, keep_existing=True) as tmp:
+        write_safetensors(tmp / WEIGHTS_NAME, entries(tensors))
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return Path(out_dir)
 
 
 # ---- loading -----------------------------------------------------------------------------

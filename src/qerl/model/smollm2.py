@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from ..checkpoint.atomic import atomic_folder, recover
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,6 +32,7 @@ def _gguf_folder() -> Path:
 
 def smollm2_path() -> Path:
     out = cache_dir() / "SmolLM2-135M-Instruct"
+    recover(out)  # a conversion killed midway: its temporaries go, a previous cache comes back
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     import torch
@@ -48,15 +49,7 @@ def smollm2_path() -> Path:
     model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict())
     model = model.to(torch.bfloat16)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-smollm2-"))
-    try:
+    with atomic_folder(out) as tmp:  # a crash never leaves a half-written model
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)  # atomic: a crash never leaves a half-written model
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -48,9 +49,86 @@ def sigma_at(step: int, total_steps: int, stages: int = 10, sigma_start: float =
         s = sigma_end + (sigma_start - sigma_end) * (1 + math.cos(math.pi * t)) / 2
     elif schedule == "logarithmic":
         s = sigma_start - (sigma_start - sigma_end) * math.log(1 + 9 * t) / math.log(10)
+    elif schedule == "adaptive":
+        raise ValueError("AQN schedule 'adaptive' has no fixed sigma per step: AdaptiveSigma gives it")
     else:
         raise ValueError(f"unknown AQN schedule {schedule!r}")
     return s, stage
+
+
+ADAPTIVE_SIGNALS = ("entropy", "zero_variance")
+
+
+@dataclass
+class AdaptiveSigma:
+    """Closed-loop AQN (aqn_schedule: adaptive): sigma follows a target for a signal measured on each
+    step's rollout, instead of the fixed stage schedule.
+
+      entropy        mean token entropy of the rollout (the trainer's rollout_entropy): below the
+                     target, exploration is collapsing and sigma rises (AQN raises entropy, paper §3.3)
+      zero_variance  fraction of groups whose rewards are all equal (no learning signal): above the
+                     target, sigma rises
+
+    An integral controller in log sigma: log sigma += gain * error, error the signal's relative distance
+    from its target (sign chosen per signal as above), clipped to +-max_log_step a step (bounded
+    rate) and sigma kept in [sigma_min, sigma_max]. Deterministic; its whole state is the plain
+    numbers of this dataclass (`state_dict` / `load_state_dict` for checkpoints).
+    """
+
+    target: float
+    signal: str = "entropy"
+    sigma_min: float = 5e-4
+    sigma_max: float = 1e-2
+    gain: float = 1.0
+    max_log_step: float = math.log(2.0)  # at most x2 or /2 a step
+    sigma: float | None = None  # current sigma; None: starts at sigma_max (the schedule's first noisy stage)
+    last_measured: float | None = None
+    updates: int = 0
+
+    def __post_init__(self):
+        if self.signal not in ADAPTIVE_SIGNALS:
+            raise ValueError(f"AdaptiveSigma: signal {self.signal!r} is not one of {ADAPTIVE_SIGNALS}")
+        if not 0 < self.sigma_min <= self.sigma_max:
+            raise ValueError(f"AdaptiveSigma: need 0 < sigma_min <= sigma_max, got {self.sigma_min}, {self.sigma_max}")
+        if self.gain < 0 or self.max_log_step <= 0:
+            raise ValueError("AdaptiveSigma: gain must be >= 0 and max_log_step > 0")
+        if self.sigma is None:
+            self.sigma = self.sigma_max
+        self.sigma = min(max(self.sigma, self.sigma_min), self.sigma_max)
+
+    def error(self, measured: float) -> float:
+        """Relative distance from the target, > 0 when sigma should rise."""
+        scale = max(abs(self.target), 1e-6)
+        return (self.target - measured) / scale if self.signal == "entropy" else (measured - self.target) / scale
+
+    def update(self, measured: float | None) -> float:
+        """The sigma of the next step, after this step's measured signal (None or NaN: no measurement,
+        sigma unchanged)."""
+        if measured is None or not math.isfinite(measured):
+            return self.sigma
+        step = max(-self.max_log_step, min(self.max_log_step, self.gain * self.error(measured)))
+        self.sigma = min(max(self.sigma * math.exp(step), self.sigma_min), self.sigma_max)
+        self.last_measured = float(measured)
+        self.updates += 1
+        return self.sigma
+
+    def log_row(self) -> dict:
+        """What the trainer logs each step: sigma, its target and the measured signal."""
+        return {"aqn_sigma": self.sigma, "aqn_target": self.target, "aqn_signal": self.last_measured}
+
+    _STATE = ("sigma", "last_measured", "updates")  # the settings come from the config, not the checkpoint
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k in self._STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - set(self._STATE)
+        if unknown:
+            raise ValueError(f"AdaptiveSigma: unknown state fields {sorted(unknown)}")
+        self.sigma = float(state["sigma"])
+        self.last_measured = None if state.get("last_measured") is None else float(state["last_measured"])
+        self.updates = int(state.get("updates", 0))
+        self.__post_init__()  # a resumed run with narrower bounds keeps sigma inside them
 
 
 def noised_norms(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -22,9 +22,10 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
-AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
 @dataclass
@@ -69,9 +70,12 @@ class GRPOConfig:
     temperature: float = _f(1.0, "Rollout temperature (the loss uses the same temperature).")
     top_p: float = _f(1.0, "Rollout nucleus sampling.")
     top_k: int = _f(0, "Rollout top-k (0: off).")
-    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length).")
-    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
-    epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon).")
+    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length) | cispo (clipped IS weight without gradient x logp, MiniMax-M1; token mean per update).")
+    importance_sampling_level: str = _f("token", "token (a ratio per token) | sequence (GSPO: exp of the completion's mean log-ratio, one per completion).")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio (unused by cispo).")
+    epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon). cispo: the cap of the IS weight itself (TRL recommends 5.0).")
+    top_entropy_quantile: float = _f(1.0, "Train only on this fraction of tokens, those of highest entropy (TRL; 0.2 in the 80/20 paper; 1.0: all).")
+    entropy_coeff: float = _f(0.0, "Entropy bonus: subtract coeff x the per-token entropy, aggregated as the loss (verl's entropy_coeff; 0: off).")
     beta: float = _f(0.0, "KL coefficient against the base policy (adapters off); 0 as in DAPO.")
     scale_rewards: str = _f("group", "Advantage scaling: group (std per group) | batch (std of the batch) | none.")
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu: 4 on GSM8K, 1 on BigMath in the paper).")
@@ -85,10 +89,13 @@ class GRPOConfig:
     reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).", item=float)
     # --- AQN ---------------------------------------------------------------------------------
     aqn: bool = _f(True, "Adaptive Quantization Noise on the RMSNorm weights feeding q/k/v and gate/up.")
-    aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages.")
+    aqn_schedule: str = _f("exponential", "exponential | linear | cosine | logarithmic decay of sigma over stages | adaptive (sigma follows aqn_adaptive_target within [aqn_sigma_end, aqn_sigma_start]).")
     aqn_stages: int = _f(10, "K stages evenly dividing max_steps (at most max_steps); stage 0 has sigma 0.")
     aqn_sigma_start: float = _f(1e-2, "sigma of stage 1.")
     aqn_sigma_end: float = _f(5e-4, "sigma of the last stage.")
+    aqn_adaptive_signal: str = _f("entropy", "adaptive: the rollout signal sigma steers, entropy (mean token entropy) | zero_variance (fraction of groups whose rewards are all equal).")
+    aqn_adaptive_target: float = _f(0.5, "adaptive: the signal's target (entropy in nats a token, or a fraction).")
+    aqn_adaptive_gain: float = _f(1.0, "adaptive: log sigma moves by gain x the relative error a step (at most x2 or /2).")
     aqn_in_training: bool = _f(False, "Also apply the step's noise in the training forward passes.")
     # --- evaluation (held-out pass@1 on the rollout engine) -----------------------------------
     eval_steps: int = _f(0, "Evaluate every N steps (0: only as eval_on_start / eval_on_end say).")
@@ -127,10 +134,26 @@ class GRPOConfig:
 
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"{self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            bad("importance_sampling_level", f"{self.importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}")
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
+            bad("epsilon_high", f"{self.epsilon_high} with loss_type cispo: there it caps the IS weight itself, so it "
+                "must be >= 1 (TRL recommends 5.0)")
+        if not 0 < self.top_entropy_quantile <= 1:
+            bad("top_entropy_quantile", f"must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.entropy_coeff < 0:
+            bad("entropy_coeff", f"must be >= 0 (a bonus), got {self.entropy_coeff}")
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
         if self.aqn_schedule not in AQN_SCHEDULES:
             bad("aqn_schedule", f"{self.aqn_schedule!r} is not one of {AQN_SCHEDULES}")
+        if self.aqn_schedule == "adaptive":
+            if self.aqn_adaptive_signal not in ("entropy", "zero_variance"):
+                bad("aqn_adaptive_signal", f"{self.aqn_adaptive_signal!r} is not entropy or zero_variance")
+            if not 0 < self.aqn_sigma_end <= self.aqn_sigma_start:
+                bad("aqn_sigma_end", "adaptive AQN keeps sigma in [aqn_sigma_end, aqn_sigma_start]: need 0 < end <= start")
+            if self.aqn_adaptive_gain < 0:
+                bad("aqn_adaptive_gain", f"must be >= 0, got {self.aqn_adaptive_gain}")
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
         if self.generation_batch_size % self.num_generations:

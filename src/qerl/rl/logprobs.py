@@ -45,9 +45,10 @@ def _chunk_stats(h, w, targets, inv_temp: float, want_entropy: bool):
 
 
 def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float = 1.0, chunk: int = 1024,
-                        entropy: bool = True):
+                        entropy: bool = True, entropy_grad: bool = False):
     """(logprobs [B, L], entropies [B, L]) of `targets` under softmax(logits / temperature);
-    zero where mask is False. Differentiable when grad is enabled."""
+    zero where mask is False. Logprobs are differentiable when grad is enabled; entropies only with
+    entropy_grad (an entropy bonus in the loss), else detached."""
     dev = model.get_input_embeddings().weight.device
     ids, att, pos, targets, mask = (x.to(dev) for x in (ids, att, pos, targets, mask))
     hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state  # [B, T, D]
@@ -69,5 +70,6 @@ def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float 
     out_en = torch.zeros(b, lc, device=dev, dtype=torch.float32)
     if lps:
         out_lp = out_lp.masked_scatter(mask, torch.cat(lps))
-        out_en = out_en.masked_scatter(mask, torch.cat(ents).detach())
+        en = torch.cat(ents)
+        out_en = out_en.masked_scatter(mask, en if entropy_grad else en.detach())
     return out_lp, out_en

@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
+
+from ..checkpoint.atomic import atomic_text
 
 
 class MetricsLog:
@@ -16,9 +17,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             # a resumed run repeats the steps after its checkpoint: drop their old lines
             keep = [json.dumps(r) for r in read_rows(self.path) if r["step"] < resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, self.path)
+            atomic_text(self.path, "".join(ln + "\n" for ln in keep))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self.tb = None

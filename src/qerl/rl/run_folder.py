@@ -19,10 +19,12 @@ import socket
 import time
 from pathlib import Path
 
+from ..checkpoint.atomic import recover_all
+
 LOCK = ".qerl.lock"
 # what a run writes; an output_dir holding any of these (but a config alone) holds a run
 RUN_FILES = ("metrics.jsonl", "adapter", "eval", "tensorboard", "curves.png")
-_TEMP_PREFIXES = (".checkpoint-", ".old-checkpoint-")  # state.save_checkpoint's temporary names
+_TEMP_PREFIXES = (".checkpoint-", ".old-checkpoint-")  # temporary names of saves before checkpoint/atomic.py
 
 
 class RunFolderError(ValueError):  # the CLI reports ValueErrors as clear errors, no traceback
@@ -109,9 +111,10 @@ class RunLock:
 
 def clean_temporaries(folder) -> list[str]:
     """Remove what a killed save left (temporary checkpoint folders, a half-written metrics copy)."""
-    folder, gone = Path(folder), []
+    folder = Path(folder)
     if not folder.is_dir():
-        return gone
+        return []
+    gone = recover_all(folder)  # checkpoint/atomic.py's temporaries (a moved-aside checkpoint comes back)
     for p in folder.iterdir():
         if p.is_dir() and p.name.startswith(_TEMP_PREFIXES):
             shutil.rmtree(p, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Training checkpoints: everything a run needs to continue exactly, written atomically.
 
-A checkpoint is a folder `checkpoint-<step>` built under a temporary name and renamed into
-place, so a run killed at any moment leaves either the complete folder or none. It holds:
+A checkpoint is a folder `checkpoint-<step>` built under a temporary name and swapped into
+place by checkpoint/atomic.py, so a run killed at any moment leaves either the complete folder or
+none (its temporaries are undone when the run folder is next claimed). It holds:
   adapter/                PEFT adapter (loads in PEFT / vLLM on the dense base)
   trainable.safetensors   every trainable tensor, exact (LoRA, and norms when trained)
   optimizer.safetensors   optimizer state tensors; their structure in trainer_state.json
@@ -13,16 +14,15 @@ Safetensors and JSON only: nothing is pickled.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.peft_adapter import save_adapter
 from ..layers.qlora_linear import standalone
 
@@ -52,19 +52,12 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-
 def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: dict, base_name: str | None = None,
                     keep: int | None = None) -> Path:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".checkpoint-{step}."))
-    try:
+    final = out / f"checkpoint-{step}"
+    with atomic_folder(final) as tmp:  # a rerun of the same step replaces it whole, or not at all
         save_adapter(model, tmp / "adapter", base_model_name_or_path=base_name)
         # standalone: LoRA factors of a fused group are views into its storage
         trainable = {n: standalone(p) for n, p in model.named_parameters() if p.requires_grad}
@@ -79,16 +72,6 @@ def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: d
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(),
                  "python_random": _jsonable(random.getstate()), **extra}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
-        _fsync_tree(tmp)
-        final = out / f"checkpoint-{step}"
-        if final.exists():  # a rerun of the same step: move the old one aside first
-            old = out / f".old-checkpoint-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     if keep:
         for old in checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
