@@ -414,9 +414,20 @@ def _materialize_buffers(model, cfg, device):
         raise CheckpointError(f"tensors not found in the checkpoint: {left[:5]}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def require_tokenizer(folder) -> None:
+    """Commands that write or read text need the folder's tokenizer: say so before any work."""
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder}: no tokenizer ({', '.join(TOKENIZER_FILES)}); generation and rewards need "
+                                "one: save it there (tokenizer.save_pretrained) or use the original model folder")
+
+
 def _load_tokenizer(folder, trust_remote_code):
     from transformers import AutoTokenizer
 
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
