@@ -9,13 +9,19 @@ from __future__ import annotations
 
 USAGE = "qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR [--field value ...]"
 HELP = "train a LoRA policy on 4-bit weights with GRPO/DAPO and AQN (every config field is a --flag)"
+DESCRIPTION = (HELP + ". Values apply on top of CONFIG.yaml, whose missing fields take the defaults below; with "
+               "no CONFIG.yaml they apply on top of the embedded default run (`qerl train --print_config` shows its "
+               "values).")
 
 
 def add_arguments(p):
     # CONFIG.yaml (optional, first) and --field value pairs arrive as free arguments (see cli.main)
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
-    p.set_defaults(overrides=[])  # --field value pairs (any GRPOConfig field), collected by the main parser
+    p.set_defaults(overrides=[])  # CONFIG.yaml and unknown --field pairs, collected by the main parser
+    from .config_help import add_config_arguments
+
+    add_config_arguments(p)
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:
@@ -45,7 +51,9 @@ def build_config(args):
 
     tokens = list(args.overrides or [])
     config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
-    ov = parse_overrides(tokens)
+    from .config_help import config_values
+
+    ov = {**config_values(args), **parse_overrides(tokens)}
     if args.resume:
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
@@ -77,7 +85,9 @@ def run(args):
         from ..rl.run_folder import refuse_or_clear
 
         refuse_or_clear(cfg.output_dir, overwrite=False)
-    trainer = GRPOTrainer(cfg)
+    from .preflight import preflight
+
+    trainer = GRPOTrainer(cfg, task=preflight(cfg))
     if args.resume:
         step = trainer.resume()
         if trainer.dist.is_main:
