@@ -59,17 +59,27 @@ def build_config(args):
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl run directory?)")
         cfg = GRPOConfig.from_yaml(saved)
-        cfg = cfg.with_overrides({"output_dir": args.resume, **ov})
+        cfg = apply(cfg, {"output_dir": args.resume, **ov})
     elif config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
-        cfg = GRPOConfig.from_yaml(config).with_overrides(ov)
+        cfg = apply(GRPOConfig.from_yaml(config), ov)
     else:
         from ..rl.default_run import default_run_config
 
         dev = ov.get("device")
-        cfg = default_run_config(None if dev in (None, "auto") else dev).with_overrides(ov)
+        cfg = apply(default_run_config(None if dev in (None, "auto") else dev), ov)
     return cfg
+
+
+def apply(cfg, ov: dict[str, str]):
+    """cfg with the command line's values. A dataset named there starts with no options unless they
+    are given too: the base's options belong to the base's dataset (the default run's reasoning-gym
+    options mean nothing to a .jsonl file)."""
+    for name in ("dataset", "eval_dataset"):
+        if f"{name}_name" in ov and f"{name}_config" not in ov and ov[f"{name}_name"] != getattr(cfg, f"{name}_name"):
+            ov = {**ov, f"{name}_config": "{}"}
+    return cfg.with_overrides(ov)
 
 
 def run(args):
