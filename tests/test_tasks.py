@@ -85,5 +85,5 @@ def test_unknown_names_get_suggestions():
     pytest.importorskip("reasoning_gym")
     with pytest.raises(ValueError, match="did you mean chain_sum"):
         get_task("rg:chain_sun")
-    with pytest.raises(ValueError, match="dataset_config for reasoning-gym 'chain_sum'"):
+    with pytest.raises(ValueError, match="dataset_config: unknown option 'no_such_option' for reasoning_gym dataset"):
         get_task("rg:chain_sum", no_such_option=3)

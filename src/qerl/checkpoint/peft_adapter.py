@@ -133,6 +133,9 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
 # ---- loading -----------------------------------------------------------------------------
 
 
+MAX_SCALING = 1e4  # no trained adapter comes near it (PEFT's defaults: 1 to 2)
+
+
 def _read_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
@@ -156,6 +159,10 @@ def _read_config(folder: Path) -> dict:
     alpha = cfg.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise bad(f"lora_alpha must be a number, got {alpha!r}")
+    # scaling = alpha / r multiplies every LoRA output: past this the activations overflow to inf/NaN
+    if not math.isfinite(alpha) or abs(alpha) / r > MAX_SCALING:
+        raise bad(f"lora_alpha {alpha!r} with r={r} gives scaling {abs(alpha) / r:.3g}; a usable adapter has "
+                  f"|lora_alpha / r| <= {MAX_SCALING:g}")
     for key, ok, why in [
         ("use_dora", False, "DoRA adapters (use_dora=true) are not supported"),
         ("fan_in_fan_out", False, "fan_in_fan_out=true (GPT-2 Conv1D layout) is not supported"),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import bench, evaluate, export, generate, inspect, plot, quantize, study, train
+from .examples import epilog
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
             "train": train, "eval": evaluate, "plot": plot, "study": study}
@@ -15,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qerl", description="RL of LLMs on 4-bit weights (QeRL).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in COMMANDS.items():
-        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
+        # train: no prefix matching, so a misspelt field reaches the config's "did you mean"
+        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                                         usage=getattr(mod, "USAGE", None), epilog=epilog(name),
+                                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                                         allow_abbrev=name != "train"))
     args, extra = parser.parse_known_args(argv)
     if extra:  # only `train` (and `study run`, for its runs) take free --field value pairs (any config field)
         if args.command == "train":
@@ -26,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.command].run(args) or 0
-    except (ValueError, FileNotFoundError, KeyError, ModuleNotFoundError) as e:
+    except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
+        if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
+            raise
         print(f"qerl {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+
+from .argtypes import non_negative, positive, unit_interval
 
 HELP = "evaluate a policy (quantized base + optional PEFT adapter) on a dataset: pass@1 over k samples"
 
@@ -15,12 +18,12 @@ def add_arguments(p):
                    help="gsm8k-offline (default, no network), rg:<name>, gsm8k, math500, aime24, ..., or a .jsonl/.parquet file")
     p.add_argument("--dataset-config", default="{}", help="options as JSON/YAML, e.g. '{question: problem, seed: 1}'")
     p.add_argument("--split", choices=["eval", "train"], default="eval", help="which part of the task to score")
-    p.add_argument("--limit", type=int, help="the first N problems")
-    p.add_argument("--samples", "-k", type=int, default=1, help="samples per problem (pass@1 is averaged over them)")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--limit", type=positive, help="the first N problems (default: all)")
+    p.add_argument("--samples", "-k", type=positive, default=1, help="samples per problem (pass@1 is averaged over them)")
+    p.add_argument("--temperature", type=non_negative, default=0.6)
+    p.add_argument("--top-p", type=unit_interval, default=0.95)
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=positive, default=512)
     p.add_argument("--prompt-suffix", action="store_true", help="append the paper's <think>/<answer> instruction")
     p.add_argument("--system-prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -38,12 +41,19 @@ def run(args):
     from ..tasks.rewards import format_reward
     from .policy import load_cli_policy
 
-    opts = yaml.safe_load(args.dataset_config) or {}
+    try:
+        opts = yaml.safe_load(args.dataset_config) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"--dataset-config: not valid YAML/JSON ({str(e).splitlines()[0]}): {args.dataset_config!r}") from None
     if not isinstance(opts, dict):
         raise ValueError(f"--dataset-config: expected a mapping, got {args.dataset_config!r}")
     task = get_task(args.dataset, **opts)
+    for note in task.notes:  # e.g. rows that on_error: skip left out
+        print(f"qerl eval: {args.dataset}: {note}", file=sys.stderr)
     rows = task.eval if args.split == "eval" else task.train
     rows = rows[:args.limit] if args.limit else rows
+    if not rows:
+        raise ValueError(f"{args.dataset}: the {args.split} split has no problems")
     pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device)
     from ..tasks.prompts import encode_prompt
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from .argtypes import at_least, non_negative, positive, unit_interval
+
 HELP = "sample completions from a policy (quantized base + optional PEFT adapter)"
 
 
@@ -12,11 +14,11 @@ def add_arguments(p):
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder (as `qerl train` or PEFT writes)")
     p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"])
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--n", type=positive, default=1, help="completions per prompt")
+    p.add_argument("--temperature", type=non_negative, default=1.0)
+    p.add_argument("--top-p", type=unit_interval, default=1.0)
+    p.add_argument("--top-k", type=at_least(0), default=0)
+    p.add_argument("--max-new-tokens", type=positive, default=256)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a string that ends a completion")

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 USAGE = "qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR [--field value ...]"
 HELP = "train a LoRA policy on 4-bit weights with GRPO/DAPO and AQN (every config field is a --flag)"
+DESCRIPTION = (HELP + ". Values apply on top of CONFIG.yaml, whose missing fields take the defaults below; with "
+               "no CONFIG.yaml they apply on top of the embedded default run (`qerl train --print_config` shows its "
+               "values).")
 
 
 def add_arguments(p):
     # CONFIG.yaml (optional, first) and --field value pairs arrive as free arguments (see cli.main)
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
-    p.set_defaults(overrides=[])  # --field value pairs (any GRPOConfig field), collected by the main parser
+    p.set_defaults(overrides=[])  # CONFIG.yaml and unknown --field pairs, collected by the main parser
+    from .config_help import add_config_arguments
+
+    add_config_arguments(p)
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:
@@ -45,23 +51,35 @@ def build_config(args):
 
     tokens = list(args.overrides or [])
     config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
-    ov = parse_overrides(tokens)
+    from .config_help import config_values
+
+    ov = {**config_values(args), **parse_overrides(tokens)}
     if args.resume:
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl run directory?)")
         cfg = GRPOConfig.from_yaml(saved)
-        cfg = cfg.with_overrides({"output_dir": args.resume, **ov})
+        cfg = apply(cfg, {"output_dir": args.resume, **ov})
     elif config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
-        cfg = GRPOConfig.from_yaml(config).with_overrides(ov)
+        cfg = apply(GRPOConfig.from_yaml(config), ov)
     else:
         from ..rl.default_run import default_run_config
 
         dev = ov.get("device")
-        cfg = default_run_config(None if dev in (None, "auto") else dev).with_overrides(ov)
+        cfg = apply(default_run_config(None if dev in (None, "auto") else dev), ov)
     return cfg
+
+
+def apply(cfg, ov: dict[str, str]):
+    """cfg with the command line's values. A dataset named there starts with no options unless they
+    are given too: the base's options belong to the base's dataset (the default run's reasoning-gym
+    options mean nothing to a .jsonl file)."""
+    for name in ("dataset", "eval_dataset"):
+        if f"{name}_name" in ov and f"{name}_config" not in ov and ov[f"{name}_name"] != getattr(cfg, f"{name}_name"):
+            ov = {**ov, f"{name}_config": "{}"}
+    return cfg.with_overrides(ov)
 
 
 def run(args):
@@ -77,7 +95,9 @@ def run(args):
         from ..rl.run_folder import refuse_or_clear
 
         refuse_or_clear(cfg.output_dir, overwrite=False)
-    trainer = GRPOTrainer(cfg)
+    from .preflight import preflight
+
+    trainer = GRPOTrainer(cfg, task=preflight(cfg))
     if args.resume:
         step = trainer.resume()
         if trainer.dist.is_main:

@@ -206,6 +206,8 @@ def load_policy(
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
     device = torch.device(device)
     model, cfg = _build_skeleton(config, dtype, trust_remote_code)
+    label = f"{folder}/config.json says {'/'.join(config.architectures or [config.model_type])}"
+    _check_projection_biases(model, ckpt, cfg.num_hidden_layers, targets, label)
 
     done: set[str] = set()
     fallback: list[str] = []
@@ -237,7 +239,12 @@ def load_policy(
             continue
         if name == "lm_head.weight" and tied and name not in ckpt:
             continue
+        if name not in ckpt:
+            raise CheckpointError(f"{label}, which has tensor {name!r}; the checkpoint does not: the architecture "
+                                  "label does not match the tensors")
         _set_tensor(model, name, ckpt.get(name, device), ckpt.path_of(name))
+        done.add(name)
+    _check_all_used(ckpt, done, tied, label)
     if tied:
         model.tie_weights()
     _materialize_buffers(model, cfg, device)
@@ -247,6 +254,29 @@ def load_policy(
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     model.eval()
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout, targets, fallback)
+
+
+def _check_projection_biases(model, ckpt, n_layers, targets, label) -> None:
+    """The skeleton's biased projections (Qwen2's q/k/v) must have biases in the checkpoint and
+    unbiased ones must not: else the architecture label and the tensors disagree."""
+    for i in range(n_layers):
+        for t in targets:
+            name = f"model.layers.{i}.{TARGET_MODULES[t]}"
+            wants = getattr(model.get_submodule(name), "bias", None) is not None
+            if wants != (f"{name}.bias" in ckpt):
+                model_side, ckpt_side = ("has a", "lacks") if wants else ("has no", "has")
+                raise CheckpointError(f"{label}, whose {name} {model_side} bias; the checkpoint {ckpt_side} "
+                                      f"{name}.bias: the architecture label does not match the tensors")
+
+
+def _check_all_used(ckpt, used: set[str], tied: bool, label) -> None:
+    """Tensors the architecture has no place for (Qwen3's q_norm under a Llama label) would be
+    silently dropped, leaving a different model: refuse them."""
+    extra = [k for k in ckpt.keys() if k not in used and not k.endswith("rotary_emb.inv_freq")
+             and not (tied and k == "lm_head.weight")]
+    if extra:
+        raise CheckpointError(f"{label}, which has no place for {len(extra)} checkpoint tensor(s), e.g. "
+                              f"{', '.join(sorted(extra)[:3])}: the architecture label does not match the tensors")
 
 
 def build_projections(
@@ -384,9 +414,20 @@ def _materialize_buffers(model, cfg, device):
         raise CheckpointError(f"tensors not found in the checkpoint: {left[:5]}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def require_tokenizer(folder) -> None:
+    """Commands that write or read text need the folder's tokenizer: say so before any work."""
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder}: no tokenizer ({', '.join(TOKENIZER_FILES)}); generation and rewards need "
+                                "one: save it there (tokenizer.save_pretrained) or use the original model folder")
+
+
 def _load_tokenizer(folder, trust_remote_code):
     from transformers import AutoTokenizer
 
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)

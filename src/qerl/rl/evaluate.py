@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..rollout import SamplingParams
 from ..tasks.prompts import encode_prompt
+from ..tasks.rows import check_rows
 from .rewards import score
 
 
@@ -57,6 +58,9 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
              progress: bool = True) -> EvalReport:
     if not rows:
         raise ValueError(f"{dataset or 'evaluation set'}: no problems to evaluate")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    rows = check_rows(rows, dataset or "evaluation set")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
                             seed=seed)
     # one generate call for everything by default: continuous batching refills the slots, where

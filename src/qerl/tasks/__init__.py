@@ -78,7 +78,10 @@ def _from_rows(name, train, held_out, reward, format_reward_weight, eval_size):
 
 def get_task(name: str, **options) -> Task:
     from . import arithmetic, data
+    from .options import check_options
 
+    check_options(name, options)
+    options = dict(options)
     fmt_w = float(options.pop("format_reward_weight", 0.0))
     if name == "arithmetic":
         return arithmetic.task(**options)

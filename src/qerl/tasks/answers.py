@@ -92,10 +92,13 @@ def parse_number(s: str) -> Fraction | None:
     if m:
         a, b = parse_number(m.group(1)), parse_number(m.group(2))
         return a / b if a is not None and b else None
-    found = _NUMBER.findall(s.replace("\\!", "").replace("{,}", ","))
+    s = s.replace("\\!", "").replace("{,}", ",")
+    found = list(_NUMBER.finditer(s))
     if not found:
         return None
-    tok = found[-1].replace("−", "-").replace("$", "").replace(" ", "").replace(",", "").rstrip("%")
+    if _inside_expression(s[:found[-1].start()], s[found[-1].end():]):
+        return None  # \sqrt{2}, 2^{10}, 3! are expressions, not the number they contain
+    tok = found[-1].group().replace("−", "-").replace("$", "").replace(" ", "").replace(",", "").rstrip("%")
     try:
         if "/" in tok:
             a, b = (_bounded(x) for x in tok.split("/"))
@@ -103,6 +106,15 @@ def parse_number(s: str) -> Fraction | None:
         return _bounded(tok)
     except (ValueError, ZeroDivisionError, OverflowError):
         return None
+
+
+# a number right after an operator command or ^/_, or right before ^ or !, is part of an expression
+_EXPR_BEFORE = re.compile(r"(?:[\^_]|\\(?!text|mathrm|mathbf|textbf|boxed|fbox)[a-zA-Z]+)\s*\{?\s*$")
+_EXPR_AFTER = re.compile(r"^\s*(?:\}\s*)?(?:\^|\\(?:pi|sqrt|cdot|times|log|ln|sin|cos|tan|exp|root)(?![a-zA-Z]))")
+
+
+def _inside_expression(before: str, after: str) -> bool:
+    return bool(_EXPR_BEFORE.search(before[-40:]) or _EXPR_AFTER.match(after[:40]))
 
 
 def _bounded(tok: str) -> Fraction | None:

@@ -50,11 +50,13 @@ def to_row(raw: dict, where: str, question: str = "question", answer: str = "ans
 
 
 def _convert(records, where_fmt: str, question: str, answer: str, on_error: str, limit: int | None,
-             start: int = 0) -> Rows:
+             start: int | None = 0) -> Rows:
+    """start=None: `records` yields (number, record) pairs itself."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     out = Rows([])
-    for i, raw in enumerate(records, start):
+    numbered = records if start is None else enumerate(records, start)
+    for i, raw in numbered:
         if limit is not None and len(out.rows) >= limit:
             break
         try:
@@ -72,15 +74,23 @@ def _convert(records, where_fmt: str, question: str, answer: str, on_error: str,
 
 
 def _jsonl_records(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    """(line number, record or DataError); blank lines and a UTF-8 byte-order mark are skipped, as
+    editors and most JSONL readers do; bytes that are not UTF-8 are an error naming file and line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield n, DataError(f"not UTF-8 text (byte {e.start + 1}); is this a binary file?")
+                continue
+            if n == 1:
+                line = line.removeprefix("\ufeff")
             if not line.strip():
-                yield DataError("empty line")
                 continue
             try:
-                yield json.loads(line)
+                yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                yield DataError(f"not valid JSON ({e.msg} at column {e.colno})")
+                yield n, DataError(f"not valid JSON ({e.msg} at column {e.colno})")
 
 
 def load_file(path, *, question: str = "question", answer: str = "answer", on_error: str = "raise",
@@ -92,19 +102,26 @@ def load_file(path, *, question: str = "question", answer: str = "answer", on_er
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         # numbered from 1, as editors number lines
-        return _convert(_jsonl_records(path), f"{path} line {{}}", question, answer, on_error, limit, start=1)
+        return _convert(_jsonl_records(path), f"{path} line {{}}", question, answer, on_error, limit, start=None)
     if suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start + 1}); is this a binary file?") from None
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
         return _convert(data, f"{path} row {{}}", question, answer, on_error, limit)
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return _convert(pq.read_table(path).to_pylist(), f"{path} row {{}}", question, answer, on_error, limit)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        return _convert(table.to_pylist(), f"{path} row {{}}", question, answer, on_error, limit)
     raise DataError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json or .parquet)")
 
 

@@ -1,0 +1,36 @@
+"""What `qerl train` checks before the model loads: the inputs a run would otherwise discover
+minutes (or a whole training run) later. The task is built here once and handed to the trainer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def preflight(cfg):
+    """The run's task, after checking the model folder's tokenizer and that the task has rows to
+    train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed."""
+    from ..model.load import require_tokenizer
+    from ..tasks import get_task
+
+    model = Path(cfg.model_name_or_path).expanduser()
+    if model.is_dir():  # hub ids are checked by the trainer after their download
+        require_tokenizer(model)
+    task = get_task(cfg.dataset_name, **cfg.dataset_config)
+    main = os.environ.get("RANK", "0") == "0"
+    for note in task.notes if main else ():
+        print(f"qerl train: dataset {cfg.dataset_name}: {note}", file=sys.stderr)
+    if not task.train:
+        raise ValueError(f"dataset_name {cfg.dataset_name!r}: no training rows"
+                         + (" (an evaluation-only set)" if task.eval else ""))
+    evaluates = cfg.eval_steps or cfg.eval_on_start or cfg.eval_on_end
+    if evaluates:
+        name, rows = cfg.dataset_name, task.eval
+        if cfg.eval_dataset_name:
+            name, rows = cfg.eval_dataset_name, get_task(cfg.eval_dataset_name, **cfg.eval_dataset_config).eval
+        if not rows:
+            raise ValueError(f"dataset {name!r} has no held-out problems ({len(task.train)} training rows), and "
+                             "the config evaluates (eval_on_start / eval_on_end / eval_steps): set "
+                             "dataset_config.eval_size or eval_file, name an eval_dataset_name, or turn evaluation off")
+    return task
