@@ -57,9 +57,13 @@ class GRPOConfig:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
     optim: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, CUDA; falls back to adamw_torch with a notice) | adamw_torch.")
     max_steps: int = _f(100, "Training steps; a step is one rollout round and its num_iterations policy updates.")
-    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch.")
+    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch, on each rank.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer update.")
-    generation_batch_size: int = _f(32, "Completions sampled per step (prompts per step x num_generations).")
+    generation_batch_size: int | None = _f(None, "Completions sampled per step, all ranks (prompts per step x "
+                                           "num_generations; null: per_device_train_batch_size x world size x "
+                                           "steps_per_generation, as TRL).")
+    steps_per_generation: int | None = _f(None, "Micro-batches each rank trains on per step (TRL's meaning; null: "
+                                          "4, or what generation_batch_size implies when set).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% more time).")
     logprob_chunk_size: int = _f(1024, "Tokens per chunk when computing log-probabilities and entropies.")
     # --- GRPO / DAPO -------------------------------------------------------------------------
@@ -133,17 +137,16 @@ class GRPOConfig:
             bad("aqn_schedule", f"{self.aqn_schedule!r} is not one of {AQN_SCHEDULES}")
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
-        if self.generation_batch_size % self.num_generations:
-            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of num_generations "
-                f"({self.num_generations})")
-        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        if self.generation_batch_size % mb:
-            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of per_device_train_batch_size"
-                f" x gradient_accumulation_steps ({mb})")
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                      "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("generation_batch_size", "steps_per_generation"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                bad(name, f"must be >= 1 (or null), got {getattr(self, name)}")
+        from .batching import batch_plan
+
+        batch_plan(self, world=1)  # the batch must split on one process; the trainer checks its world size
         if self.ddp_timeout < 1:
             bad("ddp_timeout", f"must be >= 1 second, got {self.ddp_timeout}")
         if self.eval_steps < 0:
@@ -157,8 +160,10 @@ class GRPOConfig:
 
     @property
     def updates_per_step(self) -> int:
-        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        return self.num_iterations * self.generation_batch_size // mb
+        """Optimizer updates per step on one process (each of W ranks makes 1/W of them)."""
+        from .batching import batch_plan
+
+        return self.num_iterations * batch_plan(self, world=1).updates_per_rank
 
     # ---- files and command lines -----------------------------------------------------------
     def to_dict(self) -> dict:

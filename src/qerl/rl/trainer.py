@@ -23,6 +23,7 @@ from . import run_folder
 from . import state as ckpt
 from .advantages import rollout_batch
 from .aqn import AQN, sigma_at
+from .batching import batch_plan
 from .config import GRPOConfig
 from .distributed import Dist
 from .metrics import MetricsLog
@@ -59,14 +60,9 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.device, self.dtype = _resolve_device_dtype(cfg)
         self.dist = Dist.from_env(self.device.type, cfg.ddp_timeout, cfg.ddp_backend)
-        if self.dist.world > 1:
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", self.dist.local_rank)
-            W, P = self.dist.world, cfg.generation_batch_size // cfg.num_generations
-            if P % W or (cfg.generation_batch_size // W) % (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps):
-                raise ValueError(f"config field 'generation_batch_size': {cfg.generation_batch_size} completions "
-                                 f"({P} prompts) must split over {W} ranks into whole prompts and whole updates of "
-                                 f"per_device_train_batch_size x gradient_accumulation_steps")
+        if self.dist.world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.plan = batch_plan(cfg, self.dist.world)  # TRL's batch semantics; explains a batch that cannot split
         if policy is None:
             from ..model import load_policy
 
@@ -110,11 +106,11 @@ class GRPOTrainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                             max_slots=max(cfg.generation_batch_size // self.dist.world, min(256, self._eval_slots())),
+                             max_slots=max(self.plan.generation_batch_size // self.dist.world, min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
-        self._updates_per_step = max(1, cfg.updates_per_step // self.dist.world)  # on each rank
+        self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
         total_updates = cfg.max_steps * self._updates_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.aqn = AQN(self.model) if cfg.aqn else None
@@ -139,13 +135,12 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
-        P = cfg.generation_batch_size // cfg.num_generations // D.world  # this rank's prompts (the step's share)
         t0 = time.perf_counter()
         sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start, cfg.aqn_sigma_end,
                                 cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
         base_seed = cfg.seed * 1_000_003 + step * 101
         with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
-            ro = self.rollout.collect(P, sigma, base_seed)
+            ro = self.rollout.collect(self.plan.prompts_per_rank, sigma, base_seed)
         with phase("advantages"):
             batch = rollout_batch(ro.groups, cfg.num_generations, cfg.scale_rewards, D)
         with phase("metrics"):  # over everything sampled this step (before filtering), over all ranks
