@@ -116,6 +116,11 @@ class GRPOConfig:
     save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
     report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
+    parity_check_steps: int = _f(50, "Parity gate: at the start and every N steps, check on a fixed probe batch that the "
+                                 "rollout engine's logprobs and adapter effect match the trainer's (0: off).")
+    parity_max_logprob_diff: float | None = _f(0.1, "Parity gate: the largest mean |logprob difference| (nats) "
+                                               "accepted; past it training stops naming the side that diverged "
+                                               "(null: log only).")
     # --- several GPUs / processes (torchrun) -------------------------------------------------
     ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
     ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
@@ -149,6 +154,8 @@ class GRPOConfig:
         batch_plan(self, world=1)  # the batch must split on one process; the trainer checks its world size
         if self.ddp_timeout < 1:
             bad("ddp_timeout", f"must be >= 1 second, got {self.ddp_timeout}")
+        if self.parity_check_steps < 0:
+            bad("parity_check_steps", f"must be >= 0, got {self.parity_check_steps}")
         if self.eval_steps < 0:
             bad("eval_steps", f"must be >= 0, got {self.eval_steps}")
         if self.eval_num_samples < 1:

@@ -28,6 +28,7 @@ from .config import GRPOConfig
 from .distributed import Dist
 from .metrics import MetricsLog
 from .optim import lr_lambda, make_optimizer
+from .parity import ParityGate
 from .profiling import Profiler
 from .rollout_metrics import rollout_metrics
 from .rollout_phase import RolloutPhase
@@ -123,6 +124,7 @@ class GRPOTrainer:
         self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
         self.rollout = RolloutPhase(self)
         self.update = PolicyUpdate(self)
+        self.parity = ParityGate(self)
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, row) -> list[int]:
@@ -139,13 +141,17 @@ class GRPOTrainer:
         sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start, cfg.aqn_sigma_end,
                                 cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
         base_seed = cfg.seed * 1_000_003 + step * 101
+        parity = {}
+        if self.parity.due(step):
+            with phase("parity"):  # before the rollout: its engine seeding then starts the step's sampling afresh
+                parity = self.parity(step)
         with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
             ro = self.rollout.collect(self.plan.prompts_per_rank, sigma, base_seed)
         with phase("advantages"):
             batch = rollout_batch(ro.groups, cfg.num_generations, cfg.scale_rewards, D)
         with phase("metrics"):  # over everything sampled this step (before filtering), over all ranks
             m = {"step": step, "sigma": sigma, "aqn_stage": stage, "aqn_sigma_effective": ro.effective_sigma,
-                 "lr": self.scheduler.get_last_lr()[0], **rollout_metrics(ro.rounds, ro.n_informative, D)}
+                 "lr": self.scheduler.get_last_lr()[0], **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
         # every rank enters the update: the gradient average is collective, even for an empty share
