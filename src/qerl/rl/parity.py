@@ -28,7 +28,7 @@ from .update import TrainingError
 
 PROBE_PROMPTS = 4
 PROBE_TOKENS = 32
-PROBE_RELATIVE_SIZE = 0.1  # the probe adapter's starting ||scaling·B·A|| as a fraction of ||W||, per layer
+PROBE_RELATIVE_SIZE = 0.1  # the probe adapter's starting ||scaling·B·A|| relative to a typical ||W||
 PROBE_EFFECT = 5.0  # the probe is scaled until it moves the trainer's logprobs by this many times the limit
 
 
@@ -134,14 +134,16 @@ class ParityGate:
         return [m for m in self.tr.model.modules() if isinstance(m, QLoRALinear) and m.r]
 
     def _probe_adapter(self):
-        """Seeded B factors whose update has PROBE_RELATIVE_SIZE of each layer's weight norm."""
+        """Seeded B factors, sized per layer as if each update were PROBE_RELATIVE_SIZE of a weight
+        of RMS 0.02 (typical of LLM linears; reading the real norms would dequantize every weight),
+        then scaled as one by the calibration in `check`."""
         if self._probe is None:
             g = torch.Generator().manual_seed(self.tr.cfg.seed + 12345)
             self._probe = []
             for m in self._layers():
                 b = m.lora_B.weight
-                w = float(m.dequantized_weight(torch.float32).norm())
                 a = float(m.lora_A.weight.detach().float().norm())
+                w = 0.02 * math.sqrt(m.in_features * m.out_features)
                 sd = PROBE_RELATIVE_SIZE * w / max(1e-12, m.scaling * math.sqrt(b.shape[0]) * a)
                 self._probe.append((torch.randn(b.shape, generator=g) * sd).to(b.device, b.dtype))
         return self._probe
