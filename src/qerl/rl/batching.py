@@ -61,7 +61,8 @@ def _cannot_split(cfg, gbs: int, world: int) -> str:
         spg = gbs // (mb * world)
         ok = [s for s in range(ga, 16 * ga + 1, ga) if (mb * s) % G == 0]
         if ok:
-            fixes.append("steps_per_generation " + " or ".join(str(s) for s in sorted(ok, key=lambda s: abs(s - spg))[:2]))
+            near = sorted(ok, key=lambda s: abs(s - spg))[:2]
+            fixes.append("steps_per_generation " + " or ".join(str(s) for s in near))
     if set_gbs:  # the share is fixed: micro-batch sizes that cut it into whole updates
         share = gbs // world if gbs % world == 0 and (gbs // world) % G == 0 else 0
         mbs = [d for d in range(1, share + 1) if share % (d * ga) == 0]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..layers import QLoRALinear, adapters_disabled, unfused_lora
-from ..rollout import SamplingParams
+from ..rollout import SamplingParams, processed_logprobs
 from ..rollout.forward import decode, prefill
 from .logprobs import completion_logprobs, pad_batch
 from .update import TrainingError
@@ -75,9 +75,10 @@ class ParityReport:
 
 
 @torch.no_grad()
-def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
+def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int]], params: SamplingParams) -> list:
     """Teacher-forced logprobs of `completions` on the engine's own path: its prefill writes the
-    prompts' K/V into slots 0..B-1, then its decode step runs one given token at a time (eager)."""
+    prompts' K/V into slots 0..B-1, then its decode step runs one given token at a time (eager);
+    logprobs as its sampler reports them (rollout.processed_logprobs: temperature, top-k, top-p)."""
     view, dev = engine.view, engine.view.device
     B = len(prompts)
     if B > engine.n_slots:
@@ -91,7 +92,7 @@ def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int
     logits = prefill(view, engine.cache, ids, pos, [[r] for r in range(B)], engine.rope)
     out = [[] for _ in range(B)]
     for t in range(L):
-        lp = torch.log_softmax(logits.float() / temperature, -1)
+        lp = processed_logprobs(logits, params)
         for r, c in enumerate(completions):
             if t < len(c):
                 out[r].append(float(lp[r, c[t]]))
@@ -119,16 +120,13 @@ class ParityGate:
         return bool(n) and (step % n == 0 or not self._checked)  # and the first step of a resumed run
 
     def _trainer_logprobs(self, comp) -> list:
-        ids, att, pos, tg, mask = pad_batch(self.prompts_of(comp), [c.token_ids for c in comp],
+        ids, att, pos, tg, mask = pad_batch([c.prompt_ids for c in comp], [c.token_ids for c in comp],
                                             pad_id=self.tr.tok.pad_token_id or 0)
         with torch.no_grad(), unfused_lora():
             lp, _ = completion_logprobs(self.tr.model, ids, att, pos, tg, mask, temperature=self.tr.cfg.temperature,
                                         chunk=self.tr.cfg.logprob_chunk_size)
         lp = lp.float().cpu()
         return [lp[i, :len(c.token_ids)].tolist() for i, c in enumerate(comp)]
-
-    def prompts_of(self, comp):
-        return [c.prompt_ids for c in comp]
 
     def _layers(self):
         return [m for m in self.tr.model.modules() if isinstance(m, QLoRALinear) and m.r]
@@ -168,23 +166,23 @@ class ParityGate:
         comp = [c for c in tr.engine.generate(self.prompts, n=1, params=self.params) if c.token_ids]
         if not comp:
             raise ParityError("parity gate: every probe completion is empty")
-        prompts, toks = self.prompts_of(comp), [c.token_ids for c in comp]
+        prompts, toks = [c.prompt_ids for c in comp], [c.token_ids for c in comp]
         sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(comp))
-        temp = tr.cfg.temperature
         with adapters_disabled(tr.model):
-            e_off, t_off = _flat(engine_logprobs(tr.engine, prompts, toks, temp)), _flat(self._trainer_logprobs(comp))
+            e_off = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
+            t_off = _flat(self._trainer_logprobs(comp))
         # a probe that moves the trainer's logprobs well past the limit, so that an adapter missing on
         # either path cannot hide under it (a few rescalings; the effect grows about linearly)
         target = PROBE_EFFECT * (tr.cfg.parity_max_logprob_diff or 0.1)
-        for _ in range(4):
+        for i in range(4):
             with self._with_probe(self._scale):
                 t_on = _flat(self._trainer_logprobs(comp))
             effect = float((t_on - t_off).abs().mean())
-            if 0.5 * target <= effect <= 2 * target or effect == 0:
-                break
+            if 0.5 * target <= effect <= 2 * target or effect == 0 or i == 3:
+                break  # t_on stays the one measured at the scale the engine gets
             self._scale *= min(8.0, max(0.125, target / effect))
         with self._with_probe(self._scale):
-            e_on = _flat(engine_logprobs(tr.engine, prompts, toks, temp))
+            e_on = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
         de, dt = e_on - e_off, t_on - t_off
         a, b, base = (sampled - trained).abs(), (de - dt).abs(), (e_off - t_off).abs()
         return ParityReport(float(a.mean()), float(a.max()), float(b.mean()), float(b.max()),

@@ -107,7 +107,8 @@ class GRPOTrainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                             max_slots=max(self.plan.generation_batch_size // self.dist.world, min(256, self._eval_slots())),
+                             max_slots=max(self.plan.generation_batch_size // self.dist.world,
+                                           min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0))
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)

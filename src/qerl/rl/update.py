@@ -86,7 +86,8 @@ class PolicyUpdate:
                                     ent.append(en[mask])
                             isw = None
                             if cfg.importance_sampling_correction:
-                                isw = torch.exp(old_k - b.rollout_logprobs).clamp(max=cfg.importance_sampling_cap).detach()
+                                isw = torch.exp(old_k - b.rollout_logprobs).clamp(max=cfg.importance_sampling_cap)
+                                isw = isw.detach()
                                 is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
                             lmask = mask & ~b.truncated.to(dev)[:, None] if cfg.mask_truncated_completions else mask
                             loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, loss_type=cfg.loss_type,
@@ -108,7 +109,8 @@ class PolicyUpdate:
                         tr.optimizer.zero_grad(set_to_none=True)
                         raise TrainingError(tr.bad_step(bad or "the loss is not finite on another rank"))
                     D.mean_grads_(tr.params)
-                    gn = torch.nn.utils.clip_grad_norm_(tr.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                    gn = torch.nn.utils.clip_grad_norm_(tr.params, clip)
                     if not torch.isfinite(gn):
                         tr.optimizer.zero_grad(set_to_none=True)
                         raise TrainingError(tr.bad_step(f"gradient norm is {float(gn)}"))
