@@ -62,3 +62,11 @@ def test_two_gloo_ranks_run_the_default_batch_settings(tmp_path):
     assert m["completions"] == 8 * 2 * 4
     a, b = (load_file(str(tmp_path / f"adapter_rank{r}.safetensors")) for r in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_command_line_size_replaces_the_base_configs_other_size():
+    run = default_run_config("cpu")  # sets steps_per_generation=1
+    assert batch_plan(run.with_overrides({"generation_batch_size": "64"}), 1).generation_batch_size == 64
+    assert batch_plan(run.with_overrides({"steps_per_generation": "2"}), 2).generation_batch_size == 32 * 2 * 2
+    with pytest.raises(ValueError, match="disagree"):  # both given at once must agree
+        run.with_overrides({"steps_per_generation": "2", "generation_batch_size": "32"})

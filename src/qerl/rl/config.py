@@ -203,6 +203,10 @@ class GRPOConfig:
         d = self.to_dict()
         for k, v in pairs.items():
             d[k] = _parse(k, v, type(self))
+        # both size a step (TRL: set one): one given here replaces a base config's setting of the other
+        for a, b in (("generation_batch_size", "steps_per_generation"), ("steps_per_generation", "generation_batch_size")):
+            if a in pairs and b not in pairs:
+                d[b] = None
         return type(self).from_dict(d, source="command line")
 
     def to_yaml(self, documented: bool = True) -> str:
