@@ -183,18 +183,19 @@ def _run_case(a, pol, build_s) -> dict:
             phase = "rollout"
             _reset(dev)
             peak = {}
-            update = tr._update
 
-            def timed_update(*x, **k):  # the rollout's peak, then the update's on its own
+            def on_phase(name, event):  # the rollout's peak, then the update's on its own
                 nonlocal phase
-                phase = "update"
-                peak["rollout"] = _mem(dev)
-                _reset(dev)
-                return update(*x, **k)
+                if name == "logprob" and event == "start":
+                    phase = "update"
+                    peak["rollout"] = _mem(dev)
+                    _reset(dev)
 
-            tr._update = timed_update
-            m = tr.train_step()
-            tr._update = update
+            tr.profiler.listeners.append(on_phase)
+            try:
+                m = tr.train_step()
+            finally:
+                tr.profiler.listeners.remove(on_phase)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             peak["update"] = _mem(dev)

@@ -38,6 +38,20 @@ def unfused_lora():
         _FUSE_LORA.pop()
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base policy: every QLoRALinear of `model` without its adapter (the KL reference and the
+    parity gate's adapter-off side), on the training path and the engine's fused groups alike."""
+    layers = [m for m in model.modules() if isinstance(m, QLoRALinear)]
+    for m in layers:
+        m.disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.disable_adapters = False
+
+
 def standalone(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy of t that owns its storage, for writing: a view into a fused group's
     storage would otherwise take the whole group along (torch.save) or be refused as shared

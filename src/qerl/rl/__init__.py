@@ -2,6 +2,7 @@
 
 from .aqn import AQN, sigma_at
 from .config import GRPOConfig
+from .parity import ParityError
 from .trainer import GRPOTrainer, TrainingError
 
-__all__ = ["AQN", "GRPOConfig", "GRPOTrainer", "TrainingError", "sigma_at"]
+__all__ = ["AQN", "GRPOConfig", "GRPOTrainer", "ParityError", "TrainingError", "sigma_at"]

@@ -30,3 +30,24 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
 def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
     """[P] bool: groups whose rewards are not all equal (dynamic sampling keeps these)."""
     return (rewards.max(1).values - rewards.min(1).values) > 0
+
+
+def rollout_batch(groups, G: int, scale_rewards: str, dist):
+    """The advantages phase: the chosen (round, group) pairs -> a flat RolloutBatch. 'batch' scaling
+    divides by the std of the whole step's chosen rewards, over all ranks."""
+    from .batch import RolloutBatch
+
+    comp, adv = [], []
+    for r, g in groups:
+        a = group_advantages(r.rewards[g: g + 1], scale_rewards if scale_rewards != "batch" else "none")
+        for j in range(G):
+            comp.append(r.completions[g * G + j])
+            adv.append(float(a[0, j]))
+    adv_t = torch.tensor(adv)
+    if scale_rewards == "batch":
+        mine = [float(x) for r, g in groups for x in r.rewards[g]]
+        allr = torch.tensor([x for part in dist.gather(mine) for x in part])
+        if len(allr) > 1:
+            adv_t = adv_t / (allr.std() + 1e-4)
+    truncated = torch.tensor([c.finish_reason == "length" for c in comp])
+    return RolloutBatch(comp, adv_t, truncated)

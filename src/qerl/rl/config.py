@@ -58,9 +58,13 @@ class GRPOConfig:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
     optim: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, CUDA; falls back to adamw_torch with a notice) | adamw_torch.")
     max_steps: int = _f(100, "Training steps; a step is one rollout round and its num_iterations policy updates.")
-    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch.")
+    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch, on each rank.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer update.")
-    generation_batch_size: int = _f(32, "Completions sampled per step (prompts per step x num_generations).")
+    generation_batch_size: int | None = _f(None, "Completions sampled per step, all ranks (prompts per step x "
+                                           "num_generations; null: per_device_train_batch_size x world size x "
+                                           "steps_per_generation, as TRL).")
+    steps_per_generation: int | None = _f(None, "Micro-batches each rank trains on per step (TRL's meaning; null: "
+                                          "4, or what generation_batch_size implies when set).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% more time).")
     logprob_chunk_size: int = _f(1024, "Tokens per chunk when computing log-probabilities and entropies.")
     # --- GRPO / DAPO -------------------------------------------------------------------------
@@ -119,6 +123,11 @@ class GRPOConfig:
     save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
     report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
+    parity_check_steps: int = _f(50, "Parity gate: at the start and every N steps, check on a fixed probe batch that the "
+                                 "rollout engine's logprobs and adapter effect match the trainer's (0: off).")
+    parity_max_logprob_diff: float | None = _f(0.1, "Parity gate: the largest mean |logprob difference| (nats) "
+                                               "accepted; past it training stops naming the side that diverged "
+                                               "(null: log only).")
     # --- several GPUs / processes (torchrun) -------------------------------------------------
     ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
     ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
@@ -156,19 +165,20 @@ class GRPOConfig:
                 bad("aqn_adaptive_gain", f"must be >= 0, got {self.aqn_adaptive_gain}")
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
-        if self.generation_batch_size % self.num_generations:
-            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of num_generations "
-                f"({self.num_generations})")
-        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        if self.generation_batch_size % mb:
-            bad("generation_batch_size", f"{self.generation_batch_size} is not a multiple of per_device_train_batch_size"
-                f" x gradient_accumulation_steps ({mb})")
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                      "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("generation_batch_size", "steps_per_generation"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                bad(name, f"must be >= 1 (or null), got {getattr(self, name)}")
+        from .batching import batch_plan
+
+        batch_plan(self, world=1)  # the batch must split on one process; the trainer checks its world size
         if self.ddp_timeout < 1:
             bad("ddp_timeout", f"must be >= 1 second, got {self.ddp_timeout}")
+        if self.parity_check_steps < 0:
+            bad("parity_check_steps", f"must be >= 0, got {self.parity_check_steps}")
         if self.eval_steps < 0:
             bad("eval_steps", f"must be >= 0, got {self.eval_steps}")
         if self.eval_num_samples < 1:
@@ -183,8 +193,10 @@ class GRPOConfig:
 
     @property
     def updates_per_step(self) -> int:
-        mb = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        return self.num_iterations * self.generation_batch_size // mb
+        """Optimizer updates per step on one process (each of W ranks makes 1/W of them)."""
+        from .batching import batch_plan
+
+        return self.num_iterations * batch_plan(self, world=1).updates_per_rank
 
     # ---- files and command lines -----------------------------------------------------------
     def to_dict(self) -> dict:
@@ -217,6 +229,10 @@ class GRPOConfig:
         d = self.to_dict()
         for k, v in pairs.items():
             d[k] = _parse(k, v, type(self))
+        # both size a step (TRL: set one): one given here replaces a base config's setting of the other
+        for a, b in (("generation_batch_size", "steps_per_generation"), ("steps_per_generation", "generation_batch_size")):
+            if a in pairs and b not in pairs:
+                d[b] = None
         return type(self).from_dict(d, source="command line")
 
     def to_yaml(self, documented: bool = True) -> str:

@@ -17,14 +17,15 @@ TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "size"
 CPU = dict(
     model_name_or_path="smollm2", quant="nvfp4", lora_r=32, lora_alpha=64.0,
     dataset_name="rg:chain_sum", dataset_config=TASK,
-    max_prompt_length=128, learning_rate=5e-5, max_steps=30, generation_batch_size=32, num_generations=8, per_device_train_batch_size=32,
+    max_prompt_length=128, learning_rate=5e-5, max_steps=30, num_generations=8, per_device_train_batch_size=32,
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
     output_dir="runs/default", save_steps=1000, save_total_limit=1, optim="adamw_torch",
+    steps_per_generation=1,  # one update a step; the step's completions = 32 per rank (TRL's semantics)
 )
 
-GPU = dict(CPU, max_steps=60, generation_batch_size=64, per_device_train_batch_size=64, eval_num_samples=4,
+GPU = dict(CPU, max_steps=60, per_device_train_batch_size=64, eval_num_samples=4,
            optim="adamw_8bit")
 
 

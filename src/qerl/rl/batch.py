@@ -1,0 +1,62 @@
+"""The data a training step passes between its phases: a rollout round, the step's chosen batch,
+and the padded micro-batches the update trains on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .logprobs import pad_batch
+
+
+@dataclass
+class RolloutRound:
+    """One round of this rank's rollouts, scored (dynamic sampling may run several per step)."""
+    completions: list          # rollout.Completion, prompt-major (G per prompt)
+    texts: list[str]
+    scores: object             # rewards.Scores
+    rewards: torch.Tensor      # [prompts, G], overlong penalty included
+    lengths: torch.Tensor      # [prompts * G] completion tokens
+    stats: object              # rollout.RolloutStats of the round
+
+
+@dataclass
+class RolloutBatch:
+    """The step's chosen completions on this rank, flattened, with their advantages."""
+    completions: list
+    advantages: torch.Tensor   # [N]
+    truncated: torch.Tensor    # [N] bool: cut at max_completion_length
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded prompt + completion rows (logprobs.pad_batch) and their per-row training data."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor              # [B, T] bool: completion tokens
+    rollout_logprobs: torch.Tensor  # [B, T] the engine's logprob of each completion token (0 elsewhere)
+    advantages: torch.Tensor        # [B]
+    truncated: torch.Tensor         # [B] bool
+
+    def model_inputs(self) -> tuple:
+        """The positional arguments of logprobs.completion_logprobs."""
+        return self.input_ids, self.attention_mask, self.position_ids, self.targets, self.mask
+
+
+def micro_batches(batch: RolloutBatch, size: int, pad_id: int, device) -> list[MicroBatch]:
+    """Consecutive micro-batches of `size` completions (the last may be smaller)."""
+    out = []
+    for s in range(0, len(batch), size):
+        comp = batch.completions[s:s + size]
+        ids, att, pos, tg, mask = pad_batch([c.prompt_ids for c in comp], [c.token_ids for c in comp], pad_id=pad_id)
+        rl = torch.zeros(mask.shape).masked_scatter(
+            mask, torch.tensor([x for c in comp for x in c.logprobs], dtype=torch.float32))
+        out.append(MicroBatch(ids, att, pos, tg, mask, rl.to(device), batch.advantages[s:s + size],
+                              batch.truncated[s:s + size]))
+    return out

@@ -1,0 +1,205 @@
+"""The parity gate: does the rollout engine run the policy the trainer trains?
+
+At the start of a run and every `parity_check_steps` steps, on a fixed probe batch (the first
+training prompts, one seeded sample each, no AQN noise):
+  (a) the engine's logprobs of the tokens it sampled vs the trainer's for the same sequences;
+  (b) the adapter's effect, adapter-on minus adapter-off logprobs, on the engine path (its own
+      prefill and decode, teacher-forced) vs the same on the trainer path. The adapter is the
+      trained one plus a fixed, seeded probe on the LoRA B factors (restored bit for bit after), so
+      the check means something at step 0, where B = 0 and the adapter changes nothing;
+and, to tell the sides apart, the adapters-off logprobs of both paths (the base weights).
+All go to the metrics (`parity_*`); a mean |difference| past `parity_max_logprob_diff` stops the
+run with a message naming the side and the part that diverged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..layers import QLoRALinear, adapters_disabled, unfused_lora
+from ..rollout import SamplingParams, processed_logprobs
+from ..rollout.forward import decode, prefill
+from .logprobs import completion_logprobs, pad_batch
+from .update import TrainingError
+
+PROBE_PROMPTS = 4
+PROBE_TOKENS = 32
+PROBE_RELATIVE_SIZE = 0.1  # the probe adapter's starting ||scaling·B·A|| relative to a typical ||W||
+PROBE_EFFECT = 5.0  # the probe is scaled until it moves the trainer's logprobs by this many times the limit
+
+
+class ParityError(TrainingError):
+    pass
+
+
+@dataclass
+class ParityReport:
+    logprob_diff_mean: float   # (a) engine's sampling logprobs vs trainer's, the trained adapter on
+    logprob_diff_max: float
+    adapter_diff_mean: float   # (b) |engine's (on - off) - trainer's (on - off)|, probe adapter on
+    adapter_diff_max: float
+    adapter_effect_engine: float   # mean |on - off| on each path: how much the probe adapter moves it
+    adapter_effect_trainer: float
+    base_diff_mean: float      # adapters off: engine path vs trainer path (the base weights)
+    base_diff_max: float
+
+    def metrics(self) -> dict:
+        return {f"parity_{k}": v for k, v in asdict(self).items()}
+
+    def failure(self, limit: float) -> str | None:
+        """What diverged, by side, or None."""
+        why = []
+        if self.base_diff_mean > limit:
+            why.append(f"the base weights: with adapters off the engine path's logprobs differ from the trainer's "
+                       f"by {self.base_diff_mean:.3g} on average (max {self.base_diff_max:.3g}), so the engine does "
+                       f"not run the trainer's base model (a stale or perturbed engine weight)")
+        if self.adapter_diff_mean > limit:
+            e, t = self.adapter_effect_engine, self.adapter_effect_trainer
+            side = ("the adapter does not reach the engine" if e < 0.5 * t else
+                    "the adapter does not reach the trainer's forward" if t < 0.5 * e else
+                    "the adapter acts differently on the engine path and the trainer path")
+            why.append(f"{side}: the probe adapter moves logprobs by {e:.3g} on the engine path and {t:.3g} on the "
+                       f"trainer path (mean |difference| {self.adapter_diff_mean:.3g})")
+        if self.logprob_diff_mean > limit and not why:
+            why.append(f"the engine's sampling: the logprobs it reports for its samples differ from the trainer's by "
+                       f"{self.logprob_diff_mean:.3g} on average (max {self.logprob_diff_max:.3g}) although its "
+                       f"teacher-forced forward agrees (decode graphs, kernels or sampling logprobs)")
+        elif self.logprob_diff_mean > limit:
+            why.append(f"engine vs trainer logprobs of the engine's samples: mean |difference| "
+                       f"{self.logprob_diff_mean:.3g} (max {self.logprob_diff_max:.3g})")
+        return "; ".join(why) or None
+
+
+@torch.no_grad()
+def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int]], params: SamplingParams) -> list:
+    """Teacher-forced logprobs of `completions` on the engine's own path: its prefill writes the
+    prompts' K/V into slots 0..B-1, then its decode step runs one given token at a time (eager);
+    logprobs as its sampler reports them (rollout.processed_logprobs: temperature, top-k, top-p)."""
+    view, dev = engine.view, engine.view.device
+    B = len(prompts)
+    if B > engine.n_slots:
+        raise ValueError(f"{B} probe sequences for an engine of {engine.n_slots} slots")
+    T, L = max(len(p) for p in prompts), max(len(c) for c in completions)
+    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, device=dev)
+    pos = torch.tensor([len(p) for p in prompts], device=dev)
+    n_keys = min(engine.max_len, -(-(T + L) // 128) * 128)
+    logits = prefill(view, engine.cache, ids, pos, [[r] for r in range(B)], engine.rope)
+    out = [[] for _ in range(B)]
+    for t in range(L):
+        lp = processed_logprobs(logits, params)
+        for r, c in enumerate(completions):
+            if t < len(c):
+                out[r].append(float(lp[r, c[t]]))
+        if t + 1 < L:
+            tok = torch.tensor([c[t] if t < len(c) else 0 for c in completions], device=dev)
+            logits = decode(view, engine.cache, tok, pos, B, n_keys, engine.rope, engine.ops)
+            pos = pos + 1
+    return out
+
+
+class ParityGate:
+    def __init__(self, trainer):
+        self.tr = trainer
+        cfg = trainer.cfg
+        rows = trainer.train_rows[:min(PROBE_PROMPTS, trainer.engine.n_slots)]
+        self.prompts = [trainer.encode_prompt(r) for r in rows]
+        self.params = SamplingParams(max_new_tokens=min(cfg.max_completion_length, PROBE_TOKENS),
+                                     temperature=cfg.temperature, top_p=1.0, top_k=0, seed=cfg.seed)
+        self._probe = None  # per LoRA layer: the B added while probing
+        self._scale = 1.0   # of the probe, calibrated on the trainer path at each check
+        self._checked = False
+
+    def due(self, step: int) -> bool:
+        n = self.tr.cfg.parity_check_steps
+        return bool(n) and (step % n == 0 or not self._checked)  # and the first step of a resumed run
+
+    def _trainer_logprobs(self, comp) -> list:
+        ids, att, pos, tg, mask = pad_batch([c.prompt_ids for c in comp], [c.token_ids for c in comp],
+                                            pad_id=self.tr.tok.pad_token_id or 0)
+        with torch.no_grad(), unfused_lora():
+            lp, _ = completion_logprobs(self.tr.model, ids, att, pos, tg, mask, temperature=self.tr.cfg.temperature,
+                                        chunk=self.tr.cfg.logprob_chunk_size)
+        lp = lp.float().cpu()
+        return [lp[i, :len(c.token_ids)].tolist() for i, c in enumerate(comp)]
+
+    def _layers(self):
+        return [m for m in self.tr.model.modules() if isinstance(m, QLoRALinear) and m.r]
+
+    def _probe_adapter(self):
+        """Seeded B factors, sized per layer as if each update were PROBE_RELATIVE_SIZE of a weight
+        of RMS 0.02 (typical of LLM linears; reading the real norms would dequantize every weight),
+        then scaled as one by the calibration in `check`."""
+        if self._probe is None:
+            g = torch.Generator().manual_seed(self.tr.cfg.seed + 12345)
+            self._probe = []
+            for m in self._layers():
+                b = m.lora_B.weight
+                a = float(m.lora_A.weight.detach().float().norm())
+                w = 0.02 * math.sqrt(m.in_features * m.out_features)
+                sd = PROBE_RELATIVE_SIZE * w / max(1e-12, m.scaling * math.sqrt(b.shape[0]) * a)
+                self._probe.append((torch.randn(b.shape, generator=g) * sd).to(b.device, b.dtype))
+        return self._probe
+
+    @contextlib.contextmanager
+    def _with_probe(self, scale: float):
+        layers, probe = self._layers(), self._probe_adapter()
+        saved = [m.lora_B.weight.detach().clone() for m in layers]
+        try:
+            with torch.no_grad():
+                for m, p in zip(layers, probe):
+                    m.lora_B.weight.add_(p, alpha=scale)
+            yield
+        finally:
+            with torch.no_grad():
+                for m, s in zip(layers, saved):
+                    m.lora_B.weight.copy_(s)  # bit for bit: training continues from the same adapter
+
+    def check(self) -> ParityReport:
+        tr = self.tr
+        self._checked = True
+        comp = [c for c in tr.engine.generate(self.prompts, n=1, params=self.params) if c.token_ids]
+        if not comp:
+            raise ParityError("parity gate: every probe completion is empty")
+        prompts, toks = [c.prompt_ids for c in comp], [c.token_ids for c in comp]
+        sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(comp))
+        with adapters_disabled(tr.model):
+            e_off = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
+            t_off = _flat(self._trainer_logprobs(comp))
+        # a probe that moves the trainer's logprobs well past the limit, so that an adapter missing on
+        # either path cannot hide under it (a few rescalings; the effect grows about linearly)
+        target = PROBE_EFFECT * (tr.cfg.parity_max_logprob_diff or 0.1)
+        for i in range(4):
+            with self._with_probe(self._scale):
+                t_on = _flat(self._trainer_logprobs(comp))
+            effect = float((t_on - t_off).abs().mean())
+            if 0.5 * target <= effect <= 2 * target or effect == 0 or i == 3:
+                break  # t_on stays the one measured at the scale the engine gets
+            self._scale *= min(8.0, max(0.125, target / effect))
+        with self._with_probe(self._scale):
+            e_on = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
+        de, dt = e_on - e_off, t_on - t_off
+        a, b, base = (sampled - trained).abs(), (de - dt).abs(), (e_off - t_off).abs()
+        return ParityReport(float(a.mean()), float(a.max()), float(b.mean()), float(b.max()),
+                            float(de.abs().mean()), float(dt.abs().mean()), float(base.mean()), float(base.max()))
+
+    def __call__(self, step: int) -> dict:
+        """Check, log, and stop (every rank together) past the threshold."""
+        tr = self.tr
+        rep = self.check()
+        limit = tr.cfg.parity_max_logprob_diff
+        why = rep.failure(limit) if limit is not None else None
+        if tr.dist.max(1.0 if why else 0.0, tr.device):
+            raise ParityError(f"step {step}: parity gate: the rollout engine and the trainer disagree past "
+                              f"parity_max_logprob_diff = {limit}: " + (why or "on another rank") +
+                              ". Training stops: its rollouts would not come from the policy it trains.")
+        return rep.metrics()
+
+
+def _flat(rows: list) -> torch.Tensor:
+    return torch.tensor([x for r in rows for x in r], dtype=torch.float64)

@@ -1,0 +1,41 @@
+"""The metrics phase: what the step sampled (before filtering), aggregated over all ranks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rollout_metrics(rounds, n_info: int, dist) -> dict:
+    """Rewards, lengths, truncation, filtering, reward errors, rollout entropy and speed of every
+    round of the step, all ranks' (rank 0 logs them)."""
+    mine = {"r": [float(x) for r in rounds for x in r.rewards.flatten()],
+            "len": [int(x) for r in rounds for x in r.lengths],
+            "trunc": sum((c.finish_reason == "length") for r in rounds for c in r.completions),
+            "groups": sum(len(r.rewards) for r in rounds), "info": n_info, "rounds": len(rounds),
+            "errors": sum(r.scores.errors for r in rounds),
+            "tokens": sum(r.stats.new_tokens for r in rounds), "seconds": sum(r.stats.seconds for r in rounds),
+            "nll": sum(-x for r in rounds for c in r.completions for x in c.logprobs),
+            "per_func": {k: [v for r in rounds for v in r.scores.per_func[k]] for k in rounds[0].scores.per_func},
+            "first_error": next((r.scores.first_error for r in rounds if r.scores.first_error), None)}
+    parts = dist.gather(mine)
+    all_r = torch.tensor([x for q in parts for x in q["r"]])
+    all_len = torch.tensor([x for q in parts for x in q["len"]], dtype=torch.float32)
+    m = {"reward_mean": float(all_r.mean()), "reward_std": float(all_r.std()),
+         "completion_length_mean": float(all_len.mean()), "completion_length_max": float(all_len.max()),
+         "truncated_fraction": sum(q["trunc"] for q in parts) / len(all_len),
+         "rollout_rounds": max(q["rounds"] for q in parts),
+         "filtered_group_fraction": 1 - sum(q["info"] for q in parts) / sum(q["groups"] for q in parts),
+         "reward_errors": sum(q["errors"] for q in parts),
+         # mean -log p of the sampled tokens: the behaviour policy's entropy (AQN noise included) as
+         # sampled, an estimate of `entropy` (the noiseless training forward's) when top-p/top-k are off
+         "rollout_entropy": sum(q["nll"] for q in parts) / max(1, sum(q["tokens"] for q in parts)),
+         # all ranks' new tokens over the slowest rank's rollout time
+         "rollout_tokens_per_s": sum(q["tokens"] for q in parts) / max(1e-9, max(q["seconds"] for q in parts))}
+    for name in parts[0]["per_func"]:
+        vals = [v for q in parts for v in q["per_func"][name]]
+        key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
+        m[key] = sum(vals) / len(vals)
+    errs = [q["first_error"] for q in parts if q["first_error"]]
+    if errs:
+        m["reward_first_error"] = errs[0]
+    return m

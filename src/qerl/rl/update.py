@@ -1,0 +1,145 @@
+"""The update phase: num_iterations passes of clipped policy-gradient updates over micro-batches.
+
+Logprobs of the old policy (PPO's, when there is more than one update per rollout) and of the KL
+reference (the base: adapters off) come first, timed as `logprob`; then the optimizer updates,
+timed as `update`. The ranks average gradients once per update and step their optimizers together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..layers import adapters_disabled, unfused_lora
+from .batch import MicroBatch, RolloutBatch, micro_batches
+from .logprobs import completion_logprobs
+from .loss import policy_loss
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class PolicyUpdate:
+    def __init__(self, trainer):
+        self.tr = trainer
+
+    def logprobs(self, mb: MicroBatch, grad: bool):
+        with torch.set_grad_enabled(grad), unfused_lora():
+            return completion_logprobs(self.tr.model, *mb.model_inputs(), temperature=self.tr.cfg.temperature,
+                                       chunk=self.tr.cfg.logprob_chunk_size)
+
+    def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
+        tr = self.tr
+        cfg, dev, D, prof = tr.cfg, tr.device, tr.dist, tr.profiler
+        N = len(batch)
+        # the ranks step the optimizer together: as many updates as the rank with the most completions
+        n_updates = int(D.max(max(1, math.ceil(math.ceil(N / cfg.per_device_train_batch_size) /
+                                               cfg.gradient_accumulation_steps)), dev))
+        single = cfg.num_iterations == 1 and n_updates == 1
+
+        def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
+            return tr.noise(sigma, seed) if cfg.aqn_in_training else contextlib.nullcontext()
+
+        with prof.phase("logprob"):
+            batches = micro_batches(batch, cfg.per_device_train_batch_size, tr.tok.pad_token_id or 0, dev)
+            old, ref, ent = [None] * len(batches), None, []
+            with noise_train():
+                if not single:  # the sampling policy's logprobs before any update (PPO's old policy)
+                    for k, b in enumerate(batches):
+                        lp, en = self.logprobs(b, grad=False)
+                        old[k] = lp
+                        ent.append(en[b.mask.to(dev)])
+            if cfg.beta:
+                with adapters_disabled(tr.model):
+                    ref = [self.logprobs(b, grad=False)[0] for b in batches]
+
+        with prof.phase("update"):
+            tr.model.train()
+            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": []}
+            mism, mism_max, is_mean = [], 0.0, []
+            for it in range(cfg.num_iterations):
+                for u in range(n_updates):
+                    group = list(range(len(batches)))[u * cfg.gradient_accumulation_steps:
+                                                      (u + 1) * cfg.gradient_accumulation_steps]
+                    # dapo's token mean over the whole update, all ranks: gradients are averaged over the
+                    # ranks below, so each rank divides its token sum by (all tokens / world size)
+                    norm_tokens = D.sum(sum(int(batches[k].mask.sum()) for k in group), dev) / D.world
+                    # the other losses average over the update's micro-batches, all ranks' (a rank with
+                    # fewer or none must not weigh its own more): divide by their count / world size
+                    n_micro = D.sum(len(group), dev) / D.world if cfg.loss_type != "dapo" else 1.0
+                    upd_loss, bad = 0.0, None
+                    for k in group:
+                        b = batches[k]
+                        mask = b.mask.to(dev)
+                        with noise_train():  # forward and backward see the same weights
+                            lp, en = self.logprobs(b, grad=True)
+                            old_k = lp.detach() if single else old[k]
+                            if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
+                                d = (old_k - b.rollout_logprobs).abs()[mask]
+                                if d.numel():
+                                    mism.append(d)
+                                    mism_max = max(mism_max, float(d.max()))
+                                if single:
+                                    ent.append(en[mask])
+                            isw = None
+                            if cfg.importance_sampling_correction:
+                                isw = torch.exp(old_k - b.rollout_logprobs).clamp(max=cfg.importance_sampling_cap)
+                                isw = isw.detach()
+                                is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
+                            lmask = mask & ~b.truncated.to(dev)[:, None] if cfg.mask_truncated_completions else mask
+                            loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, loss_type=cfg.loss_type,
+                                                   epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                                   ref_logp=ref[k] if ref is not None else None, is_weights=isw,
+                                                   norm_tokens=norm_tokens,
+                                                   max_completion_length=cfg.max_completion_length)
+                            if cfg.loss_type != "dapo":
+                                loss = loss / n_micro
+                            if not torch.isfinite(loss.detach()):
+                                bad = f"loss is {float(loss.detach())}"
+                                continue  # no backward; all ranks learn of it below and stop together
+                            loss.backward()
+                            upd_loss += float(loss.detach())
+                        stats["clip_fraction"].append(st["clip_fraction"])
+                        if "kl" in st:
+                            stats["kl"].append(st["kl"])
+                    if D.max(1.0 if bad else 0.0, dev):
+                        tr.optimizer.zero_grad(set_to_none=True)
+                        raise TrainingError(tr.bad_step(bad or "the loss is not finite on another rank"))
+                    D.mean_grads_(tr.params)
+                    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                    gn = torch.nn.utils.clip_grad_norm_(tr.params, clip)
+                    if not torch.isfinite(gn):
+                        tr.optimizer.zero_grad(set_to_none=True)
+                        raise TrainingError(tr.bad_step(f"gradient norm is {float(gn)}"))
+                    stats["grad_norm"].append(float(gn))
+                    stats["loss"].append(upd_loss)
+                    tr.optimizer.step()
+                    tr.scheduler.step()
+                    tr.optimizer.zero_grad(set_to_none=True)
+            tr.model.eval()
+        return self._metrics(stats, mism, mism_max, is_mean, ent, cfg.num_iterations * n_updates)
+
+    def _metrics(self, stats, mism, mism_max, is_mean, ent, updates) -> dict:
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        allm = torch.cat(mism) if mism else torch.zeros(0)
+        ent_t = torch.cat(ent) if ent else torch.zeros(0)
+        parts = self.tr.dist.gather({"loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
+                                     "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
+                                     "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
+        # each rank's update loss is its share of the global mean (gradients are averaged): average them
+        losses = [mean([q["loss"][i] for q in parts]) for i in range(len(stats["loss"]))]
+        cat = lambda k: [x for q in parts for x in q[k]]  # noqa: E731
+        tot = lambda k: (sum(q[k][0] for q in parts), sum(q[k][1] for q in parts))  # noqa: E731
+        (es, en), (ms, mn) = tot("ent"), tot("mism")
+        out = {"loss": mean(losses), "clip_fraction": mean(cat("clip")), "grad_norm": mean(stats["grad_norm"]),
+               "entropy": es / en if en else 0.0,
+               "logprob_mismatch_mean": ms / mn if mn else 0.0,
+               "logprob_mismatch_max": max(q["mism_max"] for q in parts), "updates": updates}
+        if cat("kl"):
+            out["kl"] = mean(cat("kl"))
+        if cat("is"):
+            out["is_weight_mean"] = mean(cat("is"))
+        return out
