@@ -89,7 +89,8 @@ def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int
         ids[r, :len(p)] = torch.tensor(p, device=dev)
     pos = torch.tensor([len(p) for p in prompts], device=dev)
     n_keys = min(engine.max_len, -(-(T + L) // 128) * 128)
-    logits = prefill(view, engine.cache, ids, pos, [[r] for r in range(B)], engine.rope)
+    run = engine.runner
+    logits = prefill(view, engine.cache, ids, pos, [[r] for r in range(B)], run.rope)
     out = [[] for _ in range(B)]
     for t in range(L):
         lp = processed_logprobs(logits, params)
@@ -98,7 +99,7 @@ def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int
                 out[r].append(float(lp[r, c[t]]))
         if t + 1 < L:
             tok = torch.tensor([c[t] if t < len(c) else 0 for c in completions], device=dev)
-            logits = decode(view, engine.cache, tok, pos, B, n_keys, engine.rope, engine.ops)
+            logits = decode(view, engine.cache, tok, pos, B, n_keys, run.rope, run.ops, run.fused_attention)
             pos = pos + 1
     return out
 
