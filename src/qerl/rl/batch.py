@@ -39,7 +39,7 @@ class MicroBatch:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
-    mask: torch.Tensor              # [B, T] bool: completion tokens
+    mask: torch.Tensor              # [B, T] bool: completion tokens the model sampled (not tool output)
     rollout_logprobs: torch.Tensor  # [B, T] the engine's logprob of each completion token (0 elsewhere)
     advantages: torch.Tensor        # [B]
     truncated: torch.Tensor         # [B] bool
@@ -57,6 +57,12 @@ def micro_batches(batch: RolloutBatch, size: int, pad_id: int, device) -> list[M
         ids, att, pos, tg, mask = pad_batch([c.prompt_ids for c in comp], [c.token_ids for c in comp], pad_id=pad_id)
         rl = torch.zeros(mask.shape).masked_scatter(
             mask, torch.tensor([x for c in comp for x in c.logprobs], dtype=torch.float32))
+        if any(getattr(c, "tool_spans", None) for c in comp):
+            # multi-turn: tool output appended between turns is context the model did not sample; it
+            # stays in the sequence but out of the loss, the logprobs and the mismatch statistics
+            own = torch.zeros_like(mask).masked_scatter(
+                mask, torch.tensor([x for c in comp for x in c.model_token_mask()], dtype=torch.bool))
+            mask = mask & own
         out.append(MicroBatch(ids, att, pos, tg, mask, rl.to(device), batch.advantages[s:s + size],
                               batch.truncated[s:s + size]))
     return out

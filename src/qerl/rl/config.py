@@ -123,6 +123,14 @@ class GRPOConfig:
     save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
     report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
+    rollout_kv_cache_dtype: str = _f("auto", "KV cache of the rollout engine: auto (the model's dtype) | fp8 (E4M3 with "
+                                     "per-slot, per-KV-head scales: half the bytes at long context; the engine-vs-"
+                                     "trainer logprob mismatch grows, see importance_sampling_correction).")
+    # --- multi-turn tool use (GRPOTrainer(tools=...) or a task that carries tools) -------------
+    max_turns: int = _f(4, "Tool turns per completion: generation stops at a tool call, the tool's output is "
+                        "appended into the same sequence and decoding resumes, at most this many times.")
+    tool_timeout_s: float = _f(5.0, "Wall time of one tool call; past it the model reads an error instead.")
+    tool_max_output_chars: int = _f(2000, "Tool output longer than this is cut (with a note saying so).")
     parity_check_steps: int = _f(50, "Parity gate: at the start and every N steps, check on a fixed probe batch that the "
                                  "rollout engine's logprobs and adapter effect match the trainer's (0: off).")
     parity_max_logprob_diff: float | None = _f(0.1, "Parity gate: the largest mean |logprob difference| (nats) "
@@ -154,6 +162,12 @@ class GRPOConfig:
             bad("entropy_coeff", f"must be >= 0 (a bonus), got {self.entropy_coeff}")
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
+        if self.rollout_kv_cache_dtype not in ("auto", "fp8"):
+            bad("rollout_kv_cache_dtype", f"{self.rollout_kv_cache_dtype!r} is not auto or fp8")
+        if self.max_turns < 0:
+            bad("max_turns", f"must be >= 0, got {self.max_turns}")
+        if self.tool_timeout_s <= 0 or self.tool_max_output_chars < 1:
+            bad("tool_timeout_s" if self.tool_timeout_s <= 0 else "tool_max_output_chars", "must be positive")
         if self.aqn_schedule not in AQN_SCHEDULES:
             bad("aqn_schedule", f"{self.aqn_schedule!r} is not one of {AQN_SCHEDULES}")
         if self.aqn_schedule == "adaptive":

@@ -35,6 +35,7 @@ class EvalReport:
     reward_errors: int
     seconds: float
     tokens_per_s: float
+    tool_call_rate: float | None = None  # tool-use evaluations: completions with at least one tool turn
     params: dict = field(default_factory=dict)
     per_problem: list[dict] = field(default_factory=list)
 
@@ -55,7 +56,9 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
              top_p: float = 0.95, max_new_tokens: int = 256, greedy: bool = False, seed: int = 0,
              system_prompt: str | None = None, prompt_suffix: bool = False, max_prompt_length: int | None = None,
              format_func=None, dataset: str = "", chunk: int | None = None, keep_text: bool = True,
-             progress: bool = True) -> EvalReport:
+             progress: bool = True, turns_for=None) -> EvalReport:
+    """turns_for: rows -> a multi-turn handler (rollout/turns.py) for a tool-use evaluation; the report
+    then counts the completions that called a tool (tool_call_rate)."""
     if not rows:
         raise ValueError(f"{dataset or 'evaluation set'}: no problems to evaluate")
     if samples < 1:
@@ -67,14 +70,16 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
     # chunks would each wait for their longest completion
     chunk = chunk or len(rows)
     funcs = [accuracy_func] + ([format_func] if format_func is not None else [])
-    per, t0, new_tokens, truncated, lengths, errors = [], time.perf_counter(), 0, 0, [], 0
+    per, t0, new_tokens, truncated, lengths, errors, called = [], time.perf_counter(), 0, 0, [], 0, 0
     bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress or chunk >= len(rows))
     for s in range(0, len(rows), chunk):
         part = rows[s: s + chunk]
         ids = [encode_prompt(tok, r["prompt"], system_prompt=system_prompt, suffix=prompt_suffix,
                              max_length=max_prompt_length) for r in part]
         params.seed = seed + s  # each chunk its own stream, the whole run reproducible
-        outs = engine.generate(ids, n=samples, params=params, progress=progress and chunk >= len(rows))
+        outs = engine.generate(ids, n=samples, params=params, progress=progress and chunk >= len(rows),
+                               turns=turns_for(part) if turns_for is not None else None)
+        called += sum(bool(getattr(c, "tool_spans", ())) for c in outs)
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
         cols = {k: [part[c.prompt_index][k] for c in outs] for k in part[0] if k != "prompt"}
         cols["prompts"] = [part[c.prompt_index]["prompt"] for c in outs]
@@ -109,6 +114,7 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
         format_rate=sum(fr) / len(fr) if fr else None, completion_length_mean=sum(lengths) / len(lengths),
         truncated_fraction=truncated / len(lengths), reward_errors=errors, seconds=dt,
         tokens_per_s=new_tokens / dt if dt else 0.0,
+        tool_call_rate=called / len(lengths) if turns_for is not None else None,
         params={"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "greedy": greedy,
                 "seed": seed, "prompt_suffix": prompt_suffix, "system_prompt": system_prompt},
         per_problem=per)

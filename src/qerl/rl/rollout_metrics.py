@@ -12,6 +12,10 @@ def rollout_metrics(rounds, n_info: int, dist) -> dict:
             "len": [int(x) for r in rounds for x in r.lengths],
             "trunc": sum((c.finish_reason == "length") for r in rounds for c in r.completions),
             "groups": sum(len(r.rewards) for r in rounds), "info": n_info, "rounds": len(rounds),
+            # groups whose rewards are all equal (no learning signal), whether or not dynamic sampling drops them
+            "zero_var": sum(int((r.rewards.max(1).values == r.rewards.min(1).values).sum()) for r in rounds),
+            "tool_turns": sum(len(getattr(c, "tool_spans", ())) for r in rounds for c in r.completions),
+            "tool_users": sum(bool(getattr(c, "tool_spans", ())) for r in rounds for c in r.completions),
             "errors": sum(r.scores.errors for r in rounds),
             "tokens": sum(r.stats.new_tokens for r in rounds), "seconds": sum(r.stats.seconds for r in rounds),
             "nll": sum(-x for r in rounds for c in r.completions for x in c.logprobs),
@@ -25,6 +29,7 @@ def rollout_metrics(rounds, n_info: int, dist) -> dict:
          "truncated_fraction": sum(q["trunc"] for q in parts) / len(all_len),
          "rollout_rounds": max(q["rounds"] for q in parts),
          "filtered_group_fraction": 1 - sum(q["info"] for q in parts) / sum(q["groups"] for q in parts),
+         "zero_variance_fraction": sum(q["zero_var"] for q in parts) / sum(q["groups"] for q in parts),
          "reward_errors": sum(q["errors"] for q in parts),
          # mean -log p of the sampled tokens: the behaviour policy's entropy (AQN noise included) as
          # sampled, an estimate of `entropy` (the noiseless training forward's) when top-p/top-k are off
@@ -35,6 +40,9 @@ def rollout_metrics(rounds, n_info: int, dist) -> dict:
         vals = [v for q in parts for v in q["per_func"][name]]
         key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
         m[key] = sum(vals) / len(vals)
+    if any(q["tool_turns"] for q in parts):  # multi-turn rollouts: how much the policy uses its tools
+        m["tool_call_rate"] = sum(q["tool_users"] for q in parts) / len(all_len)
+        m["tool_turns_mean"] = sum(q["tool_turns"] for q in parts) / len(all_len)
     errs = [q["first_error"] for q in parts if q["first_error"]]
     if errs:
         m["reward_first_error"] = errs[0]

@@ -38,7 +38,7 @@ class RolloutPhase:
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=rseed)
         outs = tr.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=tr.noise(sigma, seed),
-                                  prompt_keys=[key_offset + i for i in range(len(prompts))])
+                                  prompt_keys=[key_offset + i for i in range(len(prompts))], turns=tr.turns_for(rows))
         with tr.profiler.phase("rewards"):
             texts = [tr.tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
             G = cfg.num_generations

@@ -22,7 +22,7 @@ from ..rollout import Engine
 from . import run_folder
 from . import state as ckpt
 from .advantages import rollout_batch
-from .aqn import AQN, sigma_at
+from .aqn import AQN, AdaptiveSigma, sigma_at
 from .batching import batch_plan
 from .config import GRPOConfig
 from .distributed import Dist
@@ -52,10 +52,16 @@ def _resolve_device_dtype(cfg: GRPOConfig):
 
 class GRPOTrainer:
     """`GRPOTrainer(config).train()`; or pass a built `policy`, a `task` (train/eval rows and
-    reward functions), or `reward_funcs` + `train_dataset` as in TRL."""
+    reward functions), or `reward_funcs` + `train_dataset` as in TRL.
+
+    tools: callables (or qerl.tools.Tool) the policy may call in multi-turn rollouts, as TRL's
+    `tools=`; their JSON schemas come from signatures and docstrings and are offered in each chat
+    prompt's system turn. A task that carries tools (tool_arithmetic) brings its own.
+    environment_factory: builds a per-sample environment with reset(row) / respond(text) (see
+    qerl.tools.ToolEnvironment) for tasks that need state; it replaces the plain tool runner."""
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
-                 train_dataset=None, eval_dataset=None, progress: bool = True):
+                 train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True):
         self.cfg = cfg = config or GRPOConfig()
         random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
         torch.manual_seed(cfg.seed)
@@ -84,6 +90,14 @@ class GRPOTrainer:
             (getattr(task, "reward_weights", None) if reward_funcs is None else None)
         self.task = task
         self._eval_rows = list(eval_dataset) if eval_dataset is not None else None
+        self.tools = list(tools) if tools is not None else list(getattr(task, "tools", None) or [])
+        self.environment_factory = environment_factory
+        if tools:  # the user's own rows: offer the tools in their chat prompts (a task's rows already do)
+            from ..tools.chat import offer_tools
+
+            self.train_rows = offer_tools(self.train_rows, self.tools)
+            if self._eval_rows is not None:
+                self._eval_rows = offer_tools(self._eval_rows, self.tools)
         self.evals: list[dict] = []  # one summary per evaluation of this run
         if not self.reward_funcs:
             raise ValueError("no reward functions: pass reward_funcs or a task that has them")
@@ -110,12 +124,16 @@ class GRPOTrainer:
                              max_slots=max(self.plan.generation_batch_size // self.dist.world,
                                            min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
-                             (None if self.device.type == "cuda" else 2.0))
+                             (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype)
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
         self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
         total_updates = cfg.max_steps * self._updates_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
         self.aqn = AQN(self.model) if cfg.aqn else None
+        # closed-loop AQN: sigma steered by a rollout signal instead of the stage schedule
+        self.adaptive = AdaptiveSigma(cfg.aqn_adaptive_target, cfg.aqn_adaptive_signal, cfg.aqn_sigma_end,
+                                      cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
+            if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
         self.step = 0
         self.out = Path(cfg.output_dir)
@@ -132,6 +150,16 @@ class GRPOTrainer:
         return encode_prompt(self.tok, row["prompt"], system_prompt=self.cfg.system_prompt,
                              suffix=self.cfg.prompt_suffix, max_length=self.cfg.max_prompt_length)
 
+    def turns_for(self, rows):
+        """The multi-turn handler of a rollout over `rows` (None without tools): one environment per sample."""
+        if not (self.tools or self.environment_factory) or self.cfg.max_turns == 0:
+            return None
+        from ..tools import ToolLimits, ToolTurnHandler
+
+        limits = ToolLimits(timeout_s=self.cfg.tool_timeout_s, max_output_chars=self.cfg.tool_max_output_chars)
+        return ToolTurnHandler(self.tok, rows, self.tools, env_factory=self.environment_factory, limits=limits,
+                               max_turns=self.cfg.max_turns)
+
     # ---- one step --------------------------------------------------------------------------
     def noise(self, sigma: float, seed: int):
         return self.aqn.applied(sigma, seed) if self.aqn is not None and sigma > 0 else contextlib.nullcontext()
@@ -139,8 +167,11 @@ class GRPOTrainer:
     def train_step(self) -> dict:
         cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
         t0 = time.perf_counter()
-        sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start, cfg.aqn_sigma_end,
-                                cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
+        if self.adaptive is not None:  # one continuous noisy stage whose sigma the controller sets
+            sigma, stage = self.adaptive.sigma, 1
+        else:
+            sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start,
+                                    cfg.aqn_sigma_end, cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
         base_seed = cfg.seed * 1_000_003 + step * 101
         parity = {}
         if self.parity.due(step):
@@ -155,6 +186,10 @@ class GRPOTrainer:
                  "lr": self.scheduler.get_last_lr()[0], **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
+            if self.adaptive is not None:  # this step's signal sets the next step's sigma
+                measured = m["rollout_entropy"] if cfg.aqn_adaptive_signal == "entropy" else m["zero_variance_fraction"]
+                m.update({"aqn_target": self.adaptive.target, "aqn_signal": measured})
+                self.adaptive.update(measured)
         # every rank enters the update: the gradient average is collective, even for an empty share
         if D.sum(len(batch), self.device):
             m.update(self.update(batch, sigma, base_seed))
@@ -204,11 +239,14 @@ class GRPOTrainer:
         rep = evaluate(self.engine, self.tok, rows, func, samples=cfg.eval_num_samples, temperature=cfg.eval_temperature,
                        top_p=cfg.eval_top_p, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
                        seed=cfg.seed, system_prompt=cfg.system_prompt, prompt_suffix=cfg.prompt_suffix,
-                       max_prompt_length=cfg.max_prompt_length, dataset=name, progress=self.progress)
+                       max_prompt_length=cfg.max_prompt_length, dataset=name, progress=self.progress,
+                       turns_for=self.turns_for if (self.tools or self.environment_factory) else None)
         rep.write(self.out / "eval" / f"step_{self.step}.json")
         row = {"step": self.step, "eval_pass_at_1": rep.pass_at_1, "eval_stderr": rep.stderr,
                "eval_mean_score": rep.mean_score, "eval_completion_length_mean": rep.completion_length_mean,
                "eval_problems": rep.problems, "eval_samples": rep.samples, "time_eval": rep.seconds}
+        if rep.tool_call_rate is not None:
+            row["eval_tool_call_rate"] = rep.tool_call_rate
         if log is not None:
             log.write(row)
         self.evals.append(row)
@@ -225,6 +263,8 @@ class GRPOTrainer:
         if self.dist.is_main:
             extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world,
                      "updates_per_step": self._updates_per_step}
+            if self.adaptive is not None:
+                extra["aqn_adaptive"] = self.adaptive.state_dict()
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
                                         base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
         self.dist.barrier()
@@ -298,6 +338,8 @@ class GRPOTrainer:
                 g["lr"] = base * f(sch.last_epoch)
             sch._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.sampler = PromptSampler(len(self.train_rows), self.cfg.seed, st["data"]["epoch"], st["data"]["pos"])
+        if self.adaptive is not None and "aqn_adaptive" in st:
+            self.adaptive.load_state_dict(st["aqn_adaptive"])
         self._resumed_from = Path(folder)
         return self.step
 

@@ -17,6 +17,8 @@ from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
 from .loss import policy_loss
 
+TOKEN_MEAN_OVER_UPDATE = ("dapo", "cispo")  # losses normalised by the whole update's tokens (norm_tokens)
+
 
 class TrainingError(RuntimeError):
     pass
@@ -27,9 +29,12 @@ class PolicyUpdate:
         self.tr = trainer
 
     def logprobs(self, mb: MicroBatch, grad: bool):
+        cfg = self.tr.cfg
         with torch.set_grad_enabled(grad), unfused_lora():
-            return completion_logprobs(self.tr.model, *mb.model_inputs(), temperature=self.tr.cfg.temperature,
-                                       chunk=self.tr.cfg.logprob_chunk_size)
+            # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
+            # top-entropy token selection's input), detached
+            return completion_logprobs(self.tr.model, *mb.model_inputs(), temperature=cfg.temperature,
+                                       chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coeff > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
         tr = self.tr
@@ -58,18 +63,18 @@ class PolicyUpdate:
 
         with prof.phase("update"):
             tr.model.train()
-            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": []}
+            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": []}
             mism, mism_max, is_mean = [], 0.0, []
             for it in range(cfg.num_iterations):
                 for u in range(n_updates):
                     group = list(range(len(batches)))[u * cfg.gradient_accumulation_steps:
                                                       (u + 1) * cfg.gradient_accumulation_steps]
-                    # dapo's token mean over the whole update, all ranks: gradients are averaged over the
+                    # dapo's (and cispo's) token mean over the whole update, all ranks: gradients are averaged over the
                     # ranks below, so each rank divides its token sum by (all tokens / world size)
                     norm_tokens = D.sum(sum(int(batches[k].mask.sum()) for k in group), dev) / D.world
                     # the other losses average over the update's micro-batches, all ranks' (a rank with
                     # fewer or none must not weigh its own more): divide by their count / world size
-                    n_micro = D.sum(len(group), dev) / D.world if cfg.loss_type != "dapo" else 1.0
+                    n_micro = D.sum(len(group), dev) / D.world if cfg.loss_type not in TOKEN_MEAN_OVER_UPDATE else 1.0
                     upd_loss, bad = 0.0, None
                     for k in group:
                         b = batches[k]
@@ -83,7 +88,7 @@ class PolicyUpdate:
                                     mism.append(d)
                                     mism_max = max(mism_max, float(d.max()))
                                 if single:
-                                    ent.append(en[mask])
+                                    ent.append(en[mask].detach())
                             isw = None
                             if cfg.importance_sampling_correction:
                                 isw = torch.exp(old_k - b.rollout_logprobs).clamp(max=cfg.importance_sampling_cap)
@@ -94,8 +99,11 @@ class PolicyUpdate:
                                                    epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                                    ref_logp=ref[k] if ref is not None else None, is_weights=isw,
                                                    norm_tokens=norm_tokens,
-                                                   max_completion_length=cfg.max_completion_length)
-                            if cfg.loss_type != "dapo":
+                                                   max_completion_length=cfg.max_completion_length,
+                                                   importance_sampling_level=cfg.importance_sampling_level,
+                                                   entropies=en, top_entropy_quantile=cfg.top_entropy_quantile,
+                                                   entropy_coeff=cfg.entropy_coeff)
+                            if cfg.loss_type not in TOKEN_MEAN_OVER_UPDATE:
                                 loss = loss / n_micro
                             if not torch.isfinite(loss.detach()):
                                 bad = f"loss is {float(loss.detach())}"
@@ -103,6 +111,8 @@ class PolicyUpdate:
                             loss.backward()
                             upd_loss += float(loss.detach())
                         stats["clip_fraction"].append(st["clip_fraction"])
+                        if "entropy_mask_fraction" in st:
+                            stats["entropy_mask_fraction"].append(st["entropy_mask_fraction"])
                         if "kl" in st:
                             stats["kl"].append(st["kl"])
                     if D.max(1.0 if bad else 0.0, dev):
@@ -127,6 +137,7 @@ class PolicyUpdate:
         allm = torch.cat(mism) if mism else torch.zeros(0)
         ent_t = torch.cat(ent) if ent else torch.zeros(0)
         parts = self.tr.dist.gather({"loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
+                                     "emask": stats["entropy_mask_fraction"],
                                      "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
                                      "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
         # each rank's update loss is its share of the global mean (gradients are averaged): average them
@@ -140,6 +151,8 @@ class PolicyUpdate:
                "logprob_mismatch_max": max(q["mism_max"] for q in parts), "updates": updates}
         if cat("kl"):
             out["kl"] = mean(cat("kl"))
+        if cat("emask"):  # top_entropy_quantile: the share of tokens the policy term trained on
+            out["entropy_mask_fraction"] = mean(cat("emask"))
         if cat("is"):
             out["is_weight_mean"] = mean(cat("is"))
         return out

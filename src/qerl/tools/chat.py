@@ -115,3 +115,19 @@ def with_tools_prompt(messages: list[dict], schemas: list[dict], fmt: ToolCallFo
         msgs[0]["content"] = msgs[0]["content"] + "\n\n" + offer
         return msgs
     return [{"role": "system", "content": offer}] + msgs
+
+
+def offer_tools(rows: list[dict], tools) -> list[dict]:
+    """Rows whose chat prompts (message lists) offer `tools` in the system turn; rows that already
+    offer tools, and plain-text prompts (no turns to put an offer in), are kept as they are."""
+    from .tool import as_tools
+
+    schemas = [t.schema for t in as_tools(tools).values()]
+    out = []
+    for r in rows:
+        p = r.get("prompt")
+        if isinstance(p, list) and not any(m.get("role") == "system" and "<tools>" in (m.get("content") or "")
+                                           for m in p):
+            r = {**r, "prompt": with_tools_prompt(p, schemas)}
+        out.append(r)
+    return out
