@@ -68,7 +68,7 @@ def test_state_round_trips_through_json_and_the_run_continues_identically():
     for x in signals[:5]:
         a.update(x)
     saved = json.loads(json.dumps(a.state_dict()))  # plain numbers only
-    assert set(saved) == {"sigma", "last_measured", "updates"}
+    assert set(saved) == {"sigma", "last_measured", "updates", "target"}
     b = AdaptiveSigma(target=0.5, signal="entropy")
     b.load_state_dict(saved)
     assert [a.update(x) for x in signals[5:]] == [b.update(x) for x in signals[5:]]
@@ -100,3 +100,16 @@ def test_config_accepts_adaptive_and_its_fields():
         GRPOConfig(aqn_schedule="adaptive", aqn_adaptive_signal="reward")
     with pytest.raises(ValueError, match="aqn_sigma_end"):
         GRPOConfig(aqn_schedule="adaptive", aqn_sigma_end=0.0)
+
+
+def test_an_unset_target_is_the_first_measurement_and_is_checkpointed():
+    c = AdaptiveSigma(target=None, signal="entropy", sigma_min=1e-3, sigma_max=1e-2)
+    assert c.update(0.8) == 1e-2 and c.target == 0.8  # the first step sets the level, sigma unmoved
+    assert c.update(0.9) < 1e-2  # above the held level: less noise
+    st = c.state_dict()
+    d = AdaptiveSigma(target=None, signal="entropy", sigma_min=1e-3, sigma_max=1e-2)
+    d.load_state_dict(st)
+    assert (d.target, d.sigma, d.updates) == (0.8, c.sigma, 2)
+    e = AdaptiveSigma(target=0.3, signal="entropy", sigma_min=1e-3, sigma_max=1e-2)
+    e.load_state_dict(st)
+    assert e.target == 0.3  # a target set in the config wins over the checkpoint's

@@ -31,7 +31,7 @@ GROUPS = {
                    "eval_limit", "eval_num_samples", "eval_temperature", "eval_top_p", "eval_max_completion_length"),
     "logging": ("logging_steps", "report_to"),
     "checkpoints": ("output_dir", "overwrite_output_dir", "save_steps", "save_total_limit"),
-    "parity gate": ("parity_check_steps", "parity_max_logprob_diff"),
+    "parity": ("parity_check_steps", "parity_max_logprob_diff"),
     "distributed": ("ddp_timeout", "ddp_backend"),
 }
 ALIASES = {"model_name_or_path": ("--model",)}  # TRL's scripts and most users say --model

@@ -75,7 +75,7 @@ class AdaptiveSigma:
     numbers of this dataclass (`state_dict` / `load_state_dict` for checkpoints).
     """
 
-    target: float
+    target: float | None  # None: the first measurement becomes the target (hold the starting level)
     signal: str = "entropy"
     sigma_min: float = 5e-4
     sigma_max: float = 1e-2
@@ -106,6 +106,11 @@ class AdaptiveSigma:
         sigma unchanged)."""
         if measured is None or not math.isfinite(measured):
             return self.sigma
+        if self.target is None:  # the first step sets the level to hold; sigma stays where it started
+            self.target = float(measured)
+            self.last_measured = float(measured)
+            self.updates += 1
+            return self.sigma
         step = max(-self.max_log_step, min(self.max_log_step, self.gain * self.error(measured)))
         self.sigma = min(max(self.sigma * math.exp(step), self.sigma_min), self.sigma_max)
         self.last_measured = float(measured)
@@ -116,7 +121,8 @@ class AdaptiveSigma:
         """What the trainer logs each step: sigma, its target and the measured signal."""
         return {"aqn_sigma": self.sigma, "aqn_target": self.target, "aqn_signal": self.last_measured}
 
-    _STATE = ("sigma", "last_measured", "updates")  # the settings come from the config, not the checkpoint
+    # the settings come from the config, not the checkpoint; a target set by the first step is state
+    _STATE = ("sigma", "last_measured", "updates", "target")
 
     def state_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k in self._STATE}
@@ -128,6 +134,8 @@ class AdaptiveSigma:
         self.sigma = float(state["sigma"])
         self.last_measured = None if state.get("last_measured") is None else float(state["last_measured"])
         self.updates = int(state.get("updates", 0))
+        if self.target is None and state.get("target") is not None:  # set by the run's first step
+            self.target = float(state["target"])
         self.__post_init__()  # a resumed run with narrower bounds keeps sigma inside them
 
 

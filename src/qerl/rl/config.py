@@ -98,7 +98,8 @@ class GRPOConfig:
     aqn_sigma_start: float = _f(1e-2, "sigma of stage 1.")
     aqn_sigma_end: float = _f(5e-4, "sigma of the last stage.")
     aqn_adaptive_signal: str = _f("entropy", "adaptive: the rollout signal sigma steers, entropy (mean token entropy) | zero_variance (fraction of groups whose rewards are all equal).")
-    aqn_adaptive_target: float = _f(0.5, "adaptive: the signal's target (entropy in nats a token, or a fraction).")
+    aqn_adaptive_target: float | None = _f(None, "adaptive: the signal's target (entropy in nats a token, or a "
+                                           "fraction; null: the first step's measurement, held for the whole run).")
     aqn_adaptive_gain: float = _f(1.0, "adaptive: log sigma moves by gain x the relative error a step (at most x2 or /2).")
     aqn_in_training: bool = _f(False, "Also apply the step's noise in the training forward passes.")
     # --- evaluation (held-out pass@1 on the rollout engine) -----------------------------------

@@ -188,8 +188,8 @@ class GRPOTrainer:
                 m["world_size"] = D.world
             if self.adaptive is not None:  # this step's signal sets the next step's sigma
                 measured = m["rollout_entropy"] if cfg.aqn_adaptive_signal == "entropy" else m["zero_variance_fraction"]
+                self.adaptive.update(measured)  # (a first step with no target set makes this its target)
                 m.update({"aqn_target": self.adaptive.target, "aqn_signal": measured})
-                self.adaptive.update(measured)
         # every rank enters the update: the gradient average is collective, even for an empty share
         if D.sum(len(batch), self.device):
             m.update(self.update(batch, sigma, base_seed))

@@ -21,6 +21,9 @@ ARMS = {
     "bf16_aqn": ("bf16 LoRA + AQN (noise, no quantization)", {"quant": "bf16", "aqn": True}),
     "nvfp4": ("NVFP4 LoRA", {"quant": "nvfp4", "aqn": False}),
     "nvfp4_aqn": ("NVFP4 LoRA + AQN (QeRL)", {"quant": "nvfp4", "aqn": True}),
+    # closed-loop AQN (issue 24): sigma holds the rollout entropy at its first step's level, untuned
+    "nvfp4_aqn_adaptive": ("NVFP4 LoRA + closed-loop AQN (entropy held at its start)",
+                           {"quant": "nvfp4", "aqn": True, "aqn_schedule": "adaptive"}),
     "mxfp4": ("MXFP4 LoRA", {"quant": "mxfp4", "aqn": False}),
     "nf4": ("NF4 LoRA (QLoRA)", {"quant": "nf4", "aqn": False}),
 }

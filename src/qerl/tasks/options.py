@@ -38,6 +38,12 @@ def _opt_str(v):
     return v if v is None else _str(v)
 
 
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError("true or false")
+    return v
+
+
 def _choice(*names):
     def check(v):
         if v not in names:
@@ -49,6 +55,8 @@ def _choice(*names):
 COMMON = {"format_reward_weight": _number}
 ARITHMETIC = {**COMMON, "size": _int(1), "eval_size": _int(0), "digits": _int(1), "seed": _int(0)}
 REASONING_GYM = {**COMMON, "size": _int(1), "eval_size": _int(0), "seed": _int(0), "instruction": _opt_str}
+TOOL_ARITHMETIC = {**COMMON, "size": _int(1), "eval_size": _int(0), "seed": _int(0), "dataset": _str,
+                   "example": _bool}
 GSM8K_OFFLINE = {**COMMON, "eval_limit": _int(1)}
 ROWS = {**COMMON, "on_error": _choice("raise", "skip"), "limit": _int(1), "eval_limit": _int(1)}
 LOCAL_FILE = {**ROWS, "question": _str, "answer": _str, "eval_file": _str, "eval_size": _int(0),
@@ -65,6 +73,8 @@ def kind_of(name: str) -> str:
         return "arithmetic"
     if name.startswith(("rg:", "reasoning_gym/")):
         return "reasoning_gym"
+    if name in ("tool_arithmetic", "tool-arithmetic"):
+        return "tool_arithmetic"
     if name in ("gsm8k-offline", "gsm8k_offline"):
         return "gsm8k-offline"
     p = Path(name)
@@ -73,7 +83,7 @@ def kind_of(name: str) -> str:
     return "hub" if name in HUB else "hub id"
 
 
-TABLES = {"arithmetic": ARITHMETIC, "reasoning_gym": REASONING_GYM, "gsm8k-offline": GSM8K_OFFLINE,
+TABLES = {"arithmetic": ARITHMETIC, "reasoning_gym": REASONING_GYM, "tool_arithmetic": TOOL_ARITHMETIC, "gsm8k-offline": GSM8K_OFFLINE,
           "local file": LOCAL_FILE, "hub": ROWS, "hub id": HUB_ANY}
 
 
@@ -86,6 +96,8 @@ def check_options(name: str, options, field: str = "dataset_config") -> dict:
     extra_ok = set()
     if kind == "reasoning_gym":
         extra_ok = _generator_fields(name.split(":", 1)[1] if name.startswith("rg:") else name.split("/", 1)[1])
+    elif kind == "tool_arithmetic":  # its generator's own options (basic_arithmetic unless `dataset` says otherwise)
+        extra_ok = _generator_fields(options.get("dataset", "basic_arithmetic"))
     for key, value in options.items():
         if key in table:
             try:
