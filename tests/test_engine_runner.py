@@ -139,3 +139,19 @@ def test_multi_turn_handler_can_end_the_sample_and_turns_are_bounded():
     loop = _Tool(text[k], tok(text[k], add_special_tokens=False)["input_ids"], max_turns=3)
     out = Engine(m, tok, max_len=128, max_slots=1, sync_every=4).generate([prompt], params=p, turns=loop)[0]
     assert len(loop.calls) <= 3 and len(out.tool_spans) == len(loop.calls)
+
+
+def test_stop_id_buffers_are_refilled_in_place():
+    """A captured decode graph reads eos_t/stop_t by address: setup() refills, never re-creates, them."""
+    from qerl.rollout.model_runner import MAX_STOP_IDS
+
+    run = Engine(_model(), max_len=32, max_slots=2).runner
+    ptrs = (run.eos_t.data_ptr(), run.stop_t.data_ptr())
+    run.setup(SamplingParams(max_new_tokens=4, stop_token_ids=[7, 9]), [1, 2])
+    assert (run.eos_t.data_ptr(), run.stop_t.data_ptr()) == ptrs
+    assert run.eos_t[:3].tolist() == [1, 2, -1] and run.stop_t[:3].tolist() == [7, 9, -1]
+    run.setup(SamplingParams(max_new_tokens=4, ignore_eos=True), [1, 2])
+    assert (run.eos_t == -1).all() and (run.stop_t == -1).all()
+    assert (run.eos_t.data_ptr(), run.stop_t.data_ptr()) == ptrs
+    with pytest.raises(ValueError, match="stop token ids"):
+        run.setup(SamplingParams(max_new_tokens=4, stop_token_ids=list(range(MAX_STOP_IDS + 1))), [1])

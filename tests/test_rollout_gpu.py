@@ -86,3 +86,21 @@ def test_alternating_sampling_settings_reuse_their_graphs():
     assert xa == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=a)]
     assert xb == [c.token_ids for c in eng.generate([PROMPTS[2]], n=4, params=b)]
     assert len(eng.runner.graphs) == n  # nothing recaptured
+
+
+def test_graphs_read_the_current_eos_and_stop_ids():
+    """Graphs captured by warmup() must keep reading the EOS/stop ids of later rollouts. They were
+    once re-created per rollout, so a replay read freed memory and ended samples at random tokens."""
+    pol = _policy("nvfp4")
+    eng = Engine(pol.model, max_len=160, max_slots=8)
+    p = SamplingParams(max_new_tokens=128, temperature=1.0, seed=3, ignore_eos=True)
+    eng.warmup([8], p)
+    V = pol.model.config.vocab_size
+    junk = [torch.full((1,), t, dtype=torch.long, device="cuda") for t in range(0, V, max(1, V // 4096))]  # noqa: F841
+    outs = eng.generate([PROMPTS[0], PROMPTS[1]], n=4, params=p)
+    assert [len(c.token_ids) for c in outs] == [128] * 8
+    # a stop id set after capture is honoured by the same graphs
+    stop = outs[0].token_ids[5]
+    q = SamplingParams(max_new_tokens=128, temperature=1.0, seed=3, ignore_eos=False, stop_token_ids=[stop])
+    again = eng.generate([PROMPTS[0], PROMPTS[1]], n=4, params=q)
+    assert len(again[0].token_ids) <= 6 and again[0].token_ids[-1] == stop

@@ -54,6 +54,7 @@ class SlotState:
 
 
 REASONS = {1: "eos", 2: "length", 3: "stop"}
+MAX_STOP_IDS = 16  # EOS ids, and stop token ids, a rollout may name
 
 
 class ModelRunner:
@@ -68,6 +69,11 @@ class ModelRunner:
         self.fused_attention = fused_attention_ok(view) if fused_attention is None else fused_attention
         self.state = SlotState.zeros(n_slots, max_len, dev)
         self.max_new_t = torch.zeros((), dtype=torch.long, device=dev)
+        # EOS and stop ids live in fixed buffers refilled in place: a captured graph reads these
+        # addresses on every replay, so a tensor re-created per rollout would leave it reading freed
+        # memory (and finishing sequences at random tokens)
+        self.eos_t = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev)
+        self.stop_t = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graphs_captured = 0
         self._graph_key = None
@@ -88,8 +94,14 @@ class ModelRunner:
         dev = self.view.device
         self.max_new_t.fill_(p.max_new_tokens)
         stop = [] if p.ignore_eos else list(p.stop_token_ids or [])
-        self.eos_t = torch.tensor(([] if p.ignore_eos else eos) or [-1], dtype=torch.long, device=dev)
-        self.stop_t = torch.tensor(stop or [-1], dtype=torch.long, device=dev)
+        eos = [] if p.ignore_eos else list(eos)
+        for name, ids in (("EOS", eos), ("stop", stop)):
+            if len(ids) > MAX_STOP_IDS:
+                raise ValueError(f"{len(ids)} {name} token ids; the engine takes at most {MAX_STOP_IDS}")
+        for buf, ids in ((self.eos_t, eos), (self.stop_t, stop)):
+            buf.fill_(-1)  # -1 is never a token
+            if ids:
+                buf[:len(ids)] = torch.tensor(ids, dtype=torch.long)
         self.gen = None
         if p.seed is not None:
             if dev.type == "cuda":  # graphs replay the default CUDA generator's stream
