@@ -119,8 +119,9 @@ class ModelRunner:
 
     def _finish_flags(self, tok, count, pos):
         """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos)."""
-        eos = torch.isin(tok, self.eos_t)
-        stop = torch.isin(tok, self.stop_t)
+        # a plain comparison, not torch.isin: isin picks a sorting path (not capturable) for longer id lists
+        eos = (tok[:, None] == self.eos_t).any(-1)
+        stop = (tok[:, None] == self.stop_t).any(-1)
         full = (count >= self.max_new_t) | (pos >= self.max_len - 1)
         code = torch.where(eos, 1, torch.where(stop, 3, 2)).to(torch.int8)
         return eos | stop | full, code
