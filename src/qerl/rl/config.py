@@ -65,8 +65,11 @@ class GRPOConfig:
                                            "steps_per_generation, as TRL).")
     steps_per_generation: int | None = _f(None, "Micro-batches each rank trains on per step (TRL's meaning; null: "
                                           "4, or what generation_batch_size implies when set).")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% more time).")
-    logprob_chunk_size: int = _f(1024, "Tokens per chunk when computing log-probabilities and entropies.")
+    gradient_checkpointing: bool | None = _f(None, "Recompute activations in backward (less memory, ~30% more time; "
+                                             "null: on only when the update's activations would not fit in the "
+                                             "free memory, chosen and printed at start).")
+    logprob_chunk_size: int | None = _f(None, "Tokens per chunk when computing log-probabilities and entropies (null: "
+                                        "the largest of 256..8192 whose fp32 logits take <= 5% of the free memory).")
     # --- GRPO / DAPO -------------------------------------------------------------------------
     num_generations: int = _f(8, "Completions per prompt (G).")
     max_prompt_length: int = _f(512, "Prompts longer than this (in tokens) are left-truncated.")
@@ -181,10 +184,10 @@ class GRPOConfig:
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                     "max_completion_length", "save_steps", "aqn_stages", "logprob_chunk_size"):
+                     "max_completion_length", "save_steps", "aqn_stages"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("generation_batch_size", "steps_per_generation"):
+        for name in ("generation_batch_size", "steps_per_generation", "logprob_chunk_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, f"must be >= 1 (or null), got {getattr(self, name)}")
         from .batching import batch_plan

@@ -10,6 +10,7 @@ The KL reference, when beta > 0, is the same model with adapters off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import time
@@ -19,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..rollout import Engine
-from . import run_folder
+from . import levers, run_folder
 from . import state as ckpt
 from .advantages import rollout_batch
 from .aqn import AQN, AdaptiveSigma, sigma_at
@@ -113,18 +114,28 @@ class GRPOTrainer:
         if not self.params:
             raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
         self.dist.broadcast_(self.params)  # every rank starts from rank 0's adapter
-        if cfg.gradient_checkpointing:
-            kw = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
                              max_slots=max(self.plan.generation_batch_size // self.dist.world,
                                            min(256, self._eval_slots())),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype)
+        # unset memory levers chosen from what is free once the weights and the KV cache are in place
+        self.levers = levers.choose(levers.Shape.of(self.model.config),
+                                    cfg.per_device_train_batch_size * (cfg.max_prompt_length + cfg.max_completion_length),
+                                    levers.free_memory(self.device), gradient_checkpointing=cfg.gradient_checkpointing,
+                                    logprob_chunk_size=cfg.logprob_chunk_size)
+        if self.levers.chosen:
+            self.cfg = cfg = dataclasses.replace(cfg, gradient_checkpointing=self.levers.gradient_checkpointing,
+                                                 logprob_chunk_size=self.levers.logprob_chunk_size)
+            if self.dist.is_main:
+                print(f"qerl: {self.levers.describe()}", flush=True)
+        if cfg.gradient_checkpointing:
+            kw = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
         self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
         total_updates = cfg.max_steps * self._updates_per_step
