@@ -67,6 +67,9 @@ class GRPOConfig:
                                           "4, or what generation_batch_size implies when set).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% more time).")
     logprob_chunk_size: int = _f(1024, "Tokens per chunk when computing log-probabilities and entropies.")
+    packed_update: bool = _f(True, "Pack each group's prompt (once) and its completions into one row with a "
+                             "prefix-sharing mask: no padding, the prompt's forward and backward once per group "
+                             "(same loss and gradients as separate rows).")
     # --- GRPO / DAPO -------------------------------------------------------------------------
     num_generations: int = _f(8, "Completions per prompt (G).")
     max_prompt_length: int = _f(512, "Prompts longer than this (in tokens) are left-truncated.")
