@@ -24,7 +24,8 @@ there is no padding at all.
 Micro-batches are the unpacked path's slices (per_device_train_batch_size completions each), so
 the losses and their per-micro-batch normalisations are unchanged; a group cut by a slice (a
 micro-batch size that is not a multiple of G) becomes one row in each micro-batch, its prompt then
-running once per micro-batch.
+running once per micro-batch. With lora_dropout, a group's prompt tokens draw one dropout mask
+(shared by its completions) instead of one per completion: the same expectation, less noise.
 """
 
 from __future__ import annotations

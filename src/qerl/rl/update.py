@@ -16,7 +16,7 @@ from ..layers import adapters_disabled, unfused_lora
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
 from .loss import policy_loss
-from .packing import FLEX, attention_kind, packed_micro_batches, use_flex_attention
+from .packing import FLEX, PackedBatch, attention_kind, packed_micro_batches, use_flex_attention
 
 TOKEN_MEAN_OVER_UPDATE = ("dapo", "cispo")  # losses normalised by the whole update's tokens (norm_tokens)
 
@@ -53,7 +53,7 @@ class PolicyUpdate:
             return micro_batches(batch, size, pad, tr.device)
         return packed_micro_batches(batch, size, pad, tr.device, kind, tr.dtype)
 
-    def logprobs(self, mb: MicroBatch, grad: bool):
+    def logprobs(self, mb: MicroBatch | PackedBatch, grad: bool):
         cfg = self.tr.cfg
         with torch.set_grad_enabled(grad), unfused_lora():
             # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
