@@ -158,13 +158,16 @@ def attention_mask(segment: torch.Tensor, kind: str, dtype=torch.float32):
     raise ValueError(f"packed attention mask: unsupported attention implementation {kind!r}")
 
 
+def has_sliding_window(model) -> bool:
+    """Sliding-window layers would need a mask of their own (not built here): such models train unpacked."""
+    return bool(getattr(getattr(model, "model", None), "has_sliding_layers", False))
+
+
 def attention_kind(model) -> str | None:
     """The kind of mask this model's attention takes for packed rows; None when packing is not
-    supported (flash-attention kernels take no 4D mask; sliding-window layers would need their own)."""
+    supported (flash-attention kernels take no 4D mask)."""
     kind = getattr(model.config, "_attn_implementation", None)
-    if getattr(getattr(model, "model", None), "has_sliding_layers", False):
-        return None
-    return kind if kind in DENSE or kind == FLEX else None
+    return kind if (kind in DENSE or kind == FLEX) and not has_sliding_window(model) else None
 
 
 def use_flex_attention(model) -> bool:
@@ -176,7 +179,7 @@ def use_flex_attention(model) -> bool:
     try:
         model.set_attn_implementation(FLEX)
     except (ValueError, ImportError) as e:  # an old torch or a model class without flex support
-        print(f"qerl: packed_update: FlexAttention unavailable ({e}); using a dense mask", flush=True)
+        print(f"qerl: packed_update: FlexAttention unavailable ({e})", flush=True)
         return False
     return model.config._attn_implementation == FLEX
 

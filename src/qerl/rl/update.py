@@ -16,7 +16,7 @@ from ..layers import adapters_disabled, unfused_lora
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
 from .loss import policy_loss
-from .packing import FLEX, PackedBatch, attention_kind, packed_micro_batches, use_flex_attention
+from .packing import FLEX, PackedBatch, attention_kind, has_sliding_window, packed_micro_batches, use_flex_attention
 
 TOKEN_MEAN_OVER_UPDATE = ("dapo", "cispo")  # losses normalised by the whole update's tokens (norm_tokens)
 
@@ -37,13 +37,15 @@ class PolicyUpdate:
         if not tr.cfg.packed_update:
             return None
         if self._kind is None:
-            if tr.device.type == "cuda" and use_flex_attention(tr.model):
-                self._kind = FLEX  # block-sparse: the other completions' blocks are skipped, not masked
+            # the GPU needs FlexAttention's block sparsity: a dense mask would compute the masked-out
+            # blocks of a row's other completions (a long row costs more attention than padded rows)
+            if tr.device.type == "cuda":
+                self._kind = FLEX if not has_sliding_window(tr.model) and use_flex_attention(tr.model) else ""
             else:
                 self._kind = attention_kind(tr.model) or ""
-                if not self._kind:
-                    print(f"qerl: packed_update: attention {tr.model.config._attn_implementation!r} takes no "
-                          "packed mask; training on padded micro-batches", flush=True)
+            if not self._kind:
+                print(f"qerl: packed_update: attention {tr.model.config._attn_implementation!r} takes no "
+                      "packed mask here; training on padded micro-batches", flush=True)
         return self._kind or None
 
     def micro_batches(self, batch: RolloutBatch) -> list:
