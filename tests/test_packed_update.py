@@ -4,12 +4,14 @@ padded path (fp32 on the CPU, 1e-5 relative) and two training steps with packing
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from qerl.rl.batch import RolloutBatch, micro_batches
 from qerl.rl.logprobs import completion_logprobs
-from qerl.rl.packing import PAD, PROMPT, allowed, pack, packed_micro_batches
+from qerl.rl.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
 from qerl.rollout import Completion
 from test_trainer import _trainable, _trainer
 
@@ -149,3 +151,20 @@ def test_two_steps_with_packing_on_and_off_give_the_same_adapter(tmp_path):
     # smallest elements reaches the step at full size: compare what training changed, to 1e-3
     for n in a:
         assert _rel(a[n] - start[n], b[n] - start[n]) < 1e-3, n
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="FlexAttention compiles (inductor's C++ backend on the CPU)")
+def test_flex_attention_block_mask_gives_the_padded_logprobs():
+    """The GPU's packed path (a BlockMask under transformers' flex_attention, rows padded to 128),
+    forward only: FlexAttention has no backward on the CPU."""
+    tr = _trainer("/tmp/unused")
+    batch = _batch(tr.model.config.vocab_size)
+    (pad,) = micro_batches(batch, 12, 0, "cpu")
+    with torch.no_grad():
+        ref, _ = completion_logprobs(tr.model, **pad.model_inputs())
+        assert use_flex_attention(tr.model)
+        (mb,) = packed_micro_batches(batch, 12, 0, "cpu", FLEX)
+        assert mb.input_ids.shape == (3, 128) and mb.attention_mask.shape == (3, 1, 128, 128)
+        lp, _ = completion_logprobs(tr.model, **mb.model_inputs())
+    assert (lp - ref).abs().max() < 1e-5
