@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from qerl.rl import packing
 from qerl.rl.batch import RolloutBatch, micro_batches
 from qerl.rl.logprobs import completion_logprobs
 from qerl.rl.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
@@ -91,8 +92,12 @@ def _rel(a, b) -> float:
     {"loss_type": "grpo", "mask_truncated_completions": True},
     {"loss_type": "dr_grpo"},
     {"loss_type": "dapo", "beta": 0.05, "num_iterations": 2, "importance_sampling_correction": True},
+    {"loss_type": "dapo", "max_row": 20},  # groups cut into several rows, each with the prompt again
 ])
-def test_packed_update_gives_the_loss_and_lora_gradients_of_padded_rows(tmp_path, opts):
+def test_packed_update_gives_the_loss_and_lora_gradients_of_padded_rows(tmp_path, monkeypatch, opts):
+    opts = dict(opts)
+    if "max_row" in opts:
+        monkeypatch.setattr(packing, "DENSE_MAX_ROW", opts.pop("max_row"))
     # 12 completions, micro-batches of 6: the middle group is cut between the two micro-batches
     tr = _trainer(tmp_path, generation_batch_size=12, per_device_train_batch_size=6, gradient_accumulation_steps=2,
                   max_grad_norm=0.0, **opts)
@@ -168,3 +173,22 @@ def test_flex_attention_block_mask_gives_the_padded_logprobs():
         assert mb.input_ids.shape == (3, 128) and mb.attention_mask.shape == (3, 1, 128, 128)
         lp, _ = completion_logprobs(tr.model, **mb.model_inputs())
     assert (lp - ref).abs().max() < 1e-5
+
+
+def test_a_dense_row_is_cut_at_max_row_and_each_part_repeats_the_prompt():
+    prompts = [[5, 6, 7]] * 3
+    comps = [[10, 11, 12, 13], [14, 15], [16, 17, 18]]
+    r = pack(prompts, comps, max_row=6)  # 3 + 3 fits, + 1 passes 6: a new row; 3 + 1 + 2 fits
+    assert r.input_ids.tolist() == [[5, 6, 7, 10, 11, 12], [5, 6, 7, 14, 16, 17]]
+    assert r.hidden_row[:, 0].tolist() == [0, 1, 1] and r.hidden_index[2, :3].tolist() == [2, 4, 5]
+    tr = _trainer("/tmp/unused")
+    batch = _batch(tr.model.config.vocab_size)
+    (pad,) = micro_batches(batch, 12, 0, "cpu")
+    cut = pack([c.prompt_ids for c in batch.completions], [c.token_ids for c in batch.completions], max_row=20)
+    assert cut.input_ids.shape[0] > 3  # the 3 groups took more rows
+    mask = torch.arange(cut.targets.shape[1])[None] < cut.lengths[:, None]
+    with torch.no_grad():
+        ref, _ = completion_logprobs(tr.model, **pad.model_inputs())
+        lp, _ = completion_logprobs(tr.model, cut.input_ids, allowed(cut.segment)[:, None], cut.hidden_index,
+                                    cut.targets, mask, position_ids=cut.position_ids, rows=cut.hidden_row)
+    assert (lp[pad.mask] - ref[pad.mask]).abs().max() < 1e-5  # (tool tokens: out of the padded mask)

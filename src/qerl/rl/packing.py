@@ -17,15 +17,17 @@ of the unpacked path; only where each completion token's hidden state is read fr
 One group a row, not several groups sharing a row up to a token budget: on the CPU the mask is
 dense (sdpa), so attention costs sum(row length^2) and merging rows would make that grow
 quadratically, while a row of G completions already has a length close to its neighbours' (a
-sum of G lengths varies less than one length), so little padding is left between rows. On the
-GPU (FlexAttention) the micro-batch is usually one group (the benchmarks' micro-batch = G), so
-there is no padding at all.
+sum of G lengths varies less than one length), so little padding is left between rows. For the
+same reason a dense row is cut at DENSE_MAX_ROW tokens (long completions: the next row repeats the
+prompt). On the GPU, FlexAttention skips the blocks the mask leaves out, so a group stays one row
+however long, and the micro-batch is usually one group (the benchmarks' micro-batch = G): no
+padding at all.
 
 Micro-batches are the unpacked path's slices (per_device_train_batch_size completions each), so
 the losses and their per-micro-batch normalisations are unchanged; a group cut by a slice (a
 micro-batch size that is not a multiple of G) becomes one row in each micro-batch, its prompt then
 running once per micro-batch. With lora_dropout, a group's prompt tokens draw one dropout mask
-(shared by its completions) instead of one per completion: the same expectation, less noise.
+(shared by its completions) instead of one per completion: the same expectation.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ PROMPT, PAD = -1, -2  # segment ids of a row's shared prompt and of its padding;
 # the attention implementations a packed mask is built for (transformers' names); others fall back
 DENSE = ("sdpa", "eager")
 FLEX = "flex_attention"
+# A dense mask computes a row's whole T x T scores: past ~1k tokens (SmolLM2's width) that would cost
+# more than the prompt copies it saves, so a long group is cut into rows of at most this many tokens
+DENSE_MAX_ROW = 1024
 
 
 @dataclass
@@ -77,7 +82,7 @@ class PackedRows:
 
 def groups_of(prompts: list[list[int]]) -> list[range]:
     """Runs of consecutive completions with the same prompt tokens (a group, or the part of one
-    that a micro-batch holds): each becomes one row."""
+    that a micro-batch holds)."""
     runs, start = [], 0
     for i in range(1, len(prompts) + 1):
         if i == len(prompts) or prompts[i] != prompts[start]:
@@ -86,21 +91,39 @@ def groups_of(prompts: list[list[int]]) -> list[range]:
     return runs
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0, pad_to: int = 1) -> PackedRows:
-    """Pack consecutive completions of the same prompt into one row each; rows right-padded to a
-    common length, a multiple of pad_to (FlexAttention's blocks; fewer compiled shapes)."""
+def row_plan(prompts: list[list[int]], completions: list[list[int]], max_row: int | None = None) -> list[list[int]]:
+    """The completions of each row: a run of one prompt per row, cut into several rows (each with
+    the prompt again) where it would pass max_row tokens (a row holds at least one completion)."""
+    rows = []
+    for run in groups_of(prompts):
+        used = None
+        for i in run:
+            n = len(prompts[i]) + max(0, len(completions[i]) - 1)  # the row's length if it starts here
+            if used is None or (max_row is not None and used + n - len(prompts[i]) > max_row):
+                rows.append([])
+                used = len(prompts[i])
+            rows[-1].append(i)
+            used += n - len(prompts[i])
+    return rows
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0, pad_to: int = 1,
+         max_row: int | None = None) -> PackedRows:
+    """Pack consecutive completions of the same prompt into one row each (row_plan: max_row cuts a
+    long one); rows right-padded to a common length, a multiple of pad_to (FlexAttention's blocks;
+    fewer compiled shapes)."""
     b = len(completions)
     lc = max(1, max((len(c) for c in completions), default=0))
     hrow = torch.zeros(b, lc, dtype=torch.long)
     hidx = torch.zeros(b, lc, dtype=torch.long)
     targets = torch.zeros(b, lc, dtype=torch.long)
     rows = []
-    for r, run in enumerate(groups_of(prompts)):
-        p = prompts[run[0]]
+    for r, members in enumerate(row_plan(prompts, completions, max_row)):
+        p = prompts[members[0]]
         if not p:
             raise ValueError("pack: an empty prompt (its last token predicts each completion's first)")
         ids, pos, seg = list(p), list(range(len(p))), [PROMPT] * len(p)
-        for k, i in enumerate(run):
+        for k, i in enumerate(members):
             c = completions[i]
             n = len(c)
             start = len(ids)  # where c[0] sits in the row, when n > 1
@@ -192,8 +215,9 @@ def packed_micro_batches(batch, size: int, pad_id: int, device, kind: str, dtype
     out = []
     for s in range(0, len(batch), size):
         comp = batch.completions[s:s + size]
+        flex = kind == FLEX
         rows = pack([c.prompt_ids for c in comp], [c.token_ids for c in comp], pad_id=pad_id,
-                    pad_to=128 if kind == FLEX else 1)
+                    pad_to=128 if flex else 1, max_row=None if flex else DENSE_MAX_ROW)
         full = torch.arange(rows.targets.shape[1])[None, :] < rows.lengths[:, None]
         mask, rl = loss_mask_and_logprobs(comp, full)
         seg = rows.segment.to(device)
