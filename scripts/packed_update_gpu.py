@@ -183,7 +183,8 @@ def main(argv=None):
     kind = tr.update.packed_kind()
     head = {"check": "setup", "shape": a.shape, "layers": a.layers or pol.config.num_hidden_layers,
             "gpu": torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "packed_mask": kind, "attn_implementation": tr.model.config._attn_implementation, "build_s": build_s}
+            "torch": torch.__version__, "transformers": transformers.__version__, "packed_mask": kind,
+            "attn_implementation": tr.model.config._attn_implementation, "build_s": build_s}
     print(json.dumps(head), flush=True)
     rows = [head, agreement(tr, a)]
     print(json.dumps(rows[-1]), flush=True)
@@ -196,7 +197,8 @@ def main(argv=None):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     ag = rows[1]
-    print(f"\nagreement ({str(tr.dtype).removeprefix('torch.')}, one group): packed vs padded loss {ag['packed']['loss_rel']:.2e}, LoRA grads "
+    dtype = str(tr.dtype).removeprefix("torch.")
+    print(f"\nagreement ({dtype}, one group): packed vs padded loss {ag['packed']['loss_rel']:.2e}, LoRA grads "
           f"{ag['packed']['grad_rel']:.2e} (worst tensor {ag['packed']['grad_rel_worst_tensor']:.2e}); noise floor "
           f"(padded, each completion alone) {ag['noise_floor']['loss_rel']:.2e} / {ag['noise_floor']['grad_rel']:.2e}"
           f" -> {'OK' if ag['ok'] else 'FAIL'}")
