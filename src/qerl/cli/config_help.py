@@ -24,7 +24,7 @@ GROUPS = {
              "importance_sampling_correction", "importance_sampling_cap", "reward_weights"),
     "optimization": ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
                      "adam_epsilon", "max_grad_norm", "optim", "max_steps", "per_device_train_batch_size",
-                     "gradient_accumulation_steps", "gradient_checkpointing", "logprob_chunk_size", "seed"),
+                     "gradient_accumulation_steps", "gradient_checkpointing", "logprob_chunk_size", "packed_update", "seed"),
     "AQN": ("aqn", "aqn_schedule", "aqn_stages", "aqn_sigma_start", "aqn_sigma_end", "aqn_adaptive_signal",
             "aqn_adaptive_target", "aqn_adaptive_gain", "aqn_in_training"),
     "evaluation": ("eval_steps", "eval_on_start", "eval_on_end", "eval_dataset_name", "eval_dataset_config",

@@ -70,6 +70,9 @@ class GRPOConfig:
                                              "free memory, chosen and printed at start).")
     logprob_chunk_size: int | None = _f(None, "Tokens per chunk when computing log-probabilities and entropies (null: "
                                         "the largest of 256..8192 whose fp32 logits take <= 5% of the free memory).")
+    packed_update: bool = _f(True, "Pack each group's prompt (once) and its completions into one row with a "
+                             "prefix-sharing mask: no padding, the prompt's forward and backward once per group "
+                             "(same loss and gradients as separate rows).")
     # --- GRPO / DAPO -------------------------------------------------------------------------
     num_generations: int = _f(8, "Completions per prompt (G).")
     max_prompt_length: int = _f(512, "Prompts longer than this (in tokens) are left-truncated.")

@@ -45,19 +45,24 @@ def _chunk_stats(h, w, targets, inv_temp: float, want_entropy: bool):
 
 
 def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float = 1.0, chunk: int = 1024,
-                        entropy: bool = True, entropy_grad: bool = False):
+                        entropy: bool = True, entropy_grad: bool = False, *, position_ids=None, rows=None):
     """(logprobs [B, L], entropies [B, L]) of `targets` under softmax(logits / temperature);
     zero where mask is False. Logprobs are differentiable when grad is enabled; entropies only with
-    entropy_grad (an entropy bonus in the loss), else detached."""
+    entropy_grad (an entropy bonus in the loss), else detached.
+
+    pos [B, L]: the index of the hidden state predicting each target, in row `rows` [B, L] of the
+    model's output (default: row b for completion b, as pad_batch lays them out). Packed rows
+    (rl/packing.py) pass their own position_ids and a prepared 4D mask as `att`."""
     dev = model.get_input_embeddings().weight.device
     ids, att, pos, targets, mask = (x.to(dev) for x in (ids, att, pos, targets, mask))
-    hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state  # [B, T, D]
+    kw = {} if position_ids is None else {"position_ids": position_ids.to(dev), "use_cache": False}
+    hidden = model.model(input_ids=ids, attention_mask=att, **kw).last_hidden_state  # [rows, T, D]
     head = model.lm_head
     if getattr(head, "bias", None) is not None:
         raise ValueError("completion_logprobs: an lm_head with a bias is not supported")
     b, lc = pos.shape
-    rows = torch.arange(b, device=dev)[:, None].expand(b, lc)[mask]
-    h = hidden[rows, pos[mask]]  # [N, D] only the real completion positions
+    rows = torch.arange(b, device=dev)[:, None].expand(b, lc) if rows is None else rows.to(dev)
+    h = hidden[rows[mask], pos[mask]]  # [N, D] only the real completion positions
     tg = targets[mask]
     lps, ents = [], []
     grad = torch.is_grad_enabled()

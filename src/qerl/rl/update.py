@@ -16,6 +16,7 @@ from ..layers import adapters_disabled, unfused_lora
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
 from .loss import policy_loss
+from .packing import FLEX, PackedBatch, attention_kind, has_sliding_window, packed_micro_batches, use_flex_attention
 
 TOKEN_MEAN_OVER_UPDATE = ("dapo", "cispo")  # losses normalised by the whole update's tokens (norm_tokens)
 
@@ -27,13 +28,39 @@ class TrainingError(RuntimeError):
 class PolicyUpdate:
     def __init__(self, trainer):
         self.tr = trainer
+        self._kind = None  # the mask kind packed rows need (packing.attention_kind), found on first use
 
-    def logprobs(self, mb: MicroBatch, grad: bool):
+    def packed_kind(self) -> str | None:
+        """The attention-mask kind for packed rows, or None: padded micro-batches (packed_update off, or
+        an attention that takes no packed mask)."""
+        tr = self.tr
+        if not tr.cfg.packed_update:
+            return None
+        if self._kind is None:
+            # the GPU needs FlexAttention's block sparsity: a dense mask would compute the masked-out
+            # blocks of a row's other completions (a long row costs more attention than padded rows)
+            if tr.device.type == "cuda":
+                self._kind = FLEX if not has_sliding_window(tr.model) and use_flex_attention(tr.model) else ""
+            else:
+                self._kind = attention_kind(tr.model) or ""
+            if not self._kind:
+                print(f"qerl: packed_update: attention {tr.model.config._attn_implementation!r} takes no "
+                      "packed mask here; training on padded micro-batches", flush=True)
+        return self._kind or None
+
+    def micro_batches(self, batch: RolloutBatch) -> list:
+        tr = self.tr
+        size, pad, kind = tr.cfg.per_device_train_batch_size, tr.tok.pad_token_id or 0, self.packed_kind()
+        if kind is None:
+            return micro_batches(batch, size, pad, tr.device)
+        return packed_micro_batches(batch, size, pad, tr.device, kind, tr.dtype)
+
+    def logprobs(self, mb: MicroBatch | PackedBatch, grad: bool):
         cfg = self.tr.cfg
         with torch.set_grad_enabled(grad), unfused_lora():
             # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
             # top-entropy token selection's input), detached
-            return completion_logprobs(self.tr.model, *mb.model_inputs(), temperature=cfg.temperature,
+            return completion_logprobs(self.tr.model, **mb.model_inputs(), temperature=cfg.temperature,
                                        chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coeff > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
@@ -49,7 +76,7 @@ class PolicyUpdate:
             return tr.noise(sigma, seed) if cfg.aqn_in_training else contextlib.nullcontext()
 
         with prof.phase("logprob"):
-            batches = micro_batches(batch, cfg.per_device_train_batch_size, tr.tok.pad_token_id or 0, dev)
+            batches = self.micro_batches(batch)  # MicroBatch or packing.PackedBatch: the same [B, L] data
             old, ref, ent = [None] * len(batches), None, []
             with noise_train():
                 if not single:  # the sampling policy's logprobs before any update (PPO's old policy)
