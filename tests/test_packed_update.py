@@ -192,3 +192,46 @@ def test_a_dense_row_is_cut_at_max_row_and_each_part_repeats_the_prompt():
         lp, _ = completion_logprobs(tr.model, cut.input_ids, allowed(cut.segment)[:, None], cut.hidden_index,
                                     cut.targets, mask, position_ids=cut.position_ids, rows=cut.hidden_row)
     assert (lp[pad.mask] - ref[pad.mask]).abs().max() < 1e-5  # (tool tokens: out of the padded mask)
+
+
+class _HiddenStub(torch.nn.Module):
+    """A 'model' whose body returns a fixed hidden-state tensor: completion_logprobs' gather alone."""
+
+    def __init__(self, hidden, vocab: int):
+        super().__init__()
+        self.hidden = torch.nn.Parameter(hidden)
+        self.lm_head = torch.nn.Linear(hidden.shape[-1], vocab, bias=False)
+
+    def get_input_embeddings(self):
+        return self.lm_head
+
+    def model(self, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(last_hidden_state=self.hidden)
+
+
+def test_the_gradient_of_a_shared_hidden_state_adds_up_in_the_same_order_every_run():
+    """Packed rows read a prompt's last hidden state once per completion; the CPU's advanced-index
+    backward adds such repeats with atomics (threads race), which made two identical runs differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        stub = _HiddenStub(torch.randn(3, 272, 576, generator=g), vocab=8)
+        b, lc = 200, 25
+        rows = torch.randint(0, 3, (b, lc), generator=g)
+        pos = torch.randint(0, 272, (b, lc), generator=g)
+        rows[:, 0], pos[:, 0] = 0, 53  # every completion's first token from one shared state
+        targets = torch.randint(0, 8, (b, lc), generator=g)
+        mask = torch.ones(b, lc, dtype=torch.bool)
+        grads = []
+        for _ in range(4):
+            stub.zero_grad()
+            lp, _ = completion_logprobs(stub, torch.zeros(3, 272, dtype=torch.long), torch.ones(3, 272), pos, targets,
+                                        mask, rows=rows, entropy=False)
+            lp.sum().backward()
+            grads.append(stub.hidden.grad.clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(grads[0], x) for x in grads[1:])

@@ -62,7 +62,12 @@ def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float 
         raise ValueError("completion_logprobs: an lm_head with a bias is not supported")
     b, lc = pos.shape
     rows = torch.arange(b, device=dev)[:, None].expand(b, lc) if rows is None else rows.to(dev)
-    h = hidden[rows[mask], pos[mask]]  # [N, D] only the real completion positions
+    r, p = rows[mask], pos[mask]
+    # [N, D] only the real completion positions. Packed rows read one hidden state several times (a
+    # prompt's last predicts each completion's first): its gradient adds up, which the CPU's advanced-
+    # index backward does with atomics in any order (run-to-run different); index_select's backward
+    # adds in index order there. On CUDA it is the reverse (index_add has atomics, __getitem__ sorts).
+    h = hidden.flatten(0, 1).index_select(0, r * hidden.shape[1] + p) if dev.type == "cpu" else hidden[r, p]
     tg = targets[mask]
     lps, ents = [], []
     grad = torch.is_grad_enabled()
