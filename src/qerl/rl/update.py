@@ -3,6 +3,8 @@
 Logprobs of the old policy (PPO's, when there is more than one update per rollout) and of the KL
 reference (the base: adapters off) come first, timed as `logprob`; then the optimizer updates,
 timed as `update`. The ranks average gradients once per update and step their optimizers together.
+With packed_update each micro-batch is packed (rl/packing.py: a group's prompt once, no padding);
+the loss sees the same per-completion [B, L] tensors either way.
 """
 
 from __future__ import annotations
