@@ -27,7 +27,8 @@ def _trainer(out, reward_funcs=(sevens,), **kw):
     pol.tokenizer = tiny_tokenizer()
     base = dict(max_steps=4, generation_batch_size=16, num_generations=4, per_device_train_batch_size=4,
                 gradient_accumulation_steps=2, max_completion_length=12, max_prompt_length=64, learning_rate=1e-2,
-                aqn_stages=2, output_dir=str(out), save_steps=2, report_to="none")
+                aqn_stages=2, output_dir=str(out), save_steps=2, report_to="none",
+                device="cpu")  # the policy is built on the CPU: keep the trainer there on GPU machines too
     merged = {**base, **kw}
     merged["aqn_stages"] = min(merged["aqn_stages"], merged["max_steps"])
     cfg = GRPOConfig(**merged)
