@@ -9,6 +9,7 @@
 # come back as $OUT/study.tgz (no weights); carried back as runs/study.tgz, a later cold call
 # skips the runs that finished (and restarts the others from step 0).
 #   bash scripts/device_study.sh carry1        # first call (carry .dev_w1 .whl)
+#   bash scripts/device_study.sh setup         # or: only assemble and convert the model (carry .dev_w2)
 #   bash scripts/device_study.sh run           # then, again and again (carry .dev_w2 [runs/study.tgz])
 #   GRPO_ARMS=bf16,nvfp4_aqn bash scripts/device_study.sh run   # and a GRPO grid beside the DAPO one
 set -uo pipefail
@@ -33,6 +34,7 @@ if [ ! -f /tmp/site/.smollm2_ok ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown} QERL_CACHE=/tmp/qerl_cache
 python3 -c "from qerl.model.smollm2 import smollm2_path; print('model:', smollm2_path())" || exit 1  # convert once
+[ "${1:-run}" = setup ] && exit 0  # the model is ready (scripts/device_default_run.sh starts this way)
 S=/tmp/study; mkdir -p $S
 [ -f runs/study.tgz ] && [ ! -f $S/.unpacked ] && tar xzf runs/study.tgz -C $S && touch $S/.unpacked
 END=${END:-570}  # seconds into this call by which the runs must have stopped
