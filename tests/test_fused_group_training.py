@@ -340,3 +340,36 @@ def test_unfused_lora_no_grad_logprobs_equal_the_grad_pass_bit_for_bit(base, qua
     with torch.no_grad():  # the rollout-style kernels (LoRA in the epilogue): other roundings allowed
         fast, _ = completion_logprobs(fused, *batch, chunk=3)
     torch.testing.assert_close(fast, old, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_in_another_dtype_than_the_activations():
+    """bf16 weights and activations with fp32 adapters: the expand is cast as on the member path."""
+    torch.manual_seed(0)
+    ws = [torch.randn(n, 64) * 0.05 for n in (64, 32, 32)]
+    gs = get_format("nvfp4").global_scale(ws)
+    parent = nn.Module()
+    for a, w in zip(QKV, ws):
+        layer = QLoRALinear.from_weight(w, "nvfp4", global_scale=gs, dtype=torch.bfloat16)
+        layer.add_lora(4, 8, dtype=torch.float32)
+        nn.init.normal_(layer.lora_B.weight, std=0.1)
+        setattr(parent, a, layer)
+    g = fuse(parent, QKV)
+    assert g is not None and g.A_cat.dtype == torch.float32
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+
+    def run():
+        ys = [getattr(parent, a)(x) for a in QKV]
+        sum((y.float() * torch.linspace(-1, 1, y.shape[-1])).sum() for y in ys).backward()
+        out = [y.detach() for y in ys], [p.grad.clone() for p in parent.parameters() if p.grad is not None]
+        parent.zero_grad()
+        return out
+
+    yf, gf = run()
+    with members_one_by_one():
+        ym, gm = run()
+    for a, b in zip(yf, ym):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b)
+    assert len(gf) == len(gm) == 6
+    for a, b in zip(gf, gm):
+        assert a.dtype == torch.float32 and rel(a, b) < 1e-5
