@@ -373,3 +373,13 @@ def test_adapters_in_another_dtype_than_the_activations():
     assert len(gf) == len(gm) == 6
     for a, b in zip(gf, gm):
         assert a.dtype == torch.float32 and rel(a, b) < 1e-5
+
+
+def test_unfused_lora_under_inference_mode(base):
+    """Inference tensors have no version counter: each member's call runs the group (nothing kept)."""
+    fused, _ = pair(base)
+    with torch.no_grad(), unfused_lora():
+        want = fused(IDS).logits
+    with torch.inference_mode(), unfused_lora():
+        got = fused(IDS).logits
+    assert torch.equal(got, want)

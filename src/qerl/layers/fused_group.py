@@ -309,8 +309,11 @@ class QuantGroup:
         y = dispatch.base_matmul(x, self.fmt, self.tensors, self.shape, self.bias, lora=lora)
         return tuple(y.split(self.rows, dim=-1))
 
-    def _call_key(self, x: torch.Tensor) -> tuple:
-        """What a kept output depends on besides x's identity (x itself unchanged, the mode, the adapters)."""
+    def _call_key(self, x: torch.Tensor) -> tuple | None:
+        """What a kept output depends on besides x's identity (x itself unchanged, the mode, the adapters);
+        None for an inference tensor (no version counter to tell an in-place change: nothing is kept)."""
+        if x.is_inference():
+            return None
         ms = self.members
         lora = () if self.A_cat is None else (self.A_cat._version, self.B_cat._version)
         return (x._version, torch.is_grad_enabled(), _FUSE_LORA[-1], _TRAIN_FUSED[-1], torch.is_autocast_enabled(),
@@ -328,7 +331,7 @@ class QuantGroup:
             return None
         i = self.members.index(member)
         key, kept = self._call_key(x), self._kept
-        if kept is not None and kept[0]() is x and kept[1] == key and kept[2][i] is not None:
+        if key is not None and kept is not None and kept[0]() is x and kept[1] == key and kept[2][i] is not None:
             y, kept[2][i] = kept[2][i], None
             if all(o is None for o in kept[2]):
                 self._kept = None
@@ -339,7 +342,8 @@ class QuantGroup:
             return None
         outs = list(self._train(x, use_lora))
         y, outs[i] = outs[i], None
-        self._kept = (weakref.ref(x), key, outs)
+        if key is not None:
+            self._kept = (weakref.ref(x), key, outs)
         return y
 
     forward = __call__
