@@ -135,7 +135,7 @@ class _GroupTrainMatmul(torch.autograd.Function):
         xa = torch.nn.functional.linear(xc, g.A_cat)  # [..., S*r]: one shrink, one read of x, for the group
         ctx.save_for_backward(xc, xa, *params)
         r, scaling = g.members[0].r, g.members[0].scaling
-        if y.dtype == xa.dtype and y.is_contiguous():
+        if y.dtype == xa.dtype == g.B_cat.dtype and y.is_contiguous():
             # each member's expand accumulated into its columns by the GEMM itself (beta = 1): no
             # [M, n] temporaries and no extra elementwise passes over y. (At training sizes no kernel
             # fuses the expand into the base matmul's epilogue: dispatch.LoraTerm would add it after.)
