@@ -196,7 +196,8 @@ def main(argv=None) -> int:
             f"{'calls f/m':>13} {'grad err f':>10} {'grad err m':>10} {'ok':>3}")
     print(head)
     for r in rows:
-        calls = f"{r['fused_calls']['fwd']}+{r['fused_calls']['bwd']}/{r['members_calls']['fwd']}+{r['members_calls']['bwd']}"
+        fc, mc = r["fused_calls"], r["members_calls"]
+        calls = f"{fc['fwd']}+{fc['bwd']}/{mc['fwd']}+{mc['bwd']}"
         print(f"{r['group']:8} {r['M']:5d} {r['fused_fwd_bwd_ms']:9.3f} {r['members_fwd_bwd_ms']:10.3f} "
               f"{r['speedup_fwd_bwd']:5.2f} {r['fused_fwd_ms']:9.3f} {r['members_fwd_ms']:9.3f} {calls:>13} "
               f"{r['fused_grad_err']:10.2e} {r['members_grad_err']:10.2e} {'yes' if r['ok'] else 'NO':>3}")
