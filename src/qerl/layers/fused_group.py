@@ -11,6 +11,13 @@ adapters and one base matmul whose epilogue adds each member's expand. There is
 no copy to keep in sync: an optimizer's in-place step on a member is what the
 group reads.
 
+Training runs through the group too (`_GroupTrainMatmul`): one base matmul, one
+shrink and the members' expands forward; one base grad-input, one LoRA grad-input
+and one grad of A_cat backward, the gradients landing on the members' own
+parameters. The model's attention and MLP call their members one by one (q_proj(h),
+k_proj(h), ...): the first member's call computes the whole group and the others
+pick up their columns (`member_forward`).
+
 Anything that rebinds a member's tensors (`.to()`, `load_quantized` on a layer
 outside a group, `add_lora`) breaks the sharing; the group notices (pointer
 check) and runs its members one by one until `attach_lora()` rebuilds it.
@@ -18,11 +25,14 @@ check) and runs its members one by one until `attach_lora()` rebuilds it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..formats import NF4
 from ..kernels import dispatch
@@ -32,6 +42,19 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 TILE_ROWS = 16  # kernel layouts store rows in tiles of 16 (formats/nvfp4_mma.py): members must start on one
 _REGISTRY = "_qerl_groups"  # parent module attribute: {member attribute names: QuantGroup}
+_TRAIN_FUSED = [True]
+
+
+@contextlib.contextmanager
+def members_one_by_one():
+    """Run the groups' training computation (grad enabled, or `unfused_lora`) member by member, as
+    before groups trained fused: for A/B measurements and as the tests' reference. Both passes of a
+    PPO step must run under the same setting (their logprobs are compared bit for bit)."""
+    _TRAIN_FUSED.append(False)
+    try:
+        yield
+    finally:
+        _TRAIN_FUSED.pop()
 
 
 def row_split(fmt, rows: Sequence[int], k: int) -> dict[str, list[int] | None] | str:
@@ -83,6 +106,74 @@ def why_not_fusable(members: Sequence[QLoRALinear]) -> str | None:
             if any(not torch.equal(t.view(torch.uint8), ts[0].view(torch.uint8)) for t in ts):
                 return f"{key} differs between members (a fused group needs one)"
     return None
+
+
+class _GroupTrainMatmul(torch.autograd.Function):
+    """A group's training matmul, all members at once: y[:, rows of s] = x·Ŵ_sᵀ + b_s +
+    scaling·(x·A_sᵀ)·B_sᵀ, then split by the caller.
+
+    Against the members one by one (each its own `_FrozenQuantMatmul`, shrink and expand): one base
+    matmul forward and one base grad-input backward over the group's [N_total, K] storage instead
+    of S each, so the weight is dequantized once per group per pass, not once per member, and x /
+    grad_y are read once; one shrink x·A_catᵀ for every adapter (one read of x); backward's LoRA
+    grad-input d_xa·A_cat and gradient of A_cat d_xaᵀ·x one matmul each. Only what involves a
+    member's own B stays per member (its expand, its slice of d_xa, its dB). Fewer, larger launches.
+
+    Inputs: x, the group, whether the adapters run, then the members' lora_A weights and their
+    lora_B weights: the leaves (row views of A_cat / B_cat), so autograd accumulates each member's
+    gradient into its own .grad, as on the member-by-member path. Tensors the backward reads are
+    saved with save_for_backward, so gradient checkpointing frees and recomputes them."""
+
+    @staticmethod
+    def forward(ctx, x, group, use_lora, *params):
+        g = group
+        ctx.group, ctx.use_lora = g, use_lora
+        y = dispatch.base_matmul(x, g.fmt, g.tensors, g.shape, g.bias)  # one pass over the group's weight
+        if not use_lora:
+            return y
+        xc = x.to(g.A_cat.dtype)  # the adapters' dtype, as the member path casts x for lora_A
+        xa = torch.nn.functional.linear(xc, g.A_cat)  # [..., S*r]: one shrink, one read of x, for the group
+        ctx.save_for_backward(xc, xa, *params)
+        r, scaling = g.members[0].r, g.members[0].scaling
+        if y.dtype == xa.dtype == g.B_cat.dtype and y.is_contiguous():
+            # each member's expand accumulated into its columns by the GEMM itself (beta = 1): no
+            # [M, n] temporaries and no extra elementwise passes over y. (At training sizes no kernel
+            # fuses the expand into the base matmul's epilogue: dispatch.LoraTerm would add it after.)
+            y2, xa2 = y.view(-1, y.shape[-1]), xa.view(-1, xa.shape[-1])
+            for s, (a, b) in enumerate(zip(g.bounds[:-1], g.bounds[1:])):
+                y2[:, a:b].addmm_(xa2[:, s * r:(s + 1) * r], g.B_cat[a:b].t(), alpha=scaling)
+            return y
+        # adapters in another dtype than the activations: the member path's arithmetic (expand, scale, cast)
+        return y + dispatch.lora_expand(dispatch.LoraTerm(xa, g.B_cat, scaling, g.seg_starts), y.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        g, need = ctx.group, ctx.needs_input_grad
+        S = len(g.members)
+        gx = dispatch.base_matmul_grad_input(gy, g.fmt, g.tensors, g.shape) if need[0] else None
+        if not ctx.use_lora:
+            return (gx, None, None)
+        xc, xa, *params = ctx.saved_tensors
+        bs = params[S:]
+        r, scaling, k = g.members[0].r, g.members[0].scaling, xc.shape[-1]
+        xc2, xa2 = xc.reshape(-1, k), xa.reshape(-1, S * r)
+        gl = gy.reshape(-1, gy.shape[-1]).to(xa.dtype)  # the LoRA branch's gradient, in the adapters' dtype
+        cols = [gl[:, a:b] for a, b in zip(g.bounds[:-1], g.bounds[1:])]
+        # per member (its own B): d_xa_s = scaling·gy_s·B_s, dB_s = scaling·gy_sᵀ·xa_s
+        d_xa = torch.cat([c @ b for c, b in zip(cols, bs)], dim=1).mul_(scaling)  # [M, S*r]
+        d_b = [(c.t() @ xa2[:, s * r:(s + 1) * r]).mul_(scaling) if need[3 + S + s] else None
+               for s, c in enumerate(cols)]
+        d_a = [None] * S
+        if any(need[3:3 + S]):
+            da = d_xa.t() @ xc2  # [S*r, K]: every member's dA in one matmul; rows s·r.. are member s's
+            d_a = [da[s * r:(s + 1) * r] if need[3 + s] else None for s in range(S)]
+        if gx is not None:  # the LoRA path's grad-input, d_xa·A_cat, one matmul added to the base's
+            if gx.is_contiguous() and gx.dtype == d_xa.dtype:
+                gx.view(-1, k).addmm_(d_xa, g.A_cat)
+            else:
+                gx = gx + (d_xa @ g.A_cat).to(gx.dtype).view(gx.shape)
+        return (gx, None, None, *d_a, *d_b)
 
 
 class QuantGroup:
@@ -148,6 +239,7 @@ class QuantGroup:
                 m.lora_B.weight = nn.Parameter(b, requires_grad=m.lora_B.weight.requires_grad)
         self._ptrs = self._member_ptrs()
         self._warned = False
+        self._kept = None  # member_forward: (x, its key, the members' outputs not yet taken)
 
     def _member_ptrs(self) -> tuple[int, ...]:
         out = []
@@ -163,10 +255,20 @@ class QuantGroup:
         """Whether every member still views the group's storage (nothing rebound them since)."""
         return self._member_ptrs() == self._ptrs
 
+    @staticmethod
+    def _training() -> bool:
+        """Whether calls take the training computation (`_GroupTrainMatmul`): autograd on, or under
+        `unfused_lora` (a no-grad pass, PPO's old policy, that must give the numbers of the
+        grad-enabled pass bit for bit: so it runs the very same computation)."""
+        return torch.is_grad_enabled() or not _FUSE_LORA[-1]
+
     def _fused_lora(self) -> bool | None:
         """How to run now: True (one call with the adapters), False (one call, base only), or None
-        (member by member: autograd, unfused_lora, training-mode dropout, mixed adapter states)."""
-        if torch.is_grad_enabled() or not _FUSE_LORA[-1]:
+        (member by member: training-mode dropout, mixed adapter states, differing scalings, storage no
+        longer shared; when training, also a trainable bias or inside `members_one_by_one`). The
+        answer does not depend on grad mode, so a grad pass and an unfused_lora pass agree on it."""
+        if self._training() and (not _TRAIN_FUSED[-1] or any(m.bias is not None and m.bias.requires_grad
+                                                             for m in self.members)):
             return None
         active = [bool(m.r) and not m.disable_adapters for m in self.members]
         if not any(active):
@@ -187,11 +289,18 @@ class QuantGroup:
             return None
         return use
 
+    def _train(self, x: torch.Tensor, use_lora: bool) -> tuple[torch.Tensor, ...]:
+        ms = self.members
+        params = [m.lora_A.weight for m in ms] + [m.lora_B.weight for m in ms] if use_lora else []
+        return _GroupTrainMatmul.apply(x, self, use_lora, *params).split(self.rows, dim=-1)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The members' outputs (column slices of one matmul where possible)."""
         use_lora = self._fused_lora()
         if use_lora is None:
             return tuple(m(x) for m in self.members)
+        if self._training():
+            return self._train(x, use_lora)
         lora = None
         if use_lora:
             # One shrink x·A_catᵀ for every member; handing over A_cat (not xa) lets a kernel that can
@@ -199,6 +308,43 @@ class QuantGroup:
             lora = dispatch.LoraTerm(None, self.B_cat, self.members[0].scaling, self.seg_starts, a=self.A_cat)
         y = dispatch.base_matmul(x, self.fmt, self.tensors, self.shape, self.bias, lora=lora)
         return tuple(y.split(self.rows, dim=-1))
+
+    def _call_key(self, x: torch.Tensor) -> tuple | None:
+        """What a kept output depends on besides x's identity (x itself unchanged, the mode, the adapters);
+        None for an inference tensor (no version counter to tell an in-place change: nothing is kept)."""
+        if x.is_inference():
+            return None
+        ms = self.members
+        lora = () if self.A_cat is None else (self.A_cat._version, self.B_cat._version)
+        return (x._version, torch.is_grad_enabled(), _FUSE_LORA[-1], _TRAIN_FUSED[-1], torch.is_autocast_enabled(),
+                lora, tuple((m.disable_adapters, m.r and m.scaling, m.lora_dropout.training) for m in ms))
+
+    def member_forward(self, member: QLoRALinear, x: torch.Tensor) -> torch.Tensor | None:
+        """member(x) through the group's training computation, or None: the member runs alone (no
+        training computation now, or a fallback of `_fused_lora`).
+
+        The model's attention and MLP call their members in turn on one input (q_proj(h), k_proj(h),
+        v_proj(h); gate_proj(x), up_proj(x)). The first call runs the whole group and keeps the other
+        members' columns; their calls with the same tensor, unchanged and in the same mode, take
+        them. Any other call runs the group again (correct, at the cost of the others' columns)."""
+        if not self._training():
+            return None
+        i = self.members.index(member)
+        key, kept = self._call_key(x), self._kept
+        if key is not None and kept is not None and kept[0]() is x and kept[1] == key and kept[2][i] is not None:
+            y, kept[2][i] = kept[2][i], None
+            if all(o is None for o in kept[2]):
+                self._kept = None
+            return y
+        self._kept = None
+        use_lora = self._fused_lora()
+        if use_lora is None:
+            return None
+        outs = list(self._train(x, use_lora))
+        y, outs[i] = outs[i], None
+        if key is not None:
+            self._kept = (weakref.ref(x), key, outs)
+        return y
 
     forward = __call__
 

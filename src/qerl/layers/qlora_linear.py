@@ -29,8 +29,9 @@ _FUSE_LORA = [True]
 
 @contextlib.contextmanager
 def unfused_lora():
-    """Run no-grad forwards on the training path (base matmul, then the LoRA term), so that a
-    no-grad logprob pass gives bit-for-bit the numbers of the grad-enabled one (PPO's old policy)."""
+    """Run no-grad forwards on the training path (base matmul, then the LoRA term; a fused group's
+    training computation), so that a no-grad logprob pass gives bit-for-bit the numbers of the
+    grad-enabled one (PPO's old policy)."""
     _FUSE_LORA.append(False)
     try:
         yield
@@ -189,6 +190,10 @@ class QLoRALinear(nn.Module):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:  # training: the whole fused group in one pass (fused_group.member_forward)
+            y = self.group.member_forward(self, x)
+            if y is not None:
+                return y
         if self.r and not self.disable_adapters and not torch.is_grad_enabled() and _FUSE_LORA[-1]:
             # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it;
             # without active dropout the shrink too (A handed over, the kernel computes x·Aᵀ in its launch).
