@@ -24,8 +24,8 @@ tune)
   }
   for s in 0 1; do
     for lr in 5e-5 1e-4; do
-      for b in 64 128; do run gpu_lr${lr}_b${b}_s$s --learning_rate $lr --per_device_train_batch_size $b --max_steps 80 --eval_steps 20 & done
-      run cpu_lr${lr}_s$s $CPUCFG --learning_rate $lr --max_steps 45 --eval_steps 15 &
+      for b in 64 128; do run gpu_lr${lr}_b${b}_s$s --seed $s --learning_rate $lr --per_device_train_batch_size $b --max_steps 80 --eval_steps 20 & done
+      run cpu_lr${lr}_s$s $CPUCFG --seed $s --learning_rate $lr --max_steps 45 --eval_steps 15 &
     done
   done
   wait
