@@ -1,16 +1,19 @@
-"""Per-sample length limits (SamplingParams.sample_max_new_tokens).
+"""Per-sample length limits (SamplingParams.sample_max_new_tokens) and bench step's varied lengths.
 
 The engine must really stop each sample at its own limit (not trim afterwards) without disturbing
 the others: on the CPU, sampling is keyed per (prompt, sample, position), so a limited sample's
 tokens are the first tokens of the same sample generated without limits.
 """
 
+import argparse
 import dataclasses
+import statistics
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from qerl.bench.synthetic import VARIED_HI, VARIED_LO, varied_length, varied_limits
 from qerl.rollout import Engine, SamplingParams
 from tiny_models import config
 
@@ -131,3 +134,49 @@ def test_the_slot_limits_are_per_slot_state_refilled_in_place(model):
     st.limit[2], st.active[2] = 5, True
     st.move(2, 0)
     assert int(st.limit[0]) == 5 and not st.active[2]
+
+
+# ---- bench step's varied lengths ---------------------------------------------------------------------------
+
+def test_varied_lengths_are_deterministic_within_bounds_with_mean_40_percent():
+    M = 2048
+    draws = [varied_length(0, i, j, M) for i in range(500) for j in range(8)]
+    assert draws == [varied_length(0, i, j, M) for i in range(500) for j in range(8)]  # a pure function
+    assert draws != [varied_length(1, i, j, M) for i in range(500) for j in range(8)]  # the seed matters
+    assert all(1 <= d <= M for d in draws)
+    assert min(draws) >= round(VARIED_LO * M) and max(draws) <= round(VARIED_HI * M)
+    assert abs(statistics.mean(draws) / M - 0.40) < 0.01
+    assert len(set(draws)) > 1000  # spread, not a few values
+    # tiny limits: still >= 1 and <= the limit
+    assert all(1 <= varied_length(s, i, 0, m) <= m for s in range(3) for i in range(50) for m in (1, 2, 3, 10))
+    f = varied_limits(5, 300)
+    assert f(3, 4) == varied_length(5, 3, 4, 300)
+
+
+def test_bench_step_varied_case(tmp_path):
+    """The trainer's own step on the toy shape: completions end at their drawn limits, the case says so."""
+    from qerl.bench import step as bstep
+
+    def _args(extra):
+        ap = argparse.ArgumentParser()
+        bstep.add_shape_args(ap)
+        ap.add_argument("--quant", default="nvfp4")
+        ap.add_argument("--logprob-chunk", type=int, default=None)
+        ap.add_argument("--kv-cache-gb", type=float, default=None)
+        ap.add_argument("--optim", default="adamw_torch")
+        return ap.parse_args(["--shape", "tiny", "--device", "cpu", "--prompts", "2", "--num-generations", "4",
+                              "--prompt-len", "12", "--micro-batch", "4", *extra])
+
+    a = _args(["--out", str(tmp_path), "--max-new-tokens", "40", "--lengths", "varied", "--seed", "3"])
+    res = bstep.run_case(a)
+    assert res["fits"], res
+    assert "varied lengths (mean 40%)" in res["case"] and res["lengths"] == "varied"
+    for k in ("rollout_s", "update_s", "step_s"):
+        assert res[k] > 0
+    # the tiny model's vocabulary is small enough for EOS to come early now and then: at most the limits
+    limits = [varied_length(3, i, j, 40) for i in range(2) for j in range(4)]
+    assert 0 < res["completion_length_mean"] <= sum(limits) / len(limits) + 1e-6
+    assert res["completion_length_fraction"] == pytest.approx(res["completion_length_mean"] / 40)
+    assert res["truncated_fraction"] == 0  # no limit reaches 40 (at most 75 %)
+    assert bstep.case_name(_args([]), "nvfp4") == bstep.case_name(_args(["--lengths", "max"]), "nvfp4")
+    assert "varied" not in bstep.case_name(_args([]), "nvfp4")
