@@ -180,3 +180,17 @@ def test_bench_step_varied_case(tmp_path):
     assert res["truncated_fraction"] == 0  # no limit reaches 40 (at most 75 %)
     assert bstep.case_name(_args([]), "nvfp4") == bstep.case_name(_args(["--lengths", "max"]), "nvfp4")
     assert "varied" not in bstep.case_name(_args([]), "nvfp4")
+
+
+def test_trl_rows_end_at_the_same_limits():
+    from qerl.bench.trl_step import EndAtLimits, row_limits
+
+    lim = torch.tensor(row_limits(4, 2, 3, 10))
+    assert lim.tolist() == [varied_length(3, 0, 0, 10), varied_length(3, 0, 1, 10), varied_length(3, 1, 0, 10),
+                            varied_length(3, 1, 1, 10)]
+    proc = EndAtLimits(torch.tensor([3, 4, 9, 3]), prompt_width=6, eos_id=1, vocab_size=8)
+    scores = torch.randn(4, 8)
+    out = proc(torch.zeros(4, 6 + 2, dtype=torch.long), scores)  # two tokens generated: the third is next
+    forced = [bool(torch.isinf(out[r]).sum() == 7 and out[r, 1] == 0) for r in range(4)]
+    assert forced == [True, False, False, True]  # the limit-3 rows sample EOS as their third token
+    assert torch.equal(out[1], scores[1]) and torch.equal(out[2], scores[2])
