@@ -4,7 +4,8 @@
 # and the log are bundled into $OUT/bundle.tgz after each case (a call returns at most 8 files,
 # and one cut off at its time limit keeps what finished). Comparisons can be recorded here too
 # (`qerl bench step --compare`), from the JSON files.
-#   bash scripts/device_step.sh a|b|c|levers  (a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout)
+#   bash scripts/device_step.sh a|b|c|levers|v  (a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout,
+#   v: 7B NVFP4 vs bf16 LoRA with completions that end at varied lengths, mean 40 % of the limit: --lengths varied)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -16,7 +17,7 @@ run() {  # name, timeout, module, args...
   timeout $t python3 -m qerl.bench.$mod "$@" --json $J/$name.json --record --results-dir $R --out /tmp/bs_$name \
     2>&1 | grep -v -i "warn" >> $L
   echo "### $name: exit $?" >> $L
-  grep -E "^(== |   )" $L | tail -4
+  grep -E "^(== |   )" $L | tail -5
   tar czf $OUT/bundle.tgz -C $W .
 }
 cmp() {  # a, b, metric, target
@@ -53,6 +54,13 @@ levers)  # the GPU tests of the cap, then the 7B lever sweep on its own
   timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_device_memory_gpu.py 2>&1 | tail -4
   run 7b_levers_256 150 step --shape qwen2.5-7b --max-new-tokens 256 $S --sweep-levers
   ;;
+v)  # the 7B step of case a at realistic lengths: each completion ends at its own limit (5-75 % of 2048)
+  run 7b_nvfp4_varied 240 step --shape qwen2.5-7b --max-new-tokens 2048 --lengths varied $S
+  run 7b_bf16_varied 240 step --shape qwen2.5-7b --quant bf16 --max-new-tokens 2048 --lengths varied $S
+  cmp 7b_nvfp4_varied 7b_bf16_varied step_s
+  cmp 7b_nvfp4_varied 7b_bf16_varied rollout_s
+  cmp 7b_nvfp4_varied 7b_bf16_varied update_s
+  ;;
 c)
   # caps in GiB equal to 40 GB and 80 GB (decimal); expandable segments keep reserved close to allocated
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 72b_cap80GB 330 step --shape qwen2.5-72b --prompts 8 \
@@ -65,4 +73,4 @@ c)
   ;;
 esac
 tar czf $OUT/bundle.tgz -C $W .
-echo "=== summary"; grep -E "^(== |   step|   memory|   OUT|### .*exit|.* vs .*->)" $L | tail -60
+echo "=== summary"; grep -E "^(== |   step|   completions|   memory|   OUT|### .*exit|.* vs .*->)" $L | tail -60

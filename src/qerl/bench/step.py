@@ -1,6 +1,7 @@
 """Full GRPO steps at a real model's shape on one GPU: time per phase, tokens/s, peak memory.
 
     qerl bench step --shape qwen2.5-7b --quant nvfp4 [--memory-cap-gb 80] [levers] [--json F] [--record]
+    qerl bench step ... --lengths varied     # completions end at varied lengths (mean 40 % of the limit)
     qerl bench step --compare A.json B.json --target ">=1.8"     # speedup of A over B, recorded
     torchrun --nproc_per_node N -m qerl bench step ...          # data-parallel (qerl bench scaling)
 
@@ -12,11 +13,18 @@ are captured) precedes the timed steps. The memory levers are the trainer's own 
 gradient checkpointing, logprob chunk, micro-batch, KV-cache budget, 8-bit AdamW; the memory
 cap makes the 139 GB H200 fail as a smaller card would. An out-of-memory error is a result
 (fits = false, with the phase it hit), not a crash.
+
+--lengths: random weights almost never sample EOS, so by default (max) every completion runs to
+--max-new-tokens, the worst case. `varied` gives each sample its own limit (bench/synthetic.py's
+varied_length: uniform on 5-75 % of the limit, mean 40 %) that the engine really stops at, so the
+rollout's batch shrinks as samples finish and the packed update costs the tokens produced, as in
+a real run; the case name says so and the result reports the mean completion length produced.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -37,6 +45,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-generations", type=int, default=8, help="G: completions per prompt")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=2048)
+    ap.add_argument("--lengths", default="max", choices=["max", "varied"],
+                    help="max: every completion runs to --max-new-tokens; varied: each ends at its own length, "
+                         "uniform on 5-75%% of it (mean 40%%)")
     ap.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
     ap.add_argument("--num-iterations", type=int, default=1, help="mu: policy updates per rollout batch")
     ap.add_argument("--lora-rank", type=int, default=32)
@@ -72,6 +83,10 @@ def case_name(a, quant: str) -> str:
     layers = f" {a.layers}L" if a.layers else ""
     if _world() > 1:
         lv.append(f"dp{_world()}")
+    if getattr(a, "lengths", "max") == "varied":
+        from .synthetic import VARIED_CASE
+
+        lv.append(VARIED_CASE)
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
             f"mu{a.num_iterations} " + " ".join(lv))
 
@@ -118,15 +133,32 @@ def build_policy(a):
     return pol, time.perf_counter() - t0
 
 
+def limit_samples(eng, limits) -> None:
+    """Every rollout of this engine (the trainer's) gives each sample its own length limit:
+    limits(prompt key, sample index) -> tokens (SamplingParams.sample_max_new_tokens). The trainer
+    keys prompts by their index in the step's global batch, so every step and every data-parallel
+    split draws the same limits."""
+    from ..rollout import SamplingParams
+
+    gen = eng.generate
+
+    def generate(prompts, n=1, params=None, **kw):
+        return gen(prompts, n, dataclasses.replace(params or SamplingParams(), sample_max_new_tokens=limits), **kw)
+
+    eng.generate = generate
+
+
 def _run_case(a, pol, build_s) -> dict:
     from ..rl import GRPOConfig, GRPOTrainer
     from ..rollout import SamplingParams
-    from .synthetic import random_prompts, synthetic_verifier
+    from .synthetic import random_prompts, synthetic_verifier, varied_limits
 
     dev = _rank_device(a)
+    lengths = getattr(a, "lengths", "max")
     res = {"case": case_name(a, a.quant), "shape": a.shape, "quant": a.quant, "rows": a.prompts * a.num_generations,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "fits": True,
-           "memory_cap_gib": a.memory_cap_gb, "world_size": _world()}
+           "memory_cap_gib": a.memory_cap_gb, "world_size": _world(), "lengths": lengths,
+           "max_new_tokens": a.max_new_tokens}
     if a.memory_cap_gb:
         from ..device_memory import set_memory_cap
 
@@ -164,6 +196,8 @@ def _run_case(a, pol, build_s) -> dict:
                          train_dataset=random_prompts(a.prompts * (a.steps + 1), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
+        if lengths == "varied":
+            limit_samples(eng, varied_limits(a.seed, a.max_new_tokens))
         res.update(optim=tr.optim_name, kv_slots=eng.n_slots, kv_cache_gib=eng.cache.nbytes() / 2**30,
                    trainable_params=sum(p.numel() for p in tr.params))
         if a.optim == "adamw_8bit" and "bitsandbytes" not in tr.optim_name:  # fell back: the case says what ran
@@ -176,7 +210,12 @@ def _run_case(a, pol, build_s) -> dict:
         tr.cfg.max_completion_length = min(16, a.max_new_tokens)
         tr.train_step()
         tr.cfg.max_completion_length = a.max_new_tokens
-        res["graphs_warmup"] = eng.warmup([min(n_rows, eng.n_slots)], SamplingParams(temperature=gcfg.temperature))
+        sizes = [min(n_rows, eng.n_slots)]
+        if lengths == "varied":  # the batch shrinks as samples end: its smaller buckets' graphs too, not in the step
+            from ..rollout.scheduler import BUCKETS
+
+            sizes = [x for x in BUCKETS if x < sizes[0]] + sizes
+        res["graphs_warmup"] = eng.warmup(sizes, SamplingParams(temperature=gcfg.temperature))
         res["warmup_s"] = time.perf_counter() - t0
         steps = []
         for _ in range(a.steps):
@@ -205,10 +244,15 @@ def _run_case(a, pol, build_s) -> dict:
                           "rollout_tokens_per_s": new_tokens / m["time_rollout"],
                           "step_tokens_per_s": (new_tokens + n_rows * a.prompt_len) / m["time_step"],
                           "graphs_captured": eng.stats.graphs_captured, "reward_mean": m["reward_mean"],
+                          "completion_length_mean": m["completion_length_mean"],
+                          "completion_length_max": m["completion_length_max"],
+                          "truncated_fraction": m["truncated_fraction"],
                           "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "peak": peak})
         res["steps"] = steps
-        for k in ("step_s", "rollout_s", "logprob_s", "update_s", "rollout_tokens_per_s", "step_tokens_per_s"):
+        for k in ("step_s", "rollout_s", "logprob_s", "update_s", "rollout_tokens_per_s", "step_tokens_per_s",
+                  "completion_length_mean", "truncated_fraction"):
             res[k] = sum(s[k] for s in steps) / len(steps)
+        res["completion_length_fraction"] = res["completion_length_mean"] / a.max_new_tokens  # of the limit
         res["new_tokens"] = steps[-1]["new_tokens"]
         if dev.type == "cuda":
             res["peak_allocated_gib"] = max(p["peak_allocated_gib"] for s in steps for p in s["peak"].values())
@@ -257,6 +301,10 @@ def report(res: dict, log=print) -> None:
     log(f"   step {res['step_s']:.2f} s = rollout {res['rollout_s']:.2f} + logprob {res['logprob_s']:.2f} + "
         f"update {res['update_s']:.2f}; {res['new_tokens']} new tokens, rollout {res['rollout_tokens_per_s']:.0f} tok/s, "
         f"step {res['step_tokens_per_s']:.0f} tok/s")
+    if "completion_length_mean" in res:
+        log(f"   completions ({res.get('lengths', 'max')} lengths): mean {res['completion_length_mean']:.1f} tokens "
+            f"= {100 * res['completion_length_fraction']:.1f}% of {res['max_new_tokens']}, "
+            f"{100 * res['truncated_fraction']:.0f}% cut at the limit")
     if "peak_allocated_gib" in res:
         log(f"   memory: model {res['model_gib']:.2f} GiB, after setup {res['setup_gib']:.2f}, peak allocated "
             f"{res['peak_allocated_gib']:.2f} (rollout {res['rollout_peak_gib']:.2f}, update {res['update_peak_gib']:.2f}), "
@@ -273,6 +321,8 @@ def record_case(res: dict, command: str, results_dir: Path, peak_target: str | N
         rec(m.replace("_s", "_time"), res[m], "s")
     rec("rollout_tokens_per_s", res["rollout_tokens_per_s"], "tok/s")
     rec("step_tokens_per_s", res["step_tokens_per_s"], "tok/s")
+    if res.get("completion_length_mean") is not None:
+        rec("completion_length_mean", res["completion_length_mean"], "tokens")
     if "peak_allocated_gib" in res:
         rec("peak_allocated", res["peak_allocated_gib"], "GiB", peak_target)
         rec("peak_reserved", res["peak_reserved_gib"], "GiB")

@@ -5,10 +5,17 @@ another vocabulary cannot decode. `synthetic_tokenizer` is a real Hugging Face f
 (word-level, one word per id: "t0" ... "tN") over the model's vocabulary size, so every id
 decodes and every prompt of n words is exactly n tokens; qerl and TRL both take it as they take
 any tokenizer. `synthetic_verifier` is a reward both call with their own reward signature.
+
+Random weights almost never sample EOS, so every completion runs to the length limit: the worst
+case. `varied_length` gives each sample its own limit instead (uniform on 5-75 % of the limit,
+mean 40 %), which the engine honours (SamplingParams.sample_max_new_tokens) and TRL's generate
+is made to honour (trl_step.EndAtLimits): completions that end at varied lengths, as a real run's do.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 
 PAD, EOS = "<pad>", "<eos>"
@@ -41,3 +48,21 @@ def synthetic_verifier(completions, **kwargs) -> list[float]:
         words = c.split()
         out.append(float(bool(words) and words[-1][1:].isdigit() and int(words[-1][1:]) % 2 == 0))
     return out
+
+
+VARIED_LO, VARIED_HI = 0.05, 0.75  # each sample's limit: uniform on [5 %, 75 %] of the limit, mean 40 %
+VARIED_CASE = "varied lengths (mean 40%)"
+
+
+def varied_length(seed: int, prompt: int, sample: int, max_new_tokens: int) -> int:
+    """Sample `sample` of prompt `prompt`'s length limit: uniform on [5 %, 75 %] of max_new_tokens
+    (mean 40 %), at least 1, a pure function of (seed, prompt, sample): the same in any process,
+    batch order or data-parallel split, and the same for qerl's engine and the TRL baseline."""
+    h = hashlib.blake2b(f"{seed}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    u = int.from_bytes(h, "little") / 2**64  # [0, 1)
+    return max(1, min(max_new_tokens, round(max_new_tokens * (VARIED_LO + (VARIED_HI - VARIED_LO) * u))))
+
+
+def varied_limits(seed: int, max_new_tokens: int):
+    """(prompt key, sample index) -> that sample's limit: SamplingParams.sample_max_new_tokens."""
+    return functools.partial(varied_length, seed, max_new_tokens=max_new_tokens)

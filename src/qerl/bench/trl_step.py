@@ -7,6 +7,12 @@ same seven linears at the same rank, TRL's transformers `generate` rollouts, its
 prompts, G, lengths, micro-batch, μ, gradient checkpointing, optimizer and synthetic verifier as
 qerl's `bench step`. TRL runs two optimizer steps; the second is timed (the first pays for
 warm-up). Rollout time is the time inside `generate`.
+
+--lengths varied: each sample gets the same limit as in qerl's `bench step` (synthetic.varied_length
+of (seed, prompt, sample); TRL's rows are each prompt's G samples in turn), and `generate` is made
+to sample EOS at it (`EndAtLimits`), so the sample really ends there, as it would by itself: it is
+finished and padded, and `generate` returns once the longest sample of the batch has ended (TRL
+without vLLM has no continuous batching), and the update pads to the longest completion.
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ from .record import RESULTS
 from .step import add_shape_args, case_name, record_case, report, shape_config
 
 CMD = "qerl bench trl_step"
+
+
+class EndAtLimits:
+    """A transformers logits processor: row r of a `generate` call samples EOS as its limits[r]-th new
+    token (all other tokens at -inf), so it ends there like a sample that ended by itself."""
+
+    def __init__(self, limits: torch.Tensor, prompt_width: int, eos_id: int, vocab_size: int):
+        self.limits, self.width = limits, prompt_width
+        self.eos_only = torch.full((vocab_size,), float("-inf"), device=limits.device)
+        self.eos_only[eos_id] = 0.0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        end = (input_ids.shape[1] - self.width + 1 >= self.limits)[:, None]  # this token is the limit-th
+        return torch.where(end, self.eos_only[: scores.shape[-1]].to(scores.dtype), scores)
+
+
+def row_limits(rows: int, G: int, seed: int, max_new_tokens: int) -> list[int]:
+    """The limits of a generate call's rows: prompt r // G, sample r % G (TRL repeats each prompt G times)."""
+    from .synthetic import varied_length
+
+    return [varied_length(seed, r // G, r % G, max_new_tokens) for r in range(rows)]
 TRL_OPTIM = {"adamw_8bit": "adamw_bnb_8bit", "adamw_torch": "adamw_torch"}
 
 
@@ -44,9 +71,11 @@ def run_case(a) -> dict:
         except Exception as e:  # noqa: BLE001
             print(f"trl_step: adamw_8bit unavailable ({type(e).__name__}); using adamw_torch")
             optim = "adamw_torch"
+    varied = getattr(a, "lengths", "max") == "varied"
     res = {"case": case_name(a, f"trl{trl.__version__}-peft-bf16"), "shape": a.shape, "quant": "trl-bf16",
            "rows": a.prompts * a.num_generations, "fits": True, "optim": optim,
-           "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+           "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "lengths": getattr(a, "lengths", "max"),
+           "max_new_tokens": a.max_new_tokens}
     if a.memory_cap_gb:
         from ..device_memory import set_memory_cap
 
@@ -101,6 +130,13 @@ def run_case(a) -> dict:
         gen = tr.model.generate
 
         def timed_generate(*x, **k):  # TRL calls the unwrapped (PEFT) model's generate
+            if varied:
+                from transformers import LogitsProcessorList
+
+                ids = k["input_ids"]
+                lim = torch.tensor(row_limits(ids.shape[0], a.num_generations, a.seed, a.max_new_tokens),
+                                   device=ids.device)
+                k["logits_processor"] = LogitsProcessorList([EndAtLimits(lim, ids.shape[1], 1, cfg.vocab_size)])
             if cuda:
                 torch.cuda.synchronize(dev)
             t = time.perf_counter()
@@ -118,6 +154,9 @@ def run_case(a) -> dict:
         hist = [h for h in tr.state.log_history if "completions/mean_length" in h]
         mean_len = hist[-1]["completions/mean_length"] if hist else float(a.max_new_tokens)
         new_tokens = int(mean_len * n_rows)
+        res.update(completion_length_mean=mean_len, completion_length_fraction=mean_len / a.max_new_tokens)
+        if hist and "completions/clipped_ratio" in hist[-1]:
+            res["truncated_fraction"] = hist[-1]["completions/clipped_ratio"]
         res.update(step_s=m["step_s"], rollout_s=m["rollout_s"] or None, logprob_s=None,
                    update_s=(m["step_s"] - m["rollout_s"]) if m["rollout_s"] else None, new_tokens=new_tokens,
                    warmup_s=marks[0]["step_s"], steps=marks,
@@ -139,7 +178,9 @@ def main(argv=None):
     if res["fits"]:
         print(f"== {res['case']} on {res['device']}\n   warm-up step {res['warmup_s']:.1f} s; timed step "
               f"{res['step_s']:.2f} s (generate {res['rollout_s'] or float('nan'):.2f} s), {res['new_tokens']} new "
-              f"tokens, peak {res.get('peak_allocated_gib', float('nan')):.2f} GiB allocated")
+              f"tokens, peak {res.get('peak_allocated_gib', float('nan')):.2f} GiB allocated\n"
+              f"   completions ({res['lengths']} lengths): mean {res['completion_length_mean']:.1f} tokens = "
+              f"{100 * res['completion_length_fraction']:.1f}% of {res['max_new_tokens']}")
     else:
         report(res)
     if a.json:

@@ -15,6 +15,7 @@ completions don't hold each other back.
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -40,7 +41,9 @@ class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
-    finish_reason: str  # eos | stop | length
+    # eos | stop | length (cut at max_new_tokens or max_len: truncated) | limit (benchmarks: the sample's own
+    # SamplingParams.sample_max_new_tokens ended it, as if it had ended by itself; not truncated)
+    finish_reason: str
     text: str | None = None
     tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of tool tokens (logprob 0)
 
@@ -97,6 +100,7 @@ class Engine:
         self.cache_dequantized = not cuda if cache_dequantized is None else cache_dequantized
         self.stats = RolloutStats()
         self._turns: TurnHandler | None = None
+        self._limits: list[list[int]] | None = None  # the rollout's per-sample limits (SamplingParams)
 
     # ---- public ------------------------------------------------------------------------------
     def eos_ids(self) -> list[int]:
@@ -118,6 +122,7 @@ class Engine:
         manager entered around the whole rollout (AQN's noise on the norm weights). On the CPU with
         a seed, sample j of prompt i draws from keyed_uniform(seed, prompt_keys[i]·n + j, position)
         (prompt_keys default to 0..len-1), so its tokens depend on neither batch nor slot.
+        params.sample_max_new_tokens(prompt_keys[i], j), when set, is sample j's own limit of new tokens.
         turns: a multi-turn handler (rollout/turns.py): tool calls end a model turn, the tool's
         output is appended into the same slot and decoding resumes.
         """
@@ -134,6 +139,7 @@ class Engine:
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(ids)))
         if len(keys) != len(ids):
             raise ValueError(f"{len(keys)} prompt_keys for {len(ids)} prompts")
+        self._limits = self._sample_limits(p, keys, n)
         self._setup(p)
         run, sched = self.runner, Scheduler(self.n_slots, [len(x) for x in ids], n)
         t0 = time.perf_counter()
@@ -192,6 +198,31 @@ class Engine:
             return self.tokenizer(x, add_special_tokens=False)["input_ids"]
         return [int(t) for t in x]
 
+    @staticmethod
+    def _sample_limits(p: SamplingParams, keys: list[int], n: int) -> list[list[int]] | None:
+        """Each sample's own limit of new tokens, [prompt][sample], capped at max_new_tokens (None: no limits)."""
+        f = p.sample_max_new_tokens
+        if f is None:
+            return None
+        out = []
+        for i, k in enumerate(keys):
+            row = []
+            for j in range(n):
+                v = f(k, j)
+                try:
+                    lim = operator.index(v)  # ints, numpy and torch integers; not floats
+                except TypeError:
+                    lim = None
+                if lim is None or lim < 1:
+                    raise ValueError(f"sample_max_new_tokens gave {v!r} for prompt {i} (key {k}), sample {j}: "
+                                     "each sample's limit must be an integer >= 1")
+                row.append(min(lim, p.max_new_tokens))
+            out.append(row)
+        return out
+
+    def _limit(self, seq, p: SamplingParams) -> int:
+        return self._limits[seq.prompt][seq.sample] if self._limits is not None else p.max_new_tokens
+
     def _setup(self, p: SamplingParams):
         if p.max_new_tokens > self.max_len:
             raise ValueError(f"max_new_tokens {p.max_new_tokens} exceeds the engine's max_len {self.max_len}")
@@ -208,7 +239,8 @@ class Engine:
         logits_of.update(run.prefill(adm.prefill, ids, self.prefill_tokens, self.prefill_chunk_tokens))
         seqs = [sched.slots[s] for s in adm.slots]
         run.start(adm.slots, torch.stack([logits_of[q.prompt] for q in seqs]),
-                  [keys[q.prompt] * n + q.sample for q in seqs], [q.length for q in seqs], p)
+                  [keys[q.prompt] * n + q.sample for q in seqs], [q.length for q in seqs], p,
+                  [self._limit(q, p) for q in seqs])
         for pi in sched.released_prompts():
             del logits_of[pi]  # every sample of it is in flight: no one needs its logits again
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -252,7 +284,7 @@ class Engine:
             if out is None:
                 stop_hits[s] = c  # the handler ends the sample at its call
                 continue
-            room = min(p.max_new_tokens, self.max_len - seq.length) - c - 1  # keep room for one model token
+            room = min(self._limit(seq, p), self.max_len - seq.length) - c - 1  # keep room for one model token
             if room < 0:
                 stop_hits[s] = c
                 continue

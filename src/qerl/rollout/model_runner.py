@@ -24,18 +24,20 @@ class SlotState:
     tokens: torch.Tensor  # [S] long: the token the next step feeds
     pos: torch.Tensor  # [S] long: where that token's K/V goes
     count: torch.Tensor  # [S] long: tokens generated
+    limit: torch.Tensor  # [S] long: the sample's own limit of new tokens (<= max_new_tokens), set at admission
     skey: torch.Tensor  # [S] long: the sample's key (keyed CPU sampling)
     active: torch.Tensor  # [S] bool: holds a sequence
-    done: torch.Tensor  # [S] bool: finished (EOS, stop token, length)
-    reason: torch.Tensor  # [S] int8: 1 eos, 2 length, 3 stop
+    done: torch.Tensor  # [S] bool: finished (EOS, stop token, length, own limit)
+    reason: torch.Tensor  # [S] int8: 1 eos, 2 length, 3 stop, 4 limit (the sample's own, below max_new_tokens)
     out_tok: torch.Tensor  # [S, L] long: generated tokens
     out_lp: torch.Tensor  # [S, L] fp32: their logprobs under the sampling distribution
 
     @classmethod
     def zeros(cls, n: int, max_len: int, device) -> "SlotState":
         z = lambda dt, *shape: torch.zeros(n, *shape, dtype=dt, device=device)  # noqa: E731
-        return cls(z(torch.long), z(torch.long), z(torch.long), z(torch.long), z(torch.bool), z(torch.bool),
-                   z(torch.int8), z(torch.long, max_len), z(torch.float32, max_len))
+        return cls(tokens=z(torch.long), pos=z(torch.long), count=z(torch.long), limit=z(torch.long),
+                   skey=z(torch.long), active=z(torch.bool), done=z(torch.bool), reason=z(torch.int8),
+                   out_tok=z(torch.long, max_len), out_lp=z(torch.float32, max_len))
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -53,7 +55,11 @@ class SlotState:
         self.active[src] = False
 
 
-REASONS = {1: "eos", 2: "length", 3: "stop"}
+# "limit": a benchmark's per-sample limit (SamplingParams.sample_max_new_tokens) ended the sample. It
+# emulates a completion that ends by itself, so it is not "length": the trainer counts only "length" as
+# truncated (truncated_fraction, mask_truncated_completions), and a varied-length benchmark must not look
+# all-truncated. Its own name, not "eos", because no EOS token was sampled (the last token is an ordinary one)
+REASONS = {1: "eos", 2: "length", 3: "stop", 4: "limit"}
 MAX_STOP_IDS = 16  # EOS ids, and stop token ids, a rollout may name
 
 
@@ -68,6 +74,8 @@ class ModelRunner:
         self.ops = glue_ops(compile)  # the decode step's small ops, fused by torch.compile on GPUs
         self.fused_attention = fused_attention_ok(view) if fused_attention is None else fused_attention
         self.state = SlotState.zeros(n_slots, max_len, dev)
+        # the rollout's max_new_tokens, refilled in place (graphs read it by address); each slot's own
+        # limit (<= this) is the per-slot state.limit, written when the slot is admitted
         self.max_new_t = torch.zeros((), dtype=torch.long, device=dev)
         # EOS and stop ids live in fixed buffers refilled in place: a captured graph reads these
         # addresses on every replay, so a tensor re-created per rollout would leave it reading freed
@@ -117,14 +125,16 @@ class ModelRunner:
             return None
         return (p.seed, keys, pos)
 
-    def _finish_flags(self, tok, count, pos):
-        """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos)."""
+    def _finish_flags(self, tok, count, pos, limit):
+        """(finished, reason code) for sequences that just appended `tok` (count tokens, next write at pos,
+        each its own limit of new tokens)."""
         # a plain comparison, not torch.isin: isin picks a sorting path (not capturable) for longer id lists
         eos = (tok[:, None] == self.eos_t).any(-1)
         stop = (tok[:, None] == self.stop_t).any(-1)
         full = (count >= self.max_new_t) | (pos >= self.max_len - 1)
-        code = torch.where(eos, 1, torch.where(stop, 3, 2)).to(torch.int8)
-        return eos | stop | full, code
+        own = count >= limit  # limit <= max_new_tokens: below it, the sample's own limit ended it
+        code = torch.where(eos, 1, torch.where(stop, 3, torch.where(full, 2, 4))).to(torch.int8)
+        return eos | stop | full | own, code
 
     # ---- prompts -----------------------------------------------------------------------------
     def prefill(self, need: dict[int, list[int]], ids: list[list[int]], max_tokens: int,
@@ -153,11 +163,13 @@ class ModelRunner:
         self.cache.copy_slot(src, dst, length)
 
     def start(self, slots: list[int], logits: torch.Tensor, skeys: list[int], lengths: list[int],
-              p: SamplingParams) -> None:
-        """Sample each admitted slot's first token from its prompt's logits [n, V] and arm the slot."""
+              p: SamplingParams, limits: list[int] | None = None) -> None:
+        """Sample each admitted slot's first token from its prompt's logits [n, V] and arm the slot.
+        limits: each slot's own limit of new tokens (<= p.max_new_tokens; default max_new_tokens)."""
         dev, st = self.view.device, self.state
         rows = torch.tensor(slots, device=dev)
         st.skey[rows] = torch.tensor(skeys, device=dev)
+        st.limit[rows] = torch.tensor(limits if limits is not None else [p.max_new_tokens] * len(slots), device=dev)
         tok, lp = sample(logits, p, self.gen, self._keyed(p, st.skey[rows], torch.zeros_like(rows)))
         st.tokens[rows] = tok
         st.pos[rows] = torch.tensor(lengths, device=dev)
@@ -165,7 +177,7 @@ class ModelRunner:
         st.out_tok[rows, 0] = tok
         st.out_lp[rows, 0] = lp
         st.active[rows] = True
-        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows])
+        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows], st.limit[rows])
         st.reason[rows] = code
         st.done[rows] = fin
 
@@ -183,7 +195,7 @@ class ModelRunner:
         st.count[:b] += a
         st.pos[:b] += a
         st.tokens[:b] = torch.where(act, tok, st.tokens[:b])
-        fin, code = self._finish_flags(tok, st.count[:b], st.pos[:b])
+        fin, code = self._finish_flags(tok, st.count[:b], st.pos[:b], st.limit[:b])
         newly = act & fin
         st.reason[:b] = torch.where(newly, code, st.reason[:b])
         st.done[:b] |= newly
@@ -231,7 +243,7 @@ class ModelRunner:
         st.count[slot] = keep + n + 1
         st.pos[slot] = start + n + 1
         st.tokens[slot] = tok[0]
-        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows])
+        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows], st.limit[rows])
         st.done[slot], st.reason[slot] = fin[0], code[0]
 
     # ---- reading back ------------------------------------------------------------------------

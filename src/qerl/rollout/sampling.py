@@ -10,6 +10,7 @@ exponential draw (torch.multinomial draws that one too): at a 49k vocabulary and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # None: the tokenizer's / generation config's EOS ids
     ignore_eos: bool = False  # benchmarks: always run max_new_tokens
     seed: int | None = None
+    # benchmarks: each sample's own limit, to emulate completions that end at varied lengths.
+    # (prompt key, sample index) -> that sample's max new tokens (>= 1; capped at max_new_tokens). The
+    # prompt key is generate's prompt_keys[i] (default: the prompt's index). The engine really stops the
+    # sample there (its slot retires, the batch shrinks), with finish reason "limit" (see engine.Completion)
+    sample_max_new_tokens: Callable[[int, int], int] | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -36,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.sample_max_new_tokens is not None and not callable(self.sample_max_new_tokens):
+            raise ValueError("sample_max_new_tokens must be a function (prompt key, sample index) -> tokens")
 
 
 def processed_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
