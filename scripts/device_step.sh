@@ -4,7 +4,7 @@
 # and the log are bundled into $OUT/bundle.tgz after each case (a call returns at most 8 files,
 # and one cut off at its time limit keeps what finished). Comparisons can be recorded here too
 # (`qerl bench step --compare`), from the JSON files.
-#   bash scripts/device_step.sh a|b|c|levers|v  (a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout,
+#   bash scripts/device_step.sh a|b|c|e|levers|v  (e: issue 23 in one call; a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout,
 #   v: 7B NVFP4 vs bf16 LoRA with completions that end at varied lengths, mean 40 % of the limit: --lengths varied)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
@@ -58,6 +58,18 @@ v)  # the 7B step of case a at realistic lengths: each completion ends at its ow
   run 7b_nvfp4_varied 240 step --shape qwen2.5-7b --max-new-tokens 2048 --lengths varied $S
   run 7b_bf16_varied 240 step --shape qwen2.5-7b --quant bf16 --max-new-tokens 2048 --lengths varied $S
   cmp 7b_nvfp4_varied 7b_bf16_varied step_s
+  cmp 7b_nvfp4_varied 7b_bf16_varied rollout_s
+  cmp 7b_nvfp4_varied 7b_bf16_varied update_s
+  ;;
+e)  # issue 23's essentials in one call: fused-group training check, qerl vs TRL at 256 new, NVFP4 vs bf16 at varied lengths
+  timeout 90 python3 scripts/fused_lora_train_gpu.py --out $W/fused --iters 5 2>&1 | grep -v -i warn | tail -12 | tee -a $L
+  run 7b_nvfp4_256 150 step --shape qwen2.5-7b --max-new-tokens 256 $S
+  run 7b_trl_256 170 trl_step --shape qwen2.5-7b --max-new-tokens 256 $S
+  cmp 7b_nvfp4_256 7b_trl_256 step_s ">=5"
+  cmp 7b_nvfp4_256 7b_trl_256 update_s
+  run 7b_nvfp4_varied 200 step --shape qwen2.5-7b --max-new-tokens 2048 --lengths varied $S
+  run 7b_bf16_varied 200 step --shape qwen2.5-7b --quant bf16 --max-new-tokens 2048 --lengths varied $S
+  cmp 7b_nvfp4_varied 7b_bf16_varied step_s ">=1.3"
   cmp 7b_nvfp4_varied 7b_bf16_varied rollout_s
   cmp 7b_nvfp4_varied 7b_bf16_varied update_s
   ;;
