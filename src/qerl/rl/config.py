@@ -41,6 +41,9 @@ class GRPOConfig:
     train_norms: bool = _f(False, "Also train the RMSNorm weights (the reference code's 'ln' option).")
     dtype: str = _f("auto", "Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     device: str = _f("auto", "auto | cuda | cpu.")
+    lora_dtype: str = _f("auto", "Dtype of the LoRA factors (and so of their optimizer steps): auto (the compute dtype) | "
+                         "float32 (master weights, as PEFT keeps adapters by default: in bf16 an Adam step much smaller "
+                         "than 1/256 of a weight rounds away; CPU only for now) | bfloat16 | float16.")
     trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
     # --- data --------------------------------------------------------------------------------
     dataset_name: str = _f("arithmetic", "A task name (see `qerl.tasks`), a local .jsonl/.parquet file, or a hub dataset.")
@@ -169,6 +172,8 @@ class GRPOConfig:
             bad("entropy_coeff", f"must be >= 0 (a bonus), got {self.entropy_coeff}")
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad("lora_dtype", f"{self.lora_dtype!r} is not auto, float32, bfloat16 or float16")
         if self.rollout_kv_cache_dtype not in ("auto", "fp8"):
             bad("rollout_kv_cache_dtype", f"{self.rollout_kv_cache_dtype!r} is not auto or fp8")
         if self.max_turns < 0:

@@ -51,6 +51,26 @@ def _resolve_device_dtype(cfg: GRPOConfig):
     return dev, dt
 
 
+def set_lora_dtype(model, dtype: torch.dtype, device: torch.device) -> None:
+    """Keep every LoRA factor in `dtype` (the compute stays in the model's dtype: the LoRA branch
+    casts its input, and its output back). Fused groups are rebuilt on the converted factors."""
+    from ..layers import QLoRALinear
+    from ..layers.fused_group import fused_groups
+
+    layers = [m for m in model.modules() if isinstance(m, QLoRALinear) and m.r]
+    if not layers or all(m.lora_A.weight.dtype == dtype for m in layers):
+        return
+    if device.type == "cuda" and dtype != layers[0].dtype:
+        raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} differs from the compute dtype "
+                         f"{str(layers[0].dtype).removeprefix('torch.')}: the CUDA kernels read adapters in the compute "
+                         "dtype (set lora_dtype: auto on a GPU)")
+    for m in layers:
+        m.lora_A.to(dtype)
+        m.lora_B.to(dtype)
+    for _, g in fused_groups(model):
+        g.attach_lora()
+
+
 class GRPOTrainer:
     """`GRPOTrainer(config).train()`; or pass a built `policy`, a `task` (train/eval rows and
     reward functions), or `reward_funcs` + `train_dataset` as in TRL.
@@ -79,6 +99,8 @@ class GRPOTrainer:
                                  device=self.device, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code,
                                  progress=progress)
         self.policy, self.model, self.tok = policy, policy.model, policy.tokenizer
+        if cfg.lora_dtype != "auto":
+            set_lora_dtype(self.model, getattr(torch, cfg.lora_dtype), self.device)
         if self.tok is None:
             raise ValueError("the policy has no tokenizer: rewards need completion text")
         if task is None and train_dataset is None:
