@@ -265,7 +265,11 @@ def test_the_shipped_yaml_documents_every_default():
     assert GRPOConfig.from_yaml(path) == GRPOConfig()
     # regenerate: python -c "from qerl.rl import GRPOConfig; print(GRPOConfig().to_yaml(), end='')" > configs/default.yaml
     assert path.read_text() == GRPOConfig().to_yaml()
-    from qerl.rl.default_run import default_run_config
+    from qerl.rl.default_run import CPU, cpu_has_fast_bf16, default_run_config
 
-    run = path.parent / "default_run.yaml"  # = qerl train --device cpu --print_config (the embedded run on a CPU)
-    assert run.read_text() == default_run_config("cpu").to_yaml()
+    # = qerl train --device cpu --print_config on a CPU with native bf16 (elsewhere: fp32, fewer steps)
+    run = path.parent / "default_run.yaml"
+    assert run.read_text() == GRPOConfig(**CPU).to_yaml()
+    cpu = default_run_config("cpu")
+    assert cpu.dtype == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    assert default_run_config("cuda").dtype == "auto"

@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (offline, converted once and cached) in NVFP4 with a rank-32 LoRA and
 AQN, trained with DAPO on a reasoning-gym task (two- and three-term single-digit sums), with
 held-out pass@1 before and after. The task was chosen so the untrained model starts low but
-not at zero (about 10 %). The CPU settings fit in 13 minutes on two cores; a GPU gets a larger budget (more prompts a step,
+not at zero (about 10 %). The CPU settings fit in 13 minutes on two cores (bf16 where the CPU
+has it natively, else fp32 and fewer steps); a GPU gets a larger budget (more prompts a step,
 more steps, a higher learning rate, 4 samples per held-out problem), with the same code.
 """
 
@@ -14,10 +15,12 @@ from .config import GRPOConfig
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "size": 1000, "eval_size": 200,
         "instruction": "\nGive only the final number."}
 
+STEPS_BF16, STEPS_FP32 = 36, 30  # what fits ~13 minutes on two cores with both evaluations
+
 CPU = dict(
     model_name_or_path="smollm2", quant="nvfp4", lora_r=32, lora_alpha=64.0,
     dataset_name="rg:chain_sum", dataset_config=TASK,
-    max_prompt_length=128, learning_rate=5e-5, max_steps=30, num_generations=8, per_device_train_batch_size=32,
+    max_prompt_length=128, learning_rate=5e-5, max_steps=STEPS_BF16, num_generations=8, per_device_train_batch_size=32,
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
@@ -26,15 +29,29 @@ CPU = dict(
     # the parity gate's start-of-run check costs ~40 s on two cores (two steps' worth of a 13-minute
     # budget); the GPU run keeps it, and `--parity_check_steps 50` turns it on here
     parity_check_steps=0,
-    # fp32 (dtype auto on a CPU), although bf16 steps are ~1.35x cheaper on CPUs with native bf16: 4 bf16 seeds
-    # (36-40 steps, LoRA factors bf16 or fp32) gained +1.5 to +2.2 points, 3 fp32 seeds of 30 steps (ba4df2b) +3.5 to +7.3
-    # (benchmarks/default_run.md, settings 6 and 7)
+    # bf16 where the CPU multiplies it natively (AVX512-BF16, AMX): on the 2-core EPYC the matmuls run
+    # 1.3-2.5x faster than fp32 and a step ~1.35x, so more steps fit the budget (see default_run_config)
+    dtype="bfloat16",
+    # ... with the LoRA factors kept in fp32: at lr 5e-5 Adam's steps are far below bf16's spacing at A's
+    # magnitude (~0.04 -> ~2e-4) and round away (40 bf16 steps measured +1.5 to +2.2 points, fp32 +4.8)
+    lora_dtype="float32",
 )
 
 # Chosen on a validation draw of the task (generator seed 7, never the held-out set below;
 # benchmarks/default_run.md "tuning"): 16 prompts a step at lr 1e-4 learned fastest per step.
 GPU = dict(CPU, max_steps=60, per_device_train_batch_size=128, learning_rate=1e-4, eval_num_samples=4,
-           optim="adamw_8bit", parity_check_steps=50)
+           optim="adamw_8bit", parity_check_steps=50, dtype="auto", lora_dtype="auto")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates
+    bf16 matmuls and they are slower than fp32's."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes
+        return False
 
 
 def default_run_config(device: str | None = None) -> GRPOConfig:
@@ -43,4 +60,8 @@ def default_run_config(device: str | None = None) -> GRPOConfig:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return GRPOConfig(**(GPU if str(device).startswith("cuda") else CPU))
+    if str(device).startswith("cuda"):
+        return GRPOConfig(**GPU)
+    if cpu_has_fast_bf16():
+        return GRPOConfig(**CPU)
+    return GRPOConfig(**dict(CPU, dtype="float32", max_steps=STEPS_FP32))
