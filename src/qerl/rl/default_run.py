@@ -33,7 +33,7 @@ CPU = dict(
     # 1.3-2.5x faster than fp32 and a step ~1.35x, so more steps fit the budget (see default_run_config)
     dtype="bfloat16",
     # ... with the LoRA factors kept in fp32: at lr 5e-5 Adam's steps are far below bf16's spacing at A's
-    # magnitude (~0.04 -> ~2e-4) and round away (40 bf16 steps measured +1.5 to +2.2 points, fp32 +4.8)
+    # magnitude (~0.04 -> ~2e-4) and round away (tests/test_lora_dtype.py)
     lora_dtype="float32",
 )
 
