@@ -11,23 +11,15 @@ import statistics
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from qerl.bench.synthetic import VARIED_HI, VARIED_LO, varied_length, varied_limits
 from qerl.rollout import Engine, SamplingParams
-from tiny_models import config
+from test_engine_runner import _model  # the same tiny random Qwen2
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(50, 110)), [9] * 12]
 N, MAX_NEW = 3, 20
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config("qwen2", max_position_embeddings=256)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.08)
-    return m
 
 
 def _limit(key, j):  # an independent table: varied per prompt and sample, some at 1, one at the maximum
