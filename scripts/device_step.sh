@@ -5,7 +5,10 @@
 # and one cut off at its time limit keeps what finished). Comparisons can be recorded here too
 # (`qerl bench step --compare`), from the JSON files.
 #   bash scripts/device_step.sh a|b|c|e|levers|v  (e: issue 23 in one call; a: 7B + TRL + levers, b: 14B, c: 72B and 32B under caps + 32B rollout,
-#   v: 7B NVFP4 vs bf16 LoRA with completions that end at varied lengths, mean 40 % of the limit: --lengths varied)
+#   v: 7B NVFP4 vs bf16 LoRA with completions that end at varied lengths, mean 40 % of the limit: --lengths varied;
+#   s1-s4: issue 23's steady-state re-runs, each step figure the mean of the timed steps after the first:
+#   s1 7B varied both sides (+ profiles of the update) and 7B NVFP4 max length, s2 qerl vs TRL at 256 new and
+#   32B under a 40 GB cap, s3 14B varied both sides, s4 72B under an 80 GB cap)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -72,6 +75,35 @@ e)  # issue 23's essentials in one call: fused-group training check, qerl vs TRL
   cmp 7b_nvfp4_varied 7b_bf16_varied step_s ">=1.3"
   cmp 7b_nvfp4_varied 7b_bf16_varied rollout_s
   cmp 7b_nvfp4_varied 7b_bf16_varied update_s
+  ;;
+s1)
+  run 7b_nvfp4_varied 300 step --shape qwen2.5-7b --max-new-tokens 2048 --lengths varied $S --steps 2 --profile
+  run 7b_bf16_varied 240 step --shape qwen2.5-7b --quant bf16 --max-new-tokens 2048 --lengths varied $S --steps 2 --profile
+  cmp 7b_nvfp4_varied 7b_bf16_varied step_s ">=1.3"
+  cmp 7b_nvfp4_varied 7b_bf16_varied rollout_s
+  cmp 7b_nvfp4_varied 7b_bf16_varied update_s
+  run 7b_nvfp4 240 step --shape qwen2.5-7b --max-new-tokens 2048 $S --steps 2
+  ;;
+s2)
+  run 7b_nvfp4_256 150 step --shape qwen2.5-7b --max-new-tokens 256 $S --steps 2
+  run 7b_trl_256 170 trl_step --shape qwen2.5-7b --max-new-tokens 256 $S
+  cmp 7b_nvfp4_256 7b_trl_256 step_s ">=5"
+  cmp 7b_nvfp4_256 7b_trl_256 update_s
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 32b_cap40GB 200 step --shape qwen2.5-32b --prompts 8 \
+    --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 \
+    --peak-target "<=37.25" --steps 1
+  ;;
+s3)
+  run 14b_nvfp4_varied 300 step --shape qwen2.5-14b --max-new-tokens 2048 --lengths varied $S --steps 2
+  run 14b_bf16_varied 260 step --shape qwen2.5-14b --quant bf16 --max-new-tokens 2048 --lengths varied $S --steps 2
+  cmp 14b_nvfp4_varied 14b_bf16_varied step_s ">=1.3"
+  cmp 14b_nvfp4_varied 14b_bf16_varied rollout_s
+  cmp 14b_nvfp4_varied 14b_bf16_varied update_s
+  ;;
+s4)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 72b_cap80GB 420 step --shape qwen2.5-72b --prompts 8 \
+    --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 11.26 --memory-cap-gb 74.5 \
+    --peak-target "<=74.5" --steps 1
   ;;
 c)
   # caps in GiB equal to 40 GB and 80 GB (decimal); expandable segments keep reserved close to allocated

@@ -55,8 +55,13 @@ def test_step_runs_the_trainer_and_updates_the_adapter(tmp_path):
     assert res["rollout_s"] + res["logprob_s"] + res["update_s"] <= res["step_s"] * 1.001
     assert res["optim"] == "adamw_torch" and res["kv_slots"] >= 8
     changed = [n for n, p in pol.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    # the warm-up and the timed step each made one update: every adapter moved
+    # the warm-up and the timed steps each made one update: every adapter moved
     assert len(changed) == len(before)
+    # two timed steps (the default): the first, which compiles the update at the timed lengths, is
+    # reported apart and the figures are the later step's
+    assert len(res["steps"]) == 2 and res["steady_steps"] == 1 and "steady" in res["case"]
+    assert res["first_step_s"] == res["steps"][0]["step_s"] and res["step_s"] == res["steps"][1]["step_s"]
+    assert res["update_s"] == res["steps"][1]["update_s"]
 
 
 def test_lever_sweep_and_records(tmp_path):

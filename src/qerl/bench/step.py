@@ -9,7 +9,10 @@ Random weights in the shape (built and quantized one decoder layer at a time on 
 the bf16 model never exists in full), the synthetic tokenizer and verifier (bench/synthetic.py),
 and the trainer's own `train_step`: the same rollout engine, logprobs, loss, optimizer and
 AQN as `qerl train`. One warm-up step with short completions (Triton compiles, decode graphs
-are captured) precedes the timed steps. The memory levers are the trainer's own settings:
+are captured) precedes the timed steps. The first timed step still compiles the packed update's
+FlexAttention masks and kernels at the timed lengths (at 7B, 256 new tokens: 18.0 s against a
+steady 5.7 s), so with --steps 2 or more (the default) it is reported apart (first_step_s) and
+the figures are the mean of the later steps (the case name says "steady"). The memory levers are the trainer's own settings:
 gradient checkpointing, logprob chunk, micro-batch, KV-cache budget, 8-bit AdamW; the memory
 cap makes the 139 GB H200 fail as a smaller card would. An out-of-memory error is a result
 (fits = false, with the phase it hit), not a crash.
@@ -52,7 +55,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-iterations", type=int, default=1, help="mu: policy updates per rollout batch")
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--steps", type=int, default=1, help="timed steps after the warm-up step")
+    ap.add_argument("--steps", type=int, default=2,
+                    help="timed steps after the warm-up step; from 2 on, the first (which compiles the update "
+                         "at the timed lengths) is reported apart and the rest averaged")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-cap-gb", type=float, default=None, help="cap this process's GPU memory (GiB)")
     ap.add_argument("--device", default="cuda")
@@ -87,6 +92,8 @@ def case_name(a, quant: str) -> str:
         from .synthetic import VARIED_CASE
 
         lv.append(VARIED_CASE)
+    if getattr(a, "steps", 1) > 1:
+        lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
             f"mu{a.num_iterations} " + " ".join(lv))
 
@@ -184,7 +191,7 @@ def _run_case(a, pol, build_s) -> dict:
             kv_gb = per_slot * max(1, round(n_rows * a.kv_fraction)) * 1.0001 / 2**30
         gcfg = GRPOConfig(
             model_name_or_path=f"random:{a.shape}", quant=a.quant, lora_r=a.lora_rank, lora_alpha=2.0 * a.lora_rank,
-            device=a.device, max_steps=a.steps + 1, num_generations=a.num_generations, generation_batch_size=n_rows,
+            device=a.device, max_steps=a.steps + 2, num_generations=a.num_generations, generation_batch_size=n_rows,
             per_device_train_batch_size=a.micro_batch,
             gradient_accumulation_steps=max(1, n_rows // _world() // a.micro_batch),  # one update a step
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
@@ -193,7 +200,7 @@ def _run_case(a, pol, build_s) -> dict:
             learning_rate=1e-5, save_steps=10**9, report_to="none", output_dir=str(Path(a.out) / "run"), seed=a.seed)
         phase = "setup"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
-                         train_dataset=random_prompts(a.prompts * (a.steps + 1), a.prompt_len, pol.config.vocab_size,
+                         train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
         if lengths == "varied":
@@ -248,10 +255,15 @@ def _run_case(a, pol, build_s) -> dict:
                           "completion_length_max": m["completion_length_max"],
                           "truncated_fraction": m["truncated_fraction"],
                           "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "peak": peak})
+        if getattr(a, "profile", False):
+            res["profile"] = profile_update(tr, dev)
         res["steps"] = steps
+        res["first_step_s"] = steps[0]["step_s"]
+        steady = steps[1:] or steps  # the first timed step compiled the update at these lengths
+        res["steady_steps"] = len(steady)
         for k in ("step_s", "rollout_s", "logprob_s", "update_s", "rollout_tokens_per_s", "step_tokens_per_s",
                   "completion_length_mean", "truncated_fraction"):
-            res[k] = sum(s[k] for s in steps) / len(steps)
+            res[k] = sum(s[k] for s in steady) / len(steady)
         res["completion_length_fraction"] = res["completion_length_mean"] / a.max_new_tokens  # of the limit
         res["new_tokens"] = steps[-1]["new_tokens"]
         if dev.type == "cuda":
@@ -266,6 +278,39 @@ def _run_case(a, pol, build_s) -> dict:
                 p.grad = None
             pol.model.eval()
     return res
+
+
+def profile_update(tr, dev, rows: int = 30) -> str:
+    """One more (untimed) step with its logprob and update phases under torch.profiler: the kernels
+    that cost the most there, as a table (the rollout replays CUDA graphs and has its own bench)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    wall = {}
+
+    def on_phase(name, event):
+        if name == "logprob" and event == "start":
+            if cuda:
+                torch.cuda.synchronize(dev)
+            wall["t0"] = time.perf_counter()
+            prof.start()
+        elif name == "update" and event == "end" and "t0" in wall:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            prof.stop()
+            wall["s"] = time.perf_counter() - wall["t0"]
+
+    tr.profiler.listeners.append(on_phase)
+    try:
+        tr.train_step()
+    finally:
+        tr.profiler.listeners.remove(on_phase)
+    ev = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e6 if cuda else float("nan")
+    head = f"logprob + update under the profiler: {wall.get('s', float('nan')):.2f} s wall, GPU busy {busy:.2f} s"
+    return head + "\n" + ev.table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def run_case(a, pol=None, build_s: float | None = None) -> dict:
@@ -298,6 +343,9 @@ def report(res: dict, log=print) -> None:
         return
     log(f"   build {res['build_s']:.1f} s, warm-up {res['warmup_s']:.1f} s, optimizer {res['optim']}, "
         f"KV {res['kv_slots']} slots ({res['kv_cache_gib']:.2f} GiB)")
+    if res.get("steady_steps", 0) and len(res.get("steps", [])) > 1:
+        log(f"   first timed step {res['first_step_s']:.2f} s (compiles the update at these lengths); "
+            f"the mean of the {res['steady_steps']} after it:")
     log(f"   step {res['step_s']:.2f} s = rollout {res['rollout_s']:.2f} + logprob {res['logprob_s']:.2f} + "
         f"update {res['update_s']:.2f}; {res['new_tokens']} new tokens, rollout {res['rollout_tokens_per_s']:.0f} tok/s, "
         f"step {res['step_tokens_per_s']:.0f} tok/s")
@@ -309,6 +357,8 @@ def report(res: dict, log=print) -> None:
         log(f"   memory: model {res['model_gib']:.2f} GiB, after setup {res['setup_gib']:.2f}, peak allocated "
             f"{res['peak_allocated_gib']:.2f} (rollout {res['rollout_peak_gib']:.2f}, update {res['update_peak_gib']:.2f}), "
             f"peak reserved {res['peak_reserved_gib']:.2f}")
+    if res.get("profile"):
+        log("   " + res["profile"].replace("\n", "\n   "))
 
 
 def record_case(res: dict, command: str, results_dir: Path, peak_target: str | None = None) -> None:
@@ -319,6 +369,8 @@ def record_case(res: dict, command: str, results_dir: Path, peak_target: str | N
         return
     for m in ("step_s", "rollout_s", "logprob_s", "update_s"):
         rec(m.replace("_s", "_time"), res[m], "s")
+    if len(res.get("steps", [])) > 1:
+        rec("first_step_time", res["first_step_s"], "s")
     rec("rollout_tokens_per_s", res["rollout_tokens_per_s"], "tok/s")
     rec("step_tokens_per_s", res["step_tokens_per_s"], "tok/s")
     if res.get("completion_length_mean") is not None:
@@ -352,6 +404,8 @@ def main(argv=None):
     ap.add_argument("--logprob-chunk", type=int, default=None, help="tokens per logprob chunk (default 1024)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="rollout KV budget (default: half the free memory)")
     ap.add_argument("--optim", default="adamw_8bit", help="adamw_8bit (bitsandbytes) | adamw_torch")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more, untimed step with its logprob and update phases under torch.profiler (table in the log)")
     ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"), help="record A's speedup over B")
     ap.add_argument("--metric", default="step_s", help="with --compare: step_s | rollout_s | update_s")
