@@ -75,7 +75,7 @@ class RolloutStats:
 
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
-                 kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int = 16,
+                 kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int | None = None,
                  prefill_tokens: int = 8192, cache_dequantized: bool | None = None, compile: bool | None = None,
                  kv_cache_dtype: str = "auto", fused_attention: bool | None = None, prefill_chunk_tokens: int = 2048):
         """max_len: prompt + completion tokens a slot holds. kv_cache_gb: the cache's budget (default:
@@ -86,6 +86,10 @@ class Engine:
         self.view = ModelView(model)
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
+        # host syncs: every 16 steps on a GPU (a sync stalls the queue of replayed graphs); on the CPU there
+        # is nothing to stall, so finished slots retire and the batch shrinks after every step
+        if sync_every is None:
+            sync_every = 16 if dev.type == "cuda" else 1
         self.max_len, self.sync_every, self.prefill_tokens = max_len, sync_every, prefill_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         if kv_cache_gb is None:  # half of what is free now on a GPU (under a memory cap); 1 GiB on the CPU
@@ -152,7 +156,8 @@ class Engine:
         with cache, perturb if perturb is not None else contextlib.nullcontext():
             while sched.has_work():
                 self._admit(sched, ids, keys, n, logits_of, p)
-                b, hi = sched.bucket(), sched.high()
+                hi = sched.high()
+                b = sched.bucket() if run.cuda_graphs else hi  # buckets bound the graphs; eager steps run what is live
                 self.stats.max_batch = max(self.stats.max_batch, hi)
                 max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
                 key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import dispatch
 from ..layers.fused_group import GATE_UP, QKV, project
 from . import attention, rope_kv
 from .kv_cache import dequantize
@@ -183,7 +184,7 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tok
         h = torch.cat([x + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(x))
                        for x in h.split(c, 1)], 1)
     last = h[torch.arange(b, device=ids.device), lengths - 1]
-    return view.lm_head(view.norm(last)).float()
+    return _lm_head(view, view.norm(last)).float()
 
 
 def extend(view: ModelView, cache, slot: int, ids, start: int, rope):
@@ -204,7 +205,7 @@ def extend(view: ModelView, cache, slot: int, ids, start: int, rope):
         o = _attend(view, q, kc[None], vc[None], mask)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, -1))
         h = h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
-    return view.lm_head(view.norm(h[0, -1:]))[0].float()
+    return _lm_head(view, view.norm(h[0, -1:]))[0].float()
 
 
 def _norm(view, ops, norm, x):
@@ -237,6 +238,11 @@ def fused_attention_ok(view: ModelView) -> bool:
     power-of-two head size; Qwen3's q/k norms sit between projection and rotary, so not there)."""
     probe = view.embed.weight
     return not view.qk_norm and rope_kv.supports(probe, view.head_dim)
+
+
+def _lm_head(view, h):
+    """The logits: on the CPU, inside the rollout's cache, through the packed weight (dispatch.frozen_linear)."""
+    return dispatch.frozen_linear(view.lm_head, h)
 
 
 def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope, ops=EAGER_GLUE,
@@ -277,4 +283,4 @@ def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope,
         h, x = _add_norm(view, ops, layer.post_attention_layernorm, h, attn.o_proj(o))
         nxt = view.layers[i + 1].input_layernorm if i + 1 < view.n_layers else view.norm
         h, x = _add_norm(view, ops, nxt, h, _mlp(view, ops, layer.mlp, x))
-    return view.lm_head(x[:, 0]).float()
+    return _lm_head(view, x[:, 0]).float()

@@ -1,0 +1,108 @@
+"""The CPU rollout's weight cache (kernels/dispatch.dequantized_cache): adapters folded into the
+dequantized copies, weights packed for oneDNN, and a batch that shrinks after every step.
+
+References: the same layers outside the cache (dequantize + separate LoRA shrink/expand), a float64
+W + scaling·B·A computed here, and nn.Linear itself.
+"""
+
+import pytest
+import torch
+from test_fused_groups import groups_of, policy, randomize_lora
+from tiny_models import save_tiny
+
+from qerl.kernels import dispatch
+from qerl.model import quantized_layers
+from qerl.rollout import Engine, SamplingParams
+
+
+@pytest.fixture
+def base(tmp_path):
+    save_tiny(tmp_path / "base", "qwen2")  # q/k/v carry biases
+    return tmp_path / "base"
+
+
+def _float64_reference(layer, x):
+    w = layer.dequantized_weight(torch.float64) + layer.scaling * (
+        layer.lora_B.weight.double() @ layer.lora_A.weight.double())
+    y = x.double() @ w.T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_folded_adapter_matches_the_separate_lora_path(base, dtype, tol):
+    pol = policy(base, rank=8, dtype=dtype)
+    randomize_lora(pol.model)
+    x = torch.randn(3, 4, pol.config.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        for g in groups_of(pol.model).values():
+            plain = g(x)  # outside the cache: base GEMM + shrink + expands
+            with dispatch.dequantized_cache():
+                folded = g(x)
+                assert any(k[0] == "merged" for k in dispatch._CACHE)
+            for m, a, b in zip(g.members, plain, folded):
+                ref = _float64_reference(m, x)
+                scale = ref.abs().max()
+                assert (b.double() - ref).abs().max() <= tol * scale
+                assert (a.double() - ref).abs().max() <= tol * scale
+        singles = [layer for _, layer in quantized_layers(pol.model) if layer.group is None]  # o, down
+        assert singles
+        for layer in singles:
+            xs = torch.randn(3, 4, layer.in_features, dtype=dtype)
+            with dispatch.dequantized_cache(), torch.no_grad():
+                y = layer(xs)
+                assert any(k[0] == "merged" for k in dispatch._CACHE)  # the folded path ran
+            ref = _float64_reference(layer, xs)
+            assert y.dtype == dtype and (y.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_an_optimizer_step_between_rollouts_replaces_the_folded_copy(base):
+    pol = policy(base, rank=4)
+    randomize_lora(pol.model)
+    layer = next(layer for _, layer in quantized_layers(pol.model) if layer.group is None)
+    x = torch.randn(2, layer.in_features)
+    with dispatch.dequantized_cache(), torch.no_grad():
+        y0 = layer(x)
+        n0 = len(dispatch._CACHE)
+        layer.lora_B.weight.add_(0.05)  # what an optimizer step does: in place, the version moves
+        y1 = layer(x)
+        assert len(dispatch._CACHE) == n0  # the entry was replaced, not added to
+    assert not torch.allclose(y0, y1)
+    torch.testing.assert_close(y1.double(), _float64_reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_linear_in_the_cache_is_the_module(dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 300, bias=False).to(dtype).requires_grad_(False)
+    x = torch.randn(5, 64, dtype=dtype)
+    with dispatch.dequantized_cache():
+        y = dispatch.frozen_linear(lin, x)
+        packed = any(isinstance(v[-1], dispatch._Packed) for v in dispatch._CACHE.values())
+    ref = lin(x)
+    if dtype == torch.bfloat16:  # same bf16 GEMM, only the weight's layout differs
+        assert torch.equal(y, ref) or not packed
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    lin.weight.requires_grad_(True)  # a trainable weight is never cached
+    with dispatch.dequantized_cache():
+        dispatch.frozen_linear(lin, x)
+        assert not dispatch._CACHE
+
+
+def test_cpu_engine_batch_shrinks_as_samples_finish(base):
+    pol = policy(base, rank=4)
+    randomize_lora(pol.model)
+    limits = {0: 3, 1: 20, 2: 7, 3: 12}  # each sample stops at its own limit
+    sp = SamplingParams(max_new_tokens=20, greedy=True, ignore_eos=True,
+                        sample_max_new_tokens=lambda key, j: limits[key])
+    eng = Engine(pol.model, max_len=64, max_slots=8)
+    assert eng.sync_every == 1  # the CPU retires after every step
+    out = eng.generate([[5, 6, 7]] * 4, n=1, params=sp)
+    assert [len(c.token_ids) for c in out] == [3, 20, 7, 12]
+    batches = [b for b, _, _ in eng.stats.chunks]
+    assert batches[0] == 4 and batches[-1] == 1 and batches == sorted(batches, reverse=True)
+    # decode steps run only live samples: the token steps equal the tokens produced after the first
+    assert sum(batches) == sum(limits.values()) - 4
+    # the same completions as a GPU-style engine that syncs every 16 steps over bucketed batches
+    ref = Engine(pol.model, max_len=64, max_slots=8, sync_every=16).generate([[5, 6, 7]] * 4, n=1, params=sp)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
