@@ -12,7 +12,7 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl7/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
-W=/tmp/o; J=$W/json; R=$W/results; L=$W/step.log; mkdir -p $J $R  # bundled into $OUT after each case
+W=/tmp/o; rm -rf $W; J=$W/json; R=$W/results; L=$W/step.log; mkdir -p $J $R  # bundled into $OUT after each case
 S="--prompts 8 --num-generations 8 --prompt-len 256"
 run() {  # name, timeout, module, args...
   local name=$1 t=$2 mod=$3; shift 3
@@ -90,6 +90,11 @@ s2)
   cmp 7b_nvfp4_256 7b_trl_256 step_s ">=5"
   cmp 7b_nvfp4_256 7b_trl_256 update_s
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 32b_cap40GB 200 step --shape qwen2.5-32b --prompts 8 \
+    --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 \
+    --peak-target "<=37.25" --steps 1
+  ;;
+m32)  # 32B under a 40 GB cap alone
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 32b_cap40GB 240 step --shape qwen2.5-32b --prompts 8 \
     --num-generations 2 --prompt-len 256 --max-new-tokens 2048 --micro-batch 1 --kv-cache-gb 9.01 --memory-cap-gb 37.25 \
     --peak-target "<=37.25" --steps 1
   ;;

@@ -197,6 +197,10 @@ def _run_case(a, pol, build_s) -> dict:
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
             gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
             rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo",
+            # no parity gate: its 0.1-nat threshold is for trained weights. On random weights 48-80 layers
+            # deep (14B-72B) the engine's and the trainer's bf16 roundings part by 0.13-0.3 nats
+            # (H200, 2026-12-04), while the 7B shape passes; parity is tested on real weights (tests/)
+            parity_check_steps=0,
             learning_rate=1e-5, save_steps=10**9, report_to="none", output_dir=str(Path(a.out) / "run"), seed=a.seed)
         phase = "setup"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
@@ -369,7 +373,7 @@ def record_case(res: dict, command: str, results_dir: Path, peak_target: str | N
         return
     for m in ("step_s", "rollout_s", "logprob_s", "update_s"):
         rec(m.replace("_s", "_time"), res[m], "s")
-    if len(res.get("steps", [])) > 1:
+    if "first_step_s" in res:
         rec("first_step_time", res["first_step_s"], "s")
     rec("rollout_tokens_per_s", res["rollout_tokens_per_s"], "tok/s")
     rec("step_tokens_per_s", res["step_tokens_per_s"], "tok/s")
