@@ -312,8 +312,10 @@ def profile_update(tr, dev, rows: int = 30) -> str:
         tr.profiler.listeners.remove(on_phase)
     ev = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e6 if cuda else float("nan")
-    head = f"logprob + update under the profiler: {wall.get('s', float('nan')):.2f} s wall, GPU busy {busy:.2f} s"
+    # kernel time: the device-side events only (an op's row repeats its kernels' time)
+    busy = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 \
+        if cuda else float("nan")
+    head = f"logprob + update under the profiler: {wall.get('s', float('nan')):.2f} s wall, kernels {busy:.2f} s"
     return head + "\n" + ev.table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
