@@ -42,8 +42,9 @@ class GRPOConfig:
     dtype: str = _f("auto", "Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     device: str = _f("auto", "auto | cuda | cpu.")
     lora_dtype: str = _f("auto", "Dtype of the LoRA factors (and so of their optimizer steps): auto (the compute dtype) | "
-                         "float32 (master weights, as PEFT keeps adapters by default: in bf16 an Adam step much smaller "
-                         "than 1/256 of a weight rounds away; CPU only for now) | bfloat16 | float16.")
+                         "float32 (as PEFT keeps adapters by default: in bf16 an Adam step much smaller than 1/256 of a "
+                         "weight rounds away; on a GPU the factors stay in the compute dtype, which the kernels read, "
+                         "and the optimizer steps fp32 master copies of them) | bfloat16 | float16.")
     trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
     # --- data --------------------------------------------------------------------------------
     dataset_name: str = _f("arithmetic", "A task name (see `qerl.tasks`), a local .jsonl/.parquet file, or a hub dataset.")

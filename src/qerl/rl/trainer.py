@@ -99,8 +99,13 @@ class GRPOTrainer:
                                  device=self.device, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code,
                                  progress=progress)
         self.policy, self.model, self.tok = policy, policy.model, policy.tokenizer
+        self.master_weights = False  # the optimizer steps fp32 copies of low-precision LoRA factors
         if cfg.lora_dtype != "auto":
-            set_lora_dtype(self.model, getattr(torch, cfg.lora_dtype), self.device)
+            want = getattr(torch, cfg.lora_dtype)
+            if self.device.type == "cuda" and want == torch.float32 and self.dtype != torch.float32:
+                self.master_weights = True  # the CUDA kernels read the adapters in the compute dtype
+            else:
+                set_lora_dtype(self.model, want, self.device)
         if self.tok is None:
             raise ValueError("the policy has no tokenizer: rewards need completion text")
         if task is None and train_dataset is None:
@@ -158,7 +163,7 @@ class GRPOTrainer:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device)
+        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device, self.master_weights)
         self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
         total_updates = cfg.max_steps * self._updates_per_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
