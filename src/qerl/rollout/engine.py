@@ -7,9 +7,10 @@ The loop below is all there is: the scheduler (plain Python) decides which sampl
 which slot; the model runner owns the tensors, prefill, the decode step and its CUDA graphs.
 Each prompt is prefilled once; its n samples get the prompt's K/V copied into their slots (a
 sample admitted later copies it from a sibling still in flight, or the prompt is prefilled
-again). The host looks at the state only every `sync_every` steps: it retires finished slots,
-admits waiting samples into free ones and compacts the tail into holes, so short and long
-completions don't hold each other back.
+again). The host looks at the state only every `sync_every` steps (16 on a GPU, every step on
+the CPU): it retires finished slots, admits waiting samples into free ones and compacts the tail
+into holes, so short and long completions don't hold each other back. On a GPU the decode batch
+is a bucket (one CUDA graph each); on the CPU it is exactly the live slots.
 """
 
 from __future__ import annotations
