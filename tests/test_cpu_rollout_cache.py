@@ -106,3 +106,15 @@ def test_cpu_engine_batch_shrinks_as_samples_finish(base):
     # the same completions as a GPU-style engine that syncs every 16 steps over bucketed batches
     ref = Engine(pol.model, max_len=64, max_slots=8, sync_every=16).generate([[5, 6, 7]] * 4, n=1, params=sp)
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+
+
+def test_cpu_rollout_bench_compares_both_paths_and_restores_the_switch():
+    from qerl.bench import cpu_rollout
+
+    lines = []
+    res = cpu_rollout.run(repeats=1, log=lines.append)
+    assert dispatch.FOLD_AND_PACK is True
+    for k in ("plain", "folded"):
+        assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 32 * 48
+    assert res["speedup"] == res["plain"]["median_s"] / res["folded"]["median_s"]
+    assert any("plain" in x for x in lines) and any("folded" in x for x in lines)

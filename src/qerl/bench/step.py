@@ -12,7 +12,8 @@ AQN as `qerl train`. One warm-up step with short completions (Triton compiles, d
 are captured) precedes the timed steps. The first timed step still compiles the packed update's
 FlexAttention masks and kernels at the timed lengths (at 7B, 256 new tokens: 18.0 s against a
 steady 5.7 s), so with --steps 2 or more (the default) it is reported apart (first_step_s) and
-the figures are the mean of the later steps (the case name says "steady"). The memory levers are the trainer's own settings:
+the figures are the mean of the later steps (the case name says "steady").
+The memory levers are the trainer's own settings:
 gradient checkpointing, logprob chunk, micro-batch, KV-cache budget, 8-bit AdamW; the memory
 cap makes the 139 GB H200 fail as a smaller card would. An out-of-memory error is a result
 (fits = false, with the phase it hit), not a crash.

@@ -80,6 +80,9 @@ def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
 
 # Set inside `dequantized_cache()`: id(first quant tensor) -> (that tensor, dequantized weight).
 _CACHE: dict | None = None
+# Inside the cache, fold unshrunk adapters into the copies and pack them for oneDNN (`_merged`,
+# `frozen_linear`); off: the separate LoRA GEMMs and plain weights (A/B runs: bench/cpu_rollout.py).
+FOLD_AND_PACK = True
 
 
 @contextlib.contextmanager
@@ -113,7 +116,8 @@ def _dequantized(fmt, tensors, shape, dtype):
 
 
 def _packable(w: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
 
 
 def _pack(w: torch.Tensor):
@@ -155,7 +159,8 @@ def _merged(fmt, tensors, shape, dtype, lora: LoraTerm):
     r, n = lora.rank, lora.b.shape[0]
     bounds = (0, *lora.seg_starts, n)
     for s in range(len(bounds) - 1):
-        w[bounds[s]:bounds[s + 1]] += lora.scaling * (lora.b[bounds[s]:bounds[s + 1]].float() @ lora.a[s * r:(s + 1) * r].float())
+        rows = slice(bounds[s], bounds[s + 1])
+        w[rows] += lora.scaling * (lora.b[rows].float() @ lora.a[s * r:(s + 1) * r].float())
     w = _pack(w.to(dtype))
     _CACHE[k] = (key_t, lora.a, lora.b, stamp, w)
     return w
@@ -164,7 +169,8 @@ def _merged(fmt, tensors, shape, dtype, lora: LoraTerm):
 def frozen_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """module(x) for a frozen dense layer (the lm_head in rollouts): inside the cache with its weight packed."""
     w = module.weight
-    if _CACHE is None or type(module) is not torch.nn.Linear or w.requires_grad or not _packable(w) or x.dtype != w.dtype:
+    if (_CACHE is None or not FOLD_AND_PACK or type(module) is not torch.nn.Linear or w.requires_grad
+            or not _packable(w) or x.dtype != w.dtype):
         return module(x)
     k = ("dense", id(w))
     hit = _CACHE.get(k)
@@ -175,7 +181,7 @@ def frozen_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(x.dtype)
-    if lora is not None and _CACHE is not None and lora.xa is None and lora.a is not None:
+    if lora is not None and _CACHE is not None and FOLD_AND_PACK and lora.xa is None and lora.a is not None:
         return _linear(x, _merged(fmt, tensors, shape, x.dtype, lora), b)
     # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
     y = torch.nn.functional.linear(x, _dequantized(fmt, tensors, shape, x.dtype), b)
