@@ -16,15 +16,16 @@ def sevens(completions, **kw):
     return [float(c.count("7")) for c in completions]
 
 
-def _trainer(out, **kw):
+def _trainer(out, device="cpu", **kw):
+    """A tiny bf16 NVFP4 policy and a short run; kw overrides the config."""
     torch.manual_seed(0)
-    pol = random_policy(config("qwen2"), "nvfp4", lora_rank=8, device="cpu", dtype=torch.bfloat16, std=0.05,
+    pol = random_policy(config("qwen2"), "nvfp4", lora_rank=8, device=device, dtype=torch.bfloat16, std=0.05,
                         progress=False)
     pol.tokenizer = tiny_tokenizer()
-    cfg = GRPOConfig(max_steps=2, generation_batch_size=16, num_generations=4, per_device_train_batch_size=8,
-                     max_completion_length=8, max_prompt_length=64, learning_rate=1e-5, aqn=False,
-                     output_dir=str(out), save_steps=100, report_to="none", device="cpu", dtype="bfloat16",
-                     parity_check_steps=0, **kw)
+    cfg = GRPOConfig(**{**dict(max_steps=2, generation_batch_size=16, num_generations=4, per_device_train_batch_size=8,
+                               max_completion_length=8, max_prompt_length=64, learning_rate=1e-5, aqn=False,
+                               output_dir=str(out), save_steps=100, report_to="none", device=device, dtype="bfloat16",
+                               parity_check_steps=0), **kw})
     return GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=40), reward_funcs=[sevens], progress=False)
 
 
