@@ -70,19 +70,20 @@ class MasterWeights(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, sd):
-        state = {}
-        for k, v in sd["state"].items():
-            i = int(k)
-            if "master" not in v or not 0 <= i < len(self.masters):
-                raise ValueError(f"optimizer state of parameter {k} lacks its fp32 master copy "
-                                 "(saved without lora_dtype: float32?)")
-            self.masters[i].copy_(v["master"])
-            rest = {n: t for n, t in v.items() if n != "master"}
-            if rest:
-                state[i] = rest
+        # checked whole before anything changes: a refused state leaves the masters as they were
         if len(sd["state"]) != len(self.masters):
             raise ValueError(f"optimizer state holds {len(sd['state'])} master copies, the model "
                              f"{len(self.masters)} trainable tensors")
+        for k, v in sd["state"].items():
+            if "master" not in v or not 0 <= int(k) < len(self.masters):
+                raise ValueError(f"optimizer state of parameter {k} lacks its fp32 master copy "
+                                 "(saved without lora_dtype: float32?)")
+        state = {}
+        for k, v in sd["state"].items():
+            self.masters[int(k)].copy_(v["master"])
+            rest = {n: t for n, t in v.items() if n != "master"}
+            if rest:
+                state[int(k)] = rest
         self.inner.load_state_dict({**sd, "state": state})
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
         for m, p in zip(self.masters, self.live):
