@@ -13,8 +13,8 @@ import torch
 from qerl.formats import get_format
 from qerl.formats.base import QuantizationError
 from qerl.formats.e2m1 import E2M1_VALUES
-from qerl.formats.nvfp4_mma import (OUT_SHIFT, SCALE_ENCODE, NVFP4Mma, code_bits_bf16, repack, scale_bits_bf16,
-                                    unrepack)
+from qerl.formats.nvfp4_mma import (BIT_SOURCES, OUT_SHIFT, SCALE_ENCODE, NVFP4Mma, code_bits_bf16, place_bits, repack,
+                                    scale_bits_bf16, unrepack)
 
 NV = get_format("nvfp4")
 
@@ -102,13 +102,26 @@ def test_fragment_emulator_rebuilds_the_dequantized_weight(n, k):
     torch.testing.assert_close(w * 2.0**OUT_SHIFT / gs, NV.dequantize(t, (n, k), torch.float64), rtol=1e-6, atol=0)
 
 
-def test_decode_formula_on_every_code_and_scale_byte():
-    codes = torch.arange(16)
-    # A word holding code c in all 8 nibbles: every register half decodes it.
-    word = sum(codes << (4 * p) for p in range(8))
-    vals = [code_bits_bf16(word, i) for i in range(4)]
+@pytest.mark.parametrize("bits", [1, 2])
+def test_decode_formula_on_every_code_and_scale_byte(bits):
+    codes = torch.arange(16, dtype=torch.uint8)
+    # A word holding code c in all 8 slots (bits placed as `bits` orders them): every register half decodes it.
+    b = place_bits(codes[:, None].expand(16, 8), BIT_SOURCES[bits]).to(torch.int64)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+    vals = [code_bits_bf16(word, i, bits) for i in range(4)]
     for lo, hi in vals:
         assert torch.equal(lo.double() * 2.0**126, E2M1_VALUES.double()) and torch.equal(hi, lo)
+    # And slot by slot: a word with one code set decodes it in exactly its register half, zeros elsewhere.
+    for p in range(8):
+        one = torch.zeros(16, 8, dtype=torch.uint8)
+        one[:, p] = codes
+        b = place_bits(one, BIT_SOURCES[bits]).to(torch.int64)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        i, h = 3 - p % 4, p // 4
+        for r in range(4):
+            for hh, half in enumerate(code_bits_bf16(word, r, bits)):
+                want = E2M1_VALUES.double() if (r, hh) == (i, h) else E2M1_VALUES.double() * 0
+                assert torch.equal(half.double().abs() * 2.0**126, want.abs())
     e4m3 = torch.arange(256, dtype=torch.uint8)
     real = e4m3.view(torch.float8_e4m3fn).double()
     ok = SCALE_ENCODE >= 0

@@ -1,6 +1,5 @@
-// NVFP4 x bf16 matmul for few tokens (M = 1..64) on sm_90 through mma.sync, and the dequantize
-// kernel of the same layout for large M. Compiled at run time by NVRTC (kernels/w4_mma.py), so it is
-// headerless: bf16 values travel as 16-bit patterns, conversions and MMAs are inline PTX.
+// NVFP4 x bf16 matmul for few tokens on sm_80+ through mma.sync, and the dequantize kernel of the
+// same layout for large M. Compiled at run time by NVRTC (kernels/w4_mma.py) after w4_common.cuh.
 //
 // Weights come in the fragment order of formats/nvfp4_mma.py: per 16-row tile and 64-input chunk,
 // lane l = 4g + q reads 16 bytes that decode straight into its four A registers of four k-steps
@@ -13,92 +12,6 @@
 // Compile-time: MT (8-token tiles), RT (row tiles per warp), WARPS (per CTA), ST (chunks in flight
 // per warp), XSM (stage activations in shared memory, XST chunks deep), DUAL (two accumulator sets),
 // HAS_BIAS, HAS_LORA, FUSE_SHRINK (the LoRA shrink x @ A^T computed by extra CTAs of the same launch).
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-struct __align__(16) u32x4 { u32 x, y, z, w; };
-struct __align__(16) f32x4 { float x, y, z, w; };
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
-__device__ __forceinline__ void st_f32x4(f32x4* p, const float* v) {
-  asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};" :: "l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]) : "memory");
-}
-__device__ __forceinline__ void ld_f32x4_l2(const f32x4* p, float* v) {  // other SMs' partials: from L2, not L1
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "l"(p) : "memory");
-}
-
-__device__ __forceinline__ u32x4 ld_stream(const u32x4* p) {  // weights: read once, keep out of L1
-  u32x4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 ld_stream_u16(const u16* p) {
-  u16 r;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32x4 ld_act(const void* p) {  // activations: shared by the CTA's warps via L1
-  u32x4 r;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 ld_u32(const void* p) {
-  u32 r;
-  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
-  u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));  // a*b + (-0): exact, sm_80+
-  return d;
-}
-// Two E2M1 codes (sign at bits 15/31, e e m at 14..12 / 30..28) -> bf16x2 of value * 2^-126.
-__device__ __forceinline__ u32 e2m1x2(u32 v) { return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u); }
-__device__ __forceinline__ float bf16_to_f32(u32 h) {
-  float f;
-  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(h << 16));
-  return f;
-}
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// 2 e5m3 scale bytes (rows g, g+8) -> bf16x2 (scale * 2^119), then each broadcast to both halves.
-__device__ __forceinline__ void scales(u32 s, u32& lo, u32& hi) {
-  u32 b = (prmt(s, 0u, 0x4140u) << 4) + ((SCALE_BIAS << 7) | (SCALE_BIAS << 23));
-  lo = prmt(b, b, 0x1010u);
-  hi = prmt(b, b, 0x3232u);
-}
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u32 ld_u32_l2(const void* p) {  // written by other CTAs of this launch
-  u32 r;
-  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p) : "memory");
-  return r;
-}
 
 // The LoRA shrink inside the launch (FUSE_SHRINK): xa[M, R] = x @ A^T for 16 rows of A per CTA,
 // its warps splitting K and adding their parts in warp order (deterministic), rounded to bf16 once.
@@ -273,10 +186,8 @@ __device__ __forceinline__ void matmul_cta(
 #pragma unroll
       for (int r = 0; r < RT; r++) {
         const u32 v = t == 0 ? w[r].x : t == 1 ? w[r].y : t == 2 ? w[r].z : w[r].w;
-        const u32 a0 = bmul2(e2m1x2(v), sl[r]);
-        const u32 a1 = bmul2(e2m1x2(v << 4), sh[r]);
-        const u32 a2 = bmul2(e2m1x2(v << 8), sl[r]);
-        const u32 a3 = bmul2(e2m1x2(v << 12), sh[r]);
+        u32 a0, a1, a2, a3;
+        decode_word(v, sl[r], sh[r], a0, a1, a2, a3);
 #pragma unroll
         for (int j = 0; j < MT; j++) {
           const u32x4& xx = xc[j][t >> 1];
@@ -455,10 +366,12 @@ extern "C" __global__ void w4_mma_dequantize(const u32x4* __restrict__ wq, const
 #pragma unroll
   for (int t = 0; t < 4; t++) {
     const u32 v = t == 0 ? w.x : t == 1 ? w.y : t == 2 ? w.z : w.w;
-    r0[2 * t] = bmul2(bmul2(e2m1x2(v), sl), two7);
-    r1[2 * t] = bmul2(bmul2(e2m1x2(v << 4), sh), two7);
-    r0[2 * t + 1] = bmul2(bmul2(e2m1x2(v << 8), sl), two7);
-    r1[2 * t + 1] = bmul2(bmul2(e2m1x2(v << 12), sh), two7);
+    u32 a0, a1, a2, a3;
+    decode_word(v, sl, sh, a0, a1, a2, a3);
+    r0[2 * t] = bmul2(a0, two7);
+    r1[2 * t] = bmul2(a1, two7);
+    r0[2 * t + 1] = bmul2(a2, two7);
+    r1[2 * t + 1] = bmul2(a3, two7);
   }
   // Row g, inputs 64c + 16q .. +15 are 32 contiguous bytes: two 16-byte stores per row.
   u32x4* o0 = out + (((u64)(rt * 16 + g) * K) + c * 64 + 16 * q) / 8;

@@ -16,15 +16,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..formats.nvfp4_mma import OUT_SHIFT, SCALE_BIAS
+from ..formats.nvfp4_mma import OUT_SHIFT
+from . import counters, nvrtc
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("w4_mma.cu").read_text()
 MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
 _COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
@@ -76,29 +75,17 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 4, **override) -
     return MmaConfig(mt, tune["rt"], tune["warps"], tune["stages"], math.ceil(kch / cps), cps, tune.get("xsm", 0))
 
 
-_KERNELS: dict = {}
 _AVAILABLE: dict = {}
-_COUNTER_BUFS: dict = {}
 
 
 def _compile(name: str, defines: dict, device: torch.device):
-    key = (name, tuple(sorted(defines.items())), device.index)
-    k = _KERNELS.get(key)
-    if k is None:
-        head = "".join(f"#define {n} {v}\n" for n, v in defines.items())
-        major, minor = torch.cuda.get_device_capability(device)
-        with torch.cuda.device(device):
-            k = torch.cuda._compile_kernel(head + SOURCE, name, compute_capability=f"{major}{minor}",
-                                           nvcc_options=["-std=c++17", "--use_fast_math"])
-        _KERNELS[key] = k
-    return k
+    return nvrtc.kernel("w4_mma.cu", name, defines, device)
 
 
 def _matmul_kernel(cfg: MmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False):
     return _compile("w4_mma_matmul", dict(MT=cfg.mt, RT=cfg.rt, WARPS=cfg.warps, ST=cfg.stages, XSM=int(cfg.xsm > 0),
                                           XST=max(2, cfg.xsm), DUAL=int(cfg.mt * cfg.rt <= 2), HAS_BIAS=int(has_bias),
-                                          HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink),
-                                          SCALE_BIAS=SCALE_BIAS), device)
+                                          HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink)), device)
 
 
 def available(device: torch.device) -> bool:
@@ -120,11 +107,7 @@ def available(device: torch.device) -> bool:
 
 
 def _counters(device) -> torch.Tensor:
-    key = device.index
-    buf = _COUNTER_BUFS.get(key)
-    if buf is None:  # zeroed once; each launch's last CTA per row block resets its counter
-        buf = _COUNTER_BUFS[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return buf
+    return counters.split_counters(device, _COUNTERS)
 
 
 def _sms(device) -> int:
@@ -201,12 +184,14 @@ def lora_fusable(lora, k: int) -> bool:
     return ok
 
 
+DEQUANT_DEFINES = dict(MT=1, RT=1, WARPS=1, ST=2, XSM=0, XST=2, DUAL=0, HAS_BIAS=0, HAS_LORA=0, FUSE_SHRINK=0)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, N: int, K: int, out: torch.Tensor | None = None):
     """bf16 [N, K] = W * gs (the 1/gs is the GEMM's alpha), standard row order, from the MMA layout."""
     w = out if out is not None else torch.empty(N, K, device=packed.device, dtype=torch.bfloat16)
     threads = N // 16 * (K // 64) * 32
-    kern = _compile("w4_mma_dequantize", dict(MT=1, RT=1, WARPS=1, ST=2, XSM=0, XST=2, DUAL=0, HAS_BIAS=0, HAS_LORA=0, FUSE_SHRINK=0,
-                                              SCALE_BIAS=SCALE_BIAS), packed.device)
+    kern = _compile("w4_mma_dequantize", DEQUANT_DEFINES, packed.device)
     kern(grid=(math.ceil(threads / 256), 1, 1), block=(256, 1, 1), args=[packed, scale, w, N, K])
     return w
 
