@@ -30,11 +30,17 @@ _COMMON = "w4_common.cuh"
 _FUNCS: dict = {}
 
 
-def source(file: str, defines: dict) -> str:
-    """The text NVRTC compiles: the #defines, the shared helpers, then the kernel file."""
+def source(file: str, defines: dict, generated: dict | None = None) -> str:
+    """The text NVRTC compiles: the #defines, the shared helpers, then the kernel file, with each
+    placeholder line in `generated` replaced by its code (e.g. an MMA whose operand list depends on a tile)."""
     base = {"SCALE_BIAS": SCALE_BIAS, "BITS": BITS}
     head = "".join(f"#define {n} {v}\n" for n, v in {**base, **defines}.items())
-    return head + (_DIR / _COMMON).read_text() + (_DIR / file).read_text()
+    body = (_DIR / file).read_text()
+    for name, code in (generated or {}).items():
+        if name not in body:
+            raise KeyError(f"{file} has no placeholder {name}")
+        body = body.replace(name, code)
+    return head + (_DIR / _COMMON).read_text() + body
 
 
 def arch(device: torch.device) -> str:
@@ -43,13 +49,13 @@ def arch(device: torch.device) -> str:
     return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
-def kernel(file: str, name: str, defines: dict, device: torch.device):
+def kernel(file: str, name: str, defines: dict, device: torch.device, generated: dict | None = None):
     """The compiled function `name` of `file` for these defines on `device` (compiled once)."""
-    key = (file, name, tuple(sorted(defines.items())), device.index)
+    key = (file, name, tuple(sorted(defines.items())), tuple(sorted((generated or {}).items())), device.index)
     fn = _FUNCS.get(key)
     if fn is None:
         with torch.cuda.device(device):
-            fn = torch.cuda._compile_kernel(source(file, defines), name, compute_capability=arch(device),
+            fn = torch.cuda._compile_kernel(source(file, defines, generated), name, compute_capability=arch(device),
                                             nvcc_options=["-std=c++17", "--use_fast_math"])
         _FUNCS[key] = fn
     return fn
@@ -70,11 +76,21 @@ def nvcc_available() -> bool:
     return shutil.which("nvcc") is not None
 
 
-def ptxas_report(file: str, defines: dict, arch: str = "sm_90a") -> dict[str, PtxasReport]:
+def parameters(file: str, name: str) -> list[str]:
+    """The parameter names of kernel `name` in `file`, in order (launchers check their argument lists
+    against it: a missing or extra argument would shift every later one silently)."""
+    body = (_DIR / file).read_text()
+    m = re.search(rf"\b{name}\s*\(([^)]*)\)", body)
+    if m is None:
+        raise KeyError(f"{file} has no kernel {name}")
+    return [re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(",")]
+
+
+def ptxas_report(file: str, defines: dict, arch: str = "sm_90a", generated: dict | None = None) -> dict[str, PtxasReport]:
     """Compile with nvcc (to a cubin, no GPU needed) and parse ptxas -v per kernel."""
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.cu"
-        src.write_text(source(file, defines))
+        src.write_text(source(file, defines, generated))
         out = subprocess.run(["nvcc", "-std=c++17", "--use_fast_math", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
                               "-o", str(Path(d) / "k.cubin"), str(src)], capture_output=True, text=True)
     text = out.stdout + out.stderr
