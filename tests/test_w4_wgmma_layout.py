@@ -187,25 +187,26 @@ def test_ptxas_builds_every_tile_without_spills_or_serialized_wgmma(bn):
     assert 0 < r.registers <= 65536 // (128 * cfg.wg)  # one CTA of 128 * wg threads fits the register file
 
 
-def _cuobjdump():
-    found = shutil.which("cuobjdump")
+def _nvdisasm():
+    found = shutil.which("nvdisasm")
     if found:
         return found
     for base in map(Path, sys.path):
-        for p in base.glob("nvidia/cu*/bin/cuobjdump"):
+        for p in base.glob("nvidia/cu*/bin/nvdisasm"):
             return str(p)
     return None
 
 
 @needs_nvcc
-@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not installed")
+@pytest.mark.skipif(_nvdisasm() is None, reason="nvdisasm not installed (the nvidia-cuda-nvdisasm wheel)")
 def test_sass_holds_register_sourced_hgmma(tmp_path):
     cfg = w4_wgmma.plan(64, 4608, 3584, 132)
     src = tmp_path / "k.cu"
     src.write_text(nvrtc.source(w4_wgmma.FILE, cfg.defines(True, True), w4_wgmma.generated(cfg)))
     subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)], check=True)
-    exe = _cuobjdump()
-    Path(exe).chmod(0o755)
-    sass = subprocess.run([exe, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout
+    exe = _nvdisasm()
+    if not Path(exe).stat().st_mode & 0o111:  # the wheel ships it without the execute bit for others
+        Path(exe).chmod(0o755)
+    sass = subprocess.run([exe, str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout
     hg = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
     assert len(hg) == 4 and all(n == str(cfg.bn) and a.startswith("R") for n, a in hg)  # A from registers
