@@ -1,7 +1,9 @@
-"""The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA: `w4_mma`.
+"""The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA.
 
-M <= w4_mma.MAX_M: the fused kernel (decode in registers, bias and LoRA expand in its
-epilogue). Larger M and grad_input: dequantize the same bytes once + cuBLAS. Per weight
+One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.MIN_M..MAX_M tokens where
+it is available (sm_90a, and w4_wgmma.ENABLED once validated on the device); else `w4_mma` (mma.sync,
+decode in registers, bias and LoRA expand in its epilogue) up to w4_mma.MAX_M; larger M and
+grad_input: dequantize the same bytes once + cuBLAS. Per weight
 it keeps 2^7/gs on the device and 1/gs as a host float (weak cache on the packed tensor),
 so no call syncs with the host after the first.
 """
@@ -12,7 +14,7 @@ import weakref
 
 import torch
 
-from . import lora_shrink, w4_mma
+from . import lora_shrink, w4_mma, w4_wgmma
 from .dispatch import LoraTerm, lora_expand
 
 _STATE: dict[int, tuple] = {}
@@ -41,7 +43,15 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     x2d = x.reshape(-1, k).to(torch.bfloat16)
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
-    if x2d.shape[0] <= w4_mma.MAX_M:
+    m = x2d.shape[0]
+    if w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
+        if lora is not None:
+            lora = _shrunk(lora, x2d)  # the shrink is its own GEMM; the expand runs in the epilogue
+        fuse = lora is not None and w4_mma.lora_fusable(lora, k)
+        y = w4_wgmma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
+        if lora is not None and not fuse:
+            y = y + lora_expand(lora, y.dtype).reshape(y.shape)
+    elif m <= w4_mma.MAX_M:
         if lora is not None and not w4_mma.shrink_in_launch(x2d.shape[0], n, k):
             lora = _shrunk(lora, x2d)
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
