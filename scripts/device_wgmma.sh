@@ -5,7 +5,7 @@
 #      the routed path, cuBLAS bf16 and tinygemm;
 #   3. NCU=1: ncu on both kernels at M = 1, 64, 256 (DRAM throughput, occupancy, issue, stalls).
 # Usage on the device:  QERL_COMMIT=<sha> NCU=1 bash scripts/device_wgmma.sh
-# If step 1 passes, set w4_wgmma.ENABLED = True and record the routes (w4_wgmma.MIN_M/MAX_M) from step 2.
+# If step 1 passes, make KernelSettings.wgmma default to True (kernels/settings.py) and record the routes (w4_wgmma.MIN_M/MAX_M) from step 2.
 set -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv

@@ -10,17 +10,18 @@ import torch
 
 from qerl.bench.kernels import LAYER_SETS
 from qerl.formats.nvfp4_mma import NVFP4Mma
-from qerl.kernels import mma_backend, w4_wgmma
+from qerl.kernels import mma_backend, settings
 
 mma = NVFP4Mma()
 ws = {g: mma.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
       for g, (n, k) in LAYER_SETS["qwen2.5-7b"].items()}
 args = sys.argv[1:]
-if "--wgmma" in args:
+wgmma = "--wgmma" in args
+if wgmma:
     args.remove("--wgmma")
-    w4_wgmma.ENABLED = True
-for m in map(int, args or ["1", "16", "64"]):
-    for g, (n, k) in LAYER_SETS["qwen2.5-7b"].items():
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        mma_backend.matmul(x, mma, ws[g], (n, k))
+with settings.use(wgmma=wgmma):
+    for m in map(int, args or ["1", "16", "64"]):
+        for g, (n, k) in LAYER_SETS["qwen2.5-7b"].items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mma_backend.matmul(x, mma, ws[g], (n, k))
 torch.cuda.synchronize()

@@ -10,7 +10,7 @@ import torch
 from test_fused_groups import groups_of, policy, randomize_lora
 from tiny_models import save_tiny
 
-from qerl.kernels import dispatch
+from qerl.kernels import dispatch, settings
 from qerl.model import quantized_layers
 from qerl.rollout import Engine, SamplingParams
 
@@ -113,7 +113,7 @@ def test_cpu_rollout_bench_compares_both_paths_and_restores_the_switch():
 
     lines = []
     res = cpu_rollout.run(repeats=1, log=lines.append)
-    assert dispatch.FOLD_AND_PACK is True
+    assert settings.current().fold_and_pack is True
     for k in ("plain", "folded"):
         assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 32 * 48
     assert res["speedup"] == res["folded"]["tokens_per_s"] / res["plain"]["tokens_per_s"]

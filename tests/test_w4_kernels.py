@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from qerl.formats import get_format  # noqa: E402
-from qerl.kernels import dispatch, triton_backend  # noqa: E402
+from qerl.kernels import settings, triton_backend  # noqa: E402
 from qerl.kernels import w4_matmul as K  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -156,12 +156,9 @@ def test_dispatch_uses_the_kernel_in_a_layer_and_grads_match_torch_path(monkeypa
     got = (y.detach(), x.grad.clone(), layer.lora_A.weight.grad.clone())
     x.grad = None
     layer.zero_grad()
-    dispatch.set_enabled(False)
-    try:
+    with settings.use(kernels=False):
         y2 = layer(x)
         y2.float().square().sum().backward()
-    finally:
-        dispatch.set_enabled(True)
     tol = 5e-2 if dt == torch.bfloat16 else 5e-3
     for a, b in zip(got, (y2.detach(), x.grad, layer.lora_A.weight.grad)):
         assert _rel(a, b.double()) < tol

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from qerl.formats import get_format  # noqa: E402
 from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
-from qerl.kernels import dispatch, mma_backend, w4_mma  # noqa: E402
+from qerl.kernels import dispatch, mma_backend, settings, w4_mma  # noqa: E402
 
 NV, MMA = get_format("nvfp4"), NVFP4Mma()
 # (N, K) of fused groups: 7B q|k|v, o, gate|up, down; 14B/32B/72B q|k|v and gate|up; odd N.
@@ -133,12 +133,9 @@ def test_layer_on_mma_layout_matches_torch_path_with_grads():
         y.float().square().sum().backward()
         got = (y.detach(), x.grad.clone())
         x.grad = None
-        dispatch.set_enabled(False)
-        try:
+        with settings.use(kernels=False):
             y2 = layer(x)
             y2.float().square().sum().backward()
-        finally:
-            dispatch.set_enabled(True)
         for a, b in zip(got, (y2.detach(), x.grad)):
             assert _rel(a, b) < 2e-2
         with torch.no_grad():

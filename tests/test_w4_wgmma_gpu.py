@@ -1,6 +1,6 @@
 """The wgmma kernel (kernels/w4_wgmma.cu) on an H200, against a float64 dequantize-then-matmul.
 
-Run on the device before flipping w4_wgmma.ENABLED (scripts/device_wgmma.sh): every M from 1 to 300
+Run on the device before turning KernelSettings.wgmma on by default (scripts/device_wgmma.sh): every M from 1 to 300
 on the 7B groups, the 14B/32B/72B group shapes and N that leave a CTA's rows partly empty, outputs
 poisoned with NaN before each run; two runs give identical bits; LoRA with 1 and 3 segments equals
 base + the unfused expand; a CUDA graph replays it; routed through mma_backend it matches the mma.sync
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")]
 
 from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
-from qerl.kernels import dispatch, mma_backend, w4_mma, w4_wgmma  # noqa: E402
+from qerl.kernels import dispatch, mma_backend, settings, w4_mma, w4_wgmma  # noqa: E402
 
 MMA = NVFP4Mma()
 SHAPES_7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
@@ -23,11 +23,9 @@ ODD = [(16, 64), (48, 192), (400, 576), (1040, 1536)]
 
 
 @pytest.fixture(autouse=True)
-def enabled(monkeypatch):
-    monkeypatch.setattr(w4_wgmma, "ENABLED", True)
-    w4_wgmma._AVAILABLE.clear()
-    yield
-    w4_wgmma._AVAILABLE.clear()
+def enabled():
+    with settings.use(wgmma=True):
+        yield
 
 
 def _quant(n, k, seed):
@@ -124,7 +122,7 @@ def test_routed_through_the_backend_it_agrees_with_mma_sync(m):
     n, k = 3584, 3584
     t = _quant(n, k, 21)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    routed = mma_backend.matmul(x, MMA, t, (n, k))  # wgmma (ENABLED here)
+    routed = mma_backend.matmul(x, MMA, t, (n, k))  # wgmma (settings.wgmma on here)
     factor, _ = mma_backend._prepare(t)
     small = w4_mma.matmul(x, t["weight_packed"], t["weight_scale"], factor, n)
     assert _rel(routed, small.double()) < 1e-2 and _rel(routed, _ref(t, (n, k), x)) < 1e-2

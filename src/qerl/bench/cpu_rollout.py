@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ..kernels import dispatch
+from ..kernels import dispatch, settings
 from .record import record
 
 CMD = "python -m qerl.bench.cpu_rollout"
@@ -65,13 +65,10 @@ def run(repeats: int = 3, log=print) -> dict:
                 with torch.no_grad():
                     for b in lora_b:
                         b.add_(0.0)  # an optimizer step: the adapter's version moves
-                dispatch.FOLD_AND_PACK = fold
-                try:
+                with settings.use(fold_and_pack=fold):
                     t0 = time.perf_counter()
                     out = engines[k].generate(prompts, n=cfg.num_generations, params=sp)
                     dt = time.perf_counter() - t0
-                finally:
-                    dispatch.FOLD_AND_PACK = True
                 tokens[k] = sum(len(c.token_ids) for c in out)
                 if i:
                     times[k].append(dt)

@@ -155,7 +155,7 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             return mma_backend.matmul(x, mma, t, shape, lora=lora)
         return [lambda t=t: call(t) for t in sets.mma]
     if mode in ("wgmma", "wgmma_cfg", "wgmma_lora32"):
-        # The wgmma kernel called directly (whether or not w4_wgmma.ENABLED routes layers to it yet).
+        # The wgmma kernel called directly (whether or not KernelSettings.wgmma routes layers to it yet).
         c = (w4_wgmma.plan(x.shape[0], n, k, torch.cuda.get_device_properties(0).multi_processor_count, **cfg)
              if mode == "wgmma_cfg" else None)
         lora = None

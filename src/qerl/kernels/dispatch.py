@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..formats import WeightFormat
+from . import settings
 
 
 @dataclass
@@ -56,21 +57,14 @@ class LoraTerm:
 
 
 _BACKENDS: list[Backend] = []
-_DISABLED = False
 
 
 def register_backend(backend: Backend) -> None:
     _BACKENDS[:] = [b for b in _BACKENDS if b.name != backend.name] + [backend]
 
 
-def set_enabled(enabled: bool) -> None:
-    """Force the plain-torch path (for tests and A/B measurements)."""
-    global _DISABLED
-    _DISABLED = not enabled
-
-
 def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
-    if _DISABLED:
+    if not settings.current().kernels:  # the plain-torch path (tests, A/B measurements)
         return None
     for b in _BACKENDS:
         if b.supports(x, fmt):
@@ -79,10 +73,9 @@ def _pick(x: torch.Tensor, fmt: WeightFormat) -> Backend | None:
 
 
 # Set inside `dequantized_cache()`: id(first quant tensor) -> (that tensor, dequantized weight).
+# Inside it, settings.fold_and_pack folds unshrunk adapters into the copies and packs them for oneDNN
+# (`_merged`, `frozen_linear`); off: the separate LoRA GEMMs and plain weights (bench/cpu_rollout.py).
 _CACHE: dict | None = None
-# Inside the cache, fold unshrunk adapters into the copies and pack them for oneDNN (`_merged`,
-# `frozen_linear`); off: the separate LoRA GEMMs and plain weights (A/B runs: bench/cpu_rollout.py).
-FOLD_AND_PACK = True
 
 
 @contextlib.contextmanager
@@ -169,7 +162,7 @@ def _merged(fmt, tensors, shape, dtype, lora: LoraTerm):
 def frozen_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """module(x) for a frozen dense layer (the lm_head in rollouts): inside the cache with its weight packed."""
     w = module.weight
-    if (_CACHE is None or not FOLD_AND_PACK or type(module) is not torch.nn.Linear or w.requires_grad
+    if (_CACHE is None or not settings.current().fold_and_pack or type(module) is not torch.nn.Linear or w.requires_grad
             or not _packable(w) or x.dtype != w.dtype):
         return module(x)
     k = ("dense", id(w))
@@ -181,7 +174,7 @@ def frozen_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def torch_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(x.dtype)
-    if lora is not None and _CACHE is not None and FOLD_AND_PACK and lora.xa is None and lora.a is not None:
+    if lora is not None and _CACHE is not None and settings.current().fold_and_pack and lora.xa is None and lora.a is not None:
         return _linear(x, _merged(fmt, tensors, shape, x.dtype, lora), b)
     # F.linear adds the bias inside the GEMM (one rounding), as nn.Linear does.
     y = torch.nn.functional.linear(x, _dequantized(fmt, tensors, shape, x.dtype), b)

@@ -1,7 +1,7 @@
 """The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA.
 
 One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.MIN_M..MAX_M tokens where
-it is available (sm_90a, and w4_wgmma.ENABLED once validated on the device); else `w4_mma` (mma.sync,
+it is available (sm_90a, and KernelSettings.wgmma, on once validated on the device); else `w4_mma` (mma.sync,
 decode in registers, bias and LoRA expand in its epilogue) up to w4_mma.MAX_M; larger M and
 grad_input: dequantize the same bytes once + cuBLAS. Per weight
 it keeps 2^7/gs on the device and 1/gs as a host float (weak cache on the packed tensor),
@@ -10,14 +10,13 @@ so no call syncs with the host after the first.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from . import lora_shrink, w4_mma, w4_wgmma
 from .dispatch import LoraTerm, lora_expand
+from .weight_state import WeightState
 
-_STATE: dict[int, tuple] = {}
+_STATE: WeightState[tuple] = WeightState()
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
@@ -25,15 +24,9 @@ def supports(x: torch.Tensor, fmt) -> bool:
 
 
 def _prepare(tensors):
-    key = tensors["weight_packed"]
-    hit = _STATE.get(id(key))
-    if hit is not None and hit[0]() is key:
-        return hit[1]
+    """(2^7/gs on the device, 1/gs as a host float), once per weight."""
     gs = tensors["weight_global_scale"]
-    st = (w4_mma.out_factor(gs), 1.0 / float(gs))
-    kid = id(key)
-    _STATE[kid] = (weakref.ref(key, lambda _, kid=kid: _STATE.pop(kid, None)), st)
-    return st
+    return _STATE.get(tensors["weight_packed"], lambda: (w4_mma.out_factor(gs), 1.0 / float(gs)))
 
 
 def matmul(x, fmt, tensors, shape, bias=None, lora=None):

@@ -10,11 +10,11 @@ with the host after the first.
 from __future__ import annotations
 
 import importlib.util
-import weakref
 
 import torch
 
 from .dispatch import lora_expand
+from .weight_state import WeightState
 from .w4_decode_consts import ASM_SHIFT
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
@@ -25,8 +25,7 @@ FUSED_MAX_M = 16
 # than the torch path it would replace). Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# id(packed tensor) -> (weakref to it, state); tensors compare elementwise, so no WeakKeyDictionary.
-_STATE: dict[int, tuple] = {}
+_STATE: WeightState[tuple] = WeightState()
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
@@ -41,9 +40,10 @@ def prepare(fmt, tensors, shape):
     asm = (epilogue factor tensor, MXFP4 shift) for the PTX decode, whose values carry 2^-7
     (NVFP4) or 2^-shift (MXFP4, chosen so the largest scale stays finite in bf16)."""
     key = tensors["weight_packed"] if "weight_packed" in tensors else tensors["weight"]
-    hit = _STATE.get(id(key))
-    if hit is not None and hit[0]() is key:
-        return hit[1]
+    return _STATE.get(key, lambda: _build(fmt, tensors, shape))
+
+
+def _build(fmt, tensors, shape):
     n, k = shape
     fid = FMT_IDS[fmt.name]
     if fid == 2:
@@ -60,8 +60,6 @@ def prepare(fmt, tensors, shape):
         else:
             shift = max(0, int(scale.max()) - 128)
             st = (fid, packed, scale, None, None, 1.0, (torch.full((1,), 2.0**shift, device=scale.device), shift))
-    kid = id(key)
-    _STATE[kid] = (weakref.ref(key, lambda _, kid=kid: _STATE.pop(kid, None)), st)
     return st
 
 

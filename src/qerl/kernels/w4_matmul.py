@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import settings
 from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
 
 
@@ -164,10 +165,9 @@ def fused_config(M: int, N: int, K: int, fmt_id: int, device: torch.device) -> d
 
 
 def use_asm(x2d, fmt_id) -> bool:
-    return USE_ASM and x2d.is_cuda and x2d.dtype == torch.bfloat16 and fmt_id in (0, 1)
+    return settings.current().ptx_decode and x2d.is_cuda and x2d.dtype == torch.bfloat16 and fmt_id in (0, 1)
 
 
-USE_ASM = True  # the PTX decode on CUDA for bf16 (the portable decode is kept for tests and fp16/fp32)
 
 
 def lora_args(lora, M):

@@ -15,8 +15,8 @@ word of 8 weights in the v2 bit order, ~1.6 thread-instructions a weight plus st
 ~2 x 128 threads per SM stays below the byte time up to M ~ 64 (estimate; to be profiled with ncu).
 
 Validated on the CPU only so far (layouts, index maps, the emulated MMA, a ptxas build for sm_90a
-with no spills and no wgmma serialization); `ENABLED` stays False until tests/test_w4_wgmma_gpu.py
-passes on the device, so the measured paths keep serving every M until then.
+with no spills and no wgmma serialization); `KernelSettings.wgmma` stays False until
+tests/test_w4_wgmma_gpu.py passes on the device, so the measured paths keep serving every M until then.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from . import counters, nvrtc
+from . import counters, nvrtc, settings
 
 log = logging.getLogger(__name__)
 
 FILE, NAME = "w4_wgmma.cu", "w4_wgmma_matmul"
-ENABLED = False  # flip once the GPU tests pass on an H200 (the routes in mma_backend then use it)
 MIN_M, MAX_M = 9, 256  # tokens this kernel takes (below: mma.sync; above: dequantize + cuBLAS)
 _COUNTERS = 1 << 14
 
@@ -148,8 +147,8 @@ _AVAILABLE: dict = {}
 
 
 def available(device: torch.device) -> bool:
-    """Whether this device runs the kernel: sm_90 (wgmma needs sm_90a), NVRTC compiles it, and ENABLED."""
-    if not ENABLED or device.type != "cuda":
+    """Whether layers use the kernel here: settings.wgmma, sm_90 (wgmma needs sm_90a), and NVRTC compiles it."""
+    if not settings.current().wgmma or device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _AVAILABLE:

@@ -25,7 +25,6 @@ check) and runs its members one by one until `attach_lora()` rebuilds it.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from typing import Iterator, Sequence
@@ -35,26 +34,21 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..formats import NF4
-from ..kernels import dispatch
-from .qlora_linear import _FUSE_LORA, QLoRALinear
+from ..kernels import dispatch, settings
+from .qlora_linear import QLoRALinear
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 TILE_ROWS = 16  # kernel layouts store rows in tiles of 16 (formats/nvfp4_mma.py): members must start on one
 _REGISTRY = "_qerl_groups"  # parent module attribute: {member attribute names: QuantGroup}
-_TRAIN_FUSED = [True]
 
 
-@contextlib.contextmanager
 def members_one_by_one():
     """Run the groups' training computation (grad enabled, or `unfused_lora`) member by member, as
     before groups trained fused: for A/B measurements and as the tests' reference. Both passes of a
-    PPO step must run under the same setting (their logprobs are compared bit for bit)."""
-    _TRAIN_FUSED.append(False)
-    try:
-        yield
-    finally:
-        _TRAIN_FUSED.pop()
+    PPO step must run under the same setting (their logprobs are compared bit for bit).
+    KernelSettings.train_fused off for the block."""
+    return settings.use(train_fused=False)
 
 
 def row_split(fmt, rows: Sequence[int], k: int) -> dict[str, list[int] | None] | str:
@@ -260,14 +254,14 @@ class QuantGroup:
         """Whether calls take the training computation (`_GroupTrainMatmul`): autograd on, or under
         `unfused_lora` (a no-grad pass, PPO's old policy, that must give the numbers of the
         grad-enabled pass bit for bit: so it runs the very same computation)."""
-        return torch.is_grad_enabled() or not _FUSE_LORA[-1]
+        return torch.is_grad_enabled() or not settings.current().fuse_lora
 
     def _fused_lora(self) -> bool | None:
         """How to run now: True (one call with the adapters), False (one call, base only), or None
         (member by member: training-mode dropout, mixed adapter states, differing scalings, storage no
         longer shared; when training, also a trainable bias or inside `members_one_by_one`). The
         answer does not depend on grad mode, so a grad pass and an unfused_lora pass agree on it."""
-        if self._training() and (not _TRAIN_FUSED[-1] or any(m.bias is not None and m.bias.requires_grad
+        if self._training() and (not settings.current().train_fused or any(m.bias is not None and m.bias.requires_grad
                                                              for m in self.members)):
             return None
         active = [bool(m.r) and not m.disable_adapters for m in self.members]
@@ -316,7 +310,8 @@ class QuantGroup:
             return None
         ms = self.members
         lora = () if self.A_cat is None else (self.A_cat._version, self.B_cat._version)
-        return (x._version, torch.is_grad_enabled(), _FUSE_LORA[-1], _TRAIN_FUSED[-1], torch.is_autocast_enabled(),
+        ks = settings.current()
+        return (x._version, torch.is_grad_enabled(), ks.fuse_lora, ks.train_fused, torch.is_autocast_enabled(),
                 lora, tuple((m.disable_adapters, m.r and m.scaling, m.lora_dropout.training) for m in ms))
 
     def member_forward(self, member: QLoRALinear, x: torch.Tensor) -> torch.Tensor | None:

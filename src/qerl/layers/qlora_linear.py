@@ -22,21 +22,14 @@ import torch
 from torch import nn
 
 from ..formats import WeightFormat, get_format
-from ..kernels import dispatch
-
-_FUSE_LORA = [True]
+from ..kernels import dispatch, settings
 
 
-@contextlib.contextmanager
 def unfused_lora():
     """Run no-grad forwards on the training path (base matmul, then the LoRA term; a fused group's
     training computation), so that a no-grad logprob pass gives bit-for-bit the numbers of the
-    grad-enabled one (PPO's old policy)."""
-    _FUSE_LORA.append(False)
-    try:
-        yield
-    finally:
-        _FUSE_LORA.pop()
+    grad-enabled one (PPO's old policy). KernelSettings.fuse_lora off for the block."""
+    return settings.use(fuse_lora=False)
 
 
 @contextlib.contextmanager
@@ -194,7 +187,7 @@ class QLoRALinear(nn.Module):
             y = self.group.member_forward(self, x)
             if y is not None:
                 return y
-        if self.r and not self.disable_adapters and not torch.is_grad_enabled() and _FUSE_LORA[-1]:
+        if self.r and not self.disable_adapters and not torch.is_grad_enabled() and settings.current().fuse_lora:
             # Rollouts: the expand B·(x·Aᵀ) rides in the base matmul's epilogue where a kernel can fuse it;
             # without active dropout the shrink too (A handed over, the kernel computes x·Aᵀ in its launch).
             if isinstance(self.lora_dropout, nn.Identity) or not self.lora_dropout.training:

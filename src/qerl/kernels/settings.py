@@ -1,0 +1,57 @@
+"""Every kernel choice in one object: `KernelSettings`, in force for a scope (`use`) and read where a
+choice is made (`current`).
+
+Before, each switch was a module global of its own (dispatch's enable flag and FOLD_AND_PACK, the
+layers' fused-LoRA and fused-training stacks, the Triton PTX decode, the wgmma gate), set by tests,
+benches and the trainer in place. Now a caller says what it wants for the duration of its work:
+
+    with settings.use(fuse_lora=False):   # e.g. PPO's old-policy pass on the training path
+        ...
+
+The object in force lives in a ContextVar: a scope's changes end with it (exceptions included), and
+threads do not see each other's (a thread starts from the defaults): a rollout thread and an update
+running at once each keep their own choices. The engine and trainer take a KernelSettings and enter
+it around their work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    kernels: bool = True
+    """Use the GPU kernel backends (False: the plain-torch dequantize-and-multiply path, for tests and A/B)."""
+    wgmma: bool = False
+    """Route M = w4_wgmma.MIN_M..MAX_M tokens to the Hopper wgmma kernel (off until its GPU tests pass on an
+    H200: tests/test_w4_wgmma_gpu.py; then the measured default)."""
+    fuse_lora: bool = True
+    """No-grad forwards fuse the LoRA expand into the base kernel's epilogue (False: the training path's
+    separate LoRA term, so a no-grad logprob pass gives the grad-enabled pass's bits: PPO's old policy)."""
+    train_fused: bool = True
+    """Fused groups (q|k|v, gate|up) train as one matmul (False: member by member, the reference)."""
+    fold_and_pack: bool = True
+    """CPU rollouts: fold unshrunk adapters into the cached dequantized weights and pack them for oneDNN."""
+    ptx_decode: bool = True
+    """The Triton kernels decode NVFP4/MXFP4 with inline PTX for bf16 (False: the portable decode)."""
+
+
+_CURRENT: ContextVar[KernelSettings] = ContextVar("qerl_kernel_settings", default=KernelSettings())
+
+
+def current() -> KernelSettings:
+    """The settings in force here (this thread, this scope)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(settings: KernelSettings | None = None, **changes):
+    """Put `settings` (default: the current ones) with `changes` applied in force until the block ends."""
+    token = _CURRENT.set(replace(settings or current(), **changes))
+    try:
+        yield current()
+    finally:
+        _CURRENT.reset(token)
