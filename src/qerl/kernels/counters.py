@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch
 
+SIZE = 1 << 16  # counters a buffer holds; fixed, so a buffer is never replaced under a captured graph
 _BUFS: dict = {}
 
 
-def split_counters(device: torch.device, size: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `size` counters owned by the current stream of `device`."""
+def split_counters(device: torch.device, need: int = SIZE) -> torch.Tensor:
+    """The zeroed int32 buffer of SIZE counters owned by the current stream of `device` (kernels on one
+    stream run in order, so the kernels may share it)."""
+    if need > SIZE:
+        raise ValueError(f"a launch needs {need} split-K counters; the buffers hold {SIZE}")
     stream = torch.cuda.current_stream(device)
     key = (device.index, stream.cuda_stream)
     buf = _BUFS.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _BUFS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    if buf is None:
+        buf = _BUFS[key] = torch.zeros(SIZE, dtype=torch.int32, device=device)
     return buf

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
-_COUNTERS = 1 << 16  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
+_COUNTERS = counters.SIZE  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
 _SYNC = 4  # a fused-shrink launch's ticket / xa-ready / finished counters, at the end of the buffer
 
 
