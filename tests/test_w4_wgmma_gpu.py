@@ -84,18 +84,20 @@ def test_runs_are_bitwise_deterministic_with_split_k(m):
     assert torch.equal(_run(t, (n, k), x), _run(t, (n, k), x))
 
 
+@pytest.mark.parametrize("in_launch", [False, True])
 @pytest.mark.parametrize("segs", [1, 3])
 @pytest.mark.parametrize("m", [9, 64, 200])
-def test_lora_expand_in_the_epilogue(segs, m):
+def test_lora_expand_in_the_epilogue(segs, m, in_launch):
     n, k, r = 4608, 3584, 32
     t = _quant(n, k, 5)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(segs * r, k, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(n, r, device="cuda", dtype=torch.bfloat16) * 0.02
     starts = (3584, 4096)[: segs - 1]
-    lora = dispatch.LoraTerm(None, b, 2.0, starts, a=a).shrunk(x)
-    y = _run(t, (n, k), x, lora=lora)
-    ref = _ref(t, (n, k), x) + dispatch.lora_expand(lora, torch.float64).double()
+    lora = dispatch.LoraTerm(None, b, 2.0, starts, a=a)  # in_launch: the kernel's own shrink CTAs (bn <= 128)
+    y = _run(t, (n, k), x, lora=lora if in_launch else lora.shrunk(x))
+    ref_lora = dispatch.LoraTerm(x.double() @ a.double().T, b.double(), 2.0, starts)
+    ref = _ref(t, (n, k), x) + dispatch.lora_expand(ref_lora, torch.float64)
     assert _rel(y, ref) < 1e-2
 
 

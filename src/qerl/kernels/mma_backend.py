@@ -38,9 +38,12 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
     if w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
-        if lora is not None:
-            lora = _shrunk(lora, x2d)  # the shrink is its own GEMM; the expand runs in the epilogue
+        # The shrink inside the launch where the term allows (stacked A, no xa), else its own GEMM first;
+        # the expand runs in the epilogue.
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
+        if lora is not None and not fuse:
+            lora = _shrunk(lora, x2d)
+            fuse = w4_mma.lora_fusable(lora, k)
         y = w4_wgmma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
         if lora is not None and not fuse:
             y = y + lora_expand(lora, y.dtype).reshape(y.shape)

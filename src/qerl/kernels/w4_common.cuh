@@ -113,3 +113,49 @@ __device__ __forceinline__ u32 ld_u32_l2(const void* p) {  // written by other C
   return r;
 }
 
+
+// The LoRA shrink inside a launch (FUSE_SHRINK): xa[M, R] = x @ A^T for 16 rows of A per CTA, its WARPS
+// warps splitting K and adding their parts in warp order (deterministic), rounded to bf16 once; tokens in
+// MT tiles of 8 (M <= 8 MT). Both kernels define MT and WARPS.
+__device__ __forceinline__ void shrink_cta(int cta, const u16* __restrict__ x, const u16* __restrict__ la,
+                                           u16* __restrict__ xa, int R, int M, int K, int ldx) {
+  __shared__ f32x4 red[MT][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int row0 = imin(cta * 16 + g, R - 1), row1 = imin(cta * 16 + g + 8, R - 1);
+  float acc[MT][4];
+#pragma unroll
+  for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int k0 = warp * 16; k0 < K; k0 += WARPS * 16) {
+    const int ka = k0 + 2 * q, kb = ka + 8;
+    const u32 a0 = ld_u32(la + (u64)row0 * K + ka), a1 = ld_u32(la + (u64)row1 * K + ka);
+    const u32 a2 = ld_u32(la + (u64)row0 * K + kb), a3 = ld_u32(la + (u64)row1 * K + kb);
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      const u16* xr = x + (u64)imin(8 * j + g, M - 1) * ldx;
+      mma_bf16(acc[j], a0, a1, a2, a3, ld_u32(xr + ka), ld_u32(xr + kb));
+    }
+  }
+  for (int w = 0; w < WARPS; w++) {  // warps add their parts in order: the same bits every run
+    if (warp == w)
+#pragma unroll
+      for (int j = 0; j < MT; j++) {
+        f32x4 v = w ? red[j][lane] : f32x4{0.f, 0.f, 0.f, 0.f};
+        v.x += acc[j][0]; v.y += acc[j][1]; v.z += acc[j][2]; v.w += acc[j][3];
+        red[j][lane] = v;
+      }
+    __syncthreads();
+  }
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < MT; j++) {
+      const f32x4 v = red[j][lane];
+      const float o[4] = {v.x, v.y, v.z, v.w};
+      const int t0 = 8 * j + 2 * q, r0 = cta * 16 + g, r1 = r0 + 8;
+      if (t0 < M && r0 < R) xa[(u64)t0 * R + r0] = f32_to_bf16(o[0]);
+      if (t0 + 1 < M && r0 < R) xa[(u64)(t0 + 1) * R + r0] = f32_to_bf16(o[1]);
+      if (t0 < M && r1 < R) xa[(u64)t0 * R + r1] = f32_to_bf16(o[2]);
+      if (t0 + 1 < M && r1 < R) xa[(u64)(t0 + 1) * R + r1] = f32_to_bf16(o[3]);
+    }
+  }
+}
+

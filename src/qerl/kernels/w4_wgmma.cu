@@ -19,8 +19,11 @@
 // mma.sync per 16 of rank on the accumulator fragments: per warp, wgmma's D layout is mma.sync's C
 // layout for each 8 tokens), round to bf16 once.
 //
+// LoRA shrink: given (xa), or inside the launch (FUSE_SHRINK: extra CTAs compute xa first, by ticket).
+//
 // Compile-time: WG (consumer warpgroups, 64 rows each), BN (tokens per CTA: a multiple of 8, <= 256),
-// ST (chunks in flight, >= 2), HAS_BIAS, HAS_LORA.
+// ST (chunks in flight, >= 2), HAS_BIAS, HAS_LORA, FUSE_SHRINK; MT = BN / 8 and WARPS = 4 WG for the
+// shared shrink_cta.
 
 #define THREADS (WG * 128)
 #define XRAW_ROW 144  // bytes per raw activation row: 128 + 16 of padding, so the permute's reads do not conflict
@@ -50,20 +53,20 @@ __device__ __forceinline__ u32 swz(int n, int p) { return n * 128 + ((p ^ (n & 7
 
 WGMMA_STEP_DEFINITION
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
+__device__ __forceinline__ void matmul_cta(
+    const int bx, const int by, const int split, const int S, const int gx, const int gy,
     const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
     u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
     const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
-    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split) {
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_ctas) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* xt = smem;                     // 2 B tiles, 1024-aligned
   unsigned char* stages = smem + 2 * XT_BYTES;  // ST x {raw x, weights, scales}
   const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5, g = lane >> 2, q = lane & 3;
   const int KCH = K >> 6, NT = N >> 4;
-  const int rt0 = blockIdx.x * WG * 4;  // the CTA's first row tile; warp wi owns row tile rt0 + wi
-  const int tok0 = blockIdx.y * BN;
-  const int split = blockIdx.z, S = gridDim.z;
+  const int rt0 = bx * WG * 4;  // the CTA's first row tile; warp wi owns row tile rt0 + wi
+  const int tok0 = by * BN;
   const int c_begin = split * chunks_per_split;
   const int nch = imin(c_begin + chunks_per_split, KCH) - c_begin;
 
@@ -135,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
   wgmma_wait<0>();
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 
-  const int ntile = blockIdx.y * gridDim.x + blockIdx.x;
+  const int ntile = by * gx + bx;
   if (S > 1) {
     // Partial sums [split][tile][thread][NACC], float4 per store; the last CTA of the tile adds them.
-    float* mine = part + (((u64)split * gridDim.x * gridDim.y + ntile) * THREADS + tid) * NACC;
+    float* mine = part + (((u64)split * gx * gy + ntile) * THREADS + tid) * NACC;
 #pragma unroll
     for (int i = 0; i < NACC; i += 4) st_f32x4((f32x4*)(mine + i), acc + i);
     __threadfence();
@@ -155,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
 #pragma unroll
     for (int i = 0; i < NACC; i++) acc[i] = 0.f;
     for (int s = 0; s < S; s++) {  // split order: the same bits every run
-      const float* p = part + (((u64)s * gridDim.x * gridDim.y + ntile) * THREADS + tid) * NACC;
+      const float* p = part + (((u64)s * gx * gy + ntile) * THREADS + tid) * NACC;
 #pragma unroll
       for (int i = 0; i < NACC; i += 4) {
         float v[4];
@@ -166,6 +169,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
   }
 
   // Epilogue. acc[4j + e]: row 16 wi + g (+8 for e >= 2) of the CTA, token 8j + 2q + (e & 1).
+  if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
+    if (tid == 0)
+      while (ld_acquire(xa_ready) < shrink_ctas) {
+      }
+    __syncthreads();
+  }
   const int rt = rt0 + wi;
   if (rt >= NT) return;
   const int row0 = rt * 16 + g, row1 = row0 + 8;
@@ -190,7 +199,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
         const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
         const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
         const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
-        mma_bf16(l, a0, a1, a2, a3, ka < rank ? ld_u32(xr + ka) : 0u, kb < rank ? ld_u32(xr + kb) : 0u);
+        // xa written by this launch's shrink CTAs: read from L2, not a stale L1 line
+        const u32 x0 = ka < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
+        const u32 x1 = kb < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
+        mma_bf16(l, a0, a1, a2, a3, x0, x1);
       }
       const float sc = (float)lora_scaling;
       o[0] += l[0] * sc; o[1] += l[1] * sc; o[2] += l[2] * sc; o[3] += l[3] * sc;
@@ -203,5 +215,44 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
       y[(u64)(t0 + 1) * ldy + row0] = f32_to_bf16(o[1]);
       y[(u64)(t0 + 1) * ldy + row1] = f32_to_bf16(o[3]);
     }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) w4_wgmma_matmul(
+    const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
+    u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, u16* __restrict__ xa,
+    const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split,
+    const u16* __restrict__ lora_a, int shrink_ctas, int gx, int gy, int splits, int sync_base) {
+  if (!FUSE_SHRINK) {
+    matmul_cta(blockIdx.x, blockIdx.y, blockIdx.z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa,
+               lb, lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, counters, 0);
+    return;
+  }
+  // Roles by ticket, in the order CTAs start: tickets 0..shrink_ctas-1 compute xa = x @ lora_a^T (16 rows
+  // of lora_a each), the rest the matmul tiles, whose epilogues wait for xa. A CTA that waits started
+  // after every shrink CTA, which therefore runs: no deadlock at any occupancy.
+  // sync: [ticket, xa ready, finished] counters at sync_base; the last CTA to finish resets them.
+  int* sync = counters + sync_base;
+  __shared__ int role;
+  if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1);
+  __syncthreads();
+  const int t = role;
+  if (t < shrink_ctas) {
+    shrink_cta(t, x, lora_a, xa, ldxa, M, K, ldx);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[1], 1);
+  } else {
+    const int m = t - shrink_ctas;
+    matmul_cta(m % gx, (m / gx) % gy, m / (gx * gy), splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias,
+               xa, lb, lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1], shrink_ctas);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&sync[2], 1) == gridDim.x - 1) {
+    sync[0] = 0;  // the last CTA to finish: every other one is done with the counters
+    sync[1] = 0;
+    sync[2] = 0;
   }
 }

@@ -46,6 +46,9 @@ TUNING: dict[int, dict] = {
     256: dict(wg=2, stages=3),
 }
 SMEM_LIMIT = 227 * 1024
+# Token tiles up to which the LoRA shrink may run inside the launch (past it the shrink path's 128
+# accumulators push the kernel over 255 registers: ptxas spills).
+FUSE_SHRINK_MAX_BN = 128
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,13 @@ class WgmmaConfig:
     def smem_bytes(self) -> int:
         return 2 * self.bn * 128 + self.stages * (self.bn * 144 + self.wg * 4 * (512 + 64))
 
-    def defines(self, has_bias: bool, has_lora: bool) -> dict:
-        return dict(WG=self.wg, BN=self.bn, ST=self.stages, HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora))
+    def static_bytes(self) -> int:
+        """Static shared memory besides: the 1024-byte alignment slack and a fused shrink's reduction buffer."""
+        return 1024 + self.bn * 64
+
+    def defines(self, has_bias: bool, has_lora: bool, fuse_shrink: bool = False) -> dict:
+        return dict(WG=self.wg, BN=self.bn, ST=self.stages, HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora),
+                    FUSE_SHRINK=int(fuse_shrink), MT=self.bn // 8, WARPS=4 * self.wg)
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         return (math.ceil(N / (64 * self.wg)), math.ceil(M / self.bn), self.splits)
@@ -83,7 +91,7 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, **override) -
     splits = max(1, min(sms // blocks, kch // min_chunks))
     cps = math.ceil(kch / splits)
     cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], math.ceil(kch / cps), cps)
-    if cfg.stages < 2 or cfg.smem_bytes() > SMEM_LIMIT or bn % 8 or bn > 256:
+    if cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256:
         raise ValueError(f"invalid wgmma launch {cfg}: {cfg.smem_bytes()} bytes of shared memory")
     return cfg
 
@@ -134,6 +142,12 @@ class Args:
     ldy: int
     ldxa: int
     chunks_per_split: int
+    lora_a: torch.Tensor
+    shrink_ctas: int
+    gx: int
+    gy: int
+    splits: int
+    sync_base: int
 
 
 def _check_arity() -> None:
@@ -167,8 +181,8 @@ def available(device: torch.device) -> bool:
 _SMEM_SET: dict = {}
 
 
-def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device):
-    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora), device, generated(cfg))
+def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False):
+    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora, fuse_shrink), device, generated(cfg))
     if _SMEM_SET.get(id(fn), 0) < cfg.smem_bytes():  # a driver call: once per function, not per launch
         fn.set_shared_memory_config(cfg.smem_bytes())
         _SMEM_SET[id(fn)] = cfg.smem_bytes()
@@ -178,38 +192,52 @@ def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device):
 def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_factor: torch.Tensor, N: int,
            bias: torch.Tensor | None = None, lora=None, config: WgmmaConfig | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x2d [M, K] bf16 -> [M, N] bf16 = x @ W^T (* out_factor = 2^7/gs) + bias + LoRA expand.
+    """x2d [M, K] bf16 -> [M, N] bf16 = x @ W^T (* out_factor = 2^7/gs) + bias + LoRA.
 
-    packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm with xa given (the shrink runs
-    before, as its own GEMM), bf16, even rank, <= 3 segments on 16-row boundaries."""
+    packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm (bf16, even rank, <= 3 segments on
+    16-row boundaries: w4_mma.lora_fusable) with xa given, or with `a` (the stacked A, [S*r, K]) and no xa:
+    then extra CTAs of the same launch compute the shrink first and the epilogues wait for it."""
     M, K = x2d.shape
     dev = x2d.device
     cfg = config or plan(M, N, K, torch.cuda.get_device_properties(dev).multi_processor_count)
     if x2d.stride(-1) != 1 or x2d.data_ptr() % 16 or x2d.stride(0) % 8:
         x2d = x2d.contiguous()
     y = out if out is not None else torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-    grid = cfg.grid(M, N)
-    tiles = grid[0] * grid[1]
+    gx, gy, gz = cfg.grid(M, N)
+    tiles = gx * gy
     if tiles > _COUNTERS:
         raise ValueError(f"M = {M}, N = {N} needs {tiles} tiles; the counters hold {_COUNTERS}")
-    part = (torch.empty(cfg.splits * tiles * 128 * cfg.wg * (cfg.bn // 2), device=dev, dtype=torch.float32)
-            if cfg.splits > 1 else out_factor)
+    part = (torch.empty(gz * tiles * 128 * cfg.wg * (cfg.bn // 2), device=dev, dtype=torch.float32)
+            if gz > 1 else out_factor)
+    if lora is not None and lora.xa is None and cfg.bn > FUSE_SHRINK_MAX_BN:
+        lora = lora.shrunk(x2d)  # the shrink as its own GEMM first
+    fuse_shrink = lora is not None and lora.xa is None
+    shrink_ctas = 0
     if lora is not None:
-        if lora.xa is None:
-            raise ValueError("w4_wgmma.matmul takes the LoRA term with xa computed (LoraTerm.shrunk)")
-        xa = lora.xa.reshape(M, -1)
-        if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
-            xa = xa.contiguous()
         lb = lora.b.contiguous()
+        if fuse_shrink:  # the launch computes xa = x @ a.T into this buffer first
+            if M > cfg.bn:
+                raise ValueError(f"an in-launch shrink takes M <= {cfg.bn} tokens (one token tile), got {M}")
+            if not (lora.a.is_contiguous() and lora.a.shape[1] == K):
+                raise ValueError(f"the stacked LoRA A must be contiguous [S*r, {K}], got {tuple(lora.a.shape)}")
+            xa = torch.empty(M, lora.a.shape[0], device=dev, dtype=torch.bfloat16)
+            shrink_ctas = math.ceil(lora.a.shape[0] / 16)
+        else:
+            xa = lora.xa.reshape(M, -1)
+            if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
+                xa = xa.contiguous()
         segs = list(lora.seg_starts) + [N] * (2 - len(lora.seg_starts))
         lora_part = dict(xa=xa, lb=lb, lora_scaling=float(lora.scaling), rank=lb.shape[1], seg1=segs[0], seg2=segs[1],
-                         ldxa=xa.stride(0))
+                         ldxa=xa.stride(0), lora_a=lora.a if fuse_shrink else x2d)
     else:
-        lora_part = dict(xa=x2d, lb=x2d, lora_scaling=0.0, rank=0, seg1=N, seg2=N, ldxa=0)
-    args = Args(wq=packed, wsc=scale, x=x2d, y=y, part=part, counters=counters.split_counters(dev, _COUNTERS),
-                out_factor=out_factor, bias=bias if bias is not None else x2d, M=M, N=N, K=K, ldx=x2d.stride(0),
-                ldy=y.stride(0), chunks_per_split=cfg.chunks_per_split, **lora_part)
-    kern = _kernel(cfg, bias is not None, lora is not None, dev)
+        lora_part = dict(xa=x2d, lb=x2d, lora_scaling=0.0, rank=0, seg1=N, seg2=N, ldxa=0, lora_a=x2d)
+    buf = counters.split_counters(dev)
+    args = Args(wq=packed, wsc=scale, x=x2d, y=y, part=part, counters=buf, out_factor=out_factor,
+                bias=bias if bias is not None else x2d, M=M, N=N, K=K, ldx=x2d.stride(0), ldy=y.stride(0),
+                chunks_per_split=cfg.chunks_per_split, shrink_ctas=shrink_ctas, gx=gx, gy=gy, splits=gz,
+                sync_base=counters.SIZE - 4, **lora_part)
+    kern = _kernel(cfg, bias is not None, lora is not None, dev, fuse_shrink)
+    grid = (shrink_ctas + tiles * gz, 1, 1) if fuse_shrink else (gx, gy, gz)
     kern(grid=grid, block=(128 * cfg.wg, 1, 1), args=[getattr(args, f.name) for f in fields(Args)],
          shared_mem=cfg.smem_bytes())
     return y
