@@ -205,3 +205,19 @@ def test_row_tiles_are_contiguous_so_row_slices_are_members():
         assert torch.equal(t["weight_packed"][r0:r0 + w.shape[0]], own["weight_packed"])
         assert torch.equal(t["weight_scale"][r0:r0 + w.shape[0]].view(torch.uint8), own["weight_scale"].view(torch.uint8))
         r0 += w.shape[0]
+
+
+@pytest.mark.skipif(not __import__("qerl.kernels.nvrtc", fromlist=["x"]).nvcc_available(), reason="nvcc not installed")
+@pytest.mark.parametrize("mt", [1, 2, 4, 8])
+def test_mma_kernel_builds_for_sm90a_without_spills(mt):
+    """The mma.sync kernel with the v2 decode, every tuned launch shape, bias + LoRA, shrink in the launch."""
+    from qerl.kernels import nvrtc, w4_mma
+
+    cfg = w4_mma.plan(8 * mt, 4608, 3584, 132)
+    for fuse in (0, 1):
+        d = dict(MT=cfg.mt, RT=cfg.rt, WARPS=cfg.warps, ST=cfg.stages, XSM=int(cfg.xsm > 0), XST=max(2, cfg.xsm),
+                 DUAL=int(cfg.mt * cfg.rt <= 2), HAS_BIAS=1, HAS_LORA=1, FUSE_SHRINK=fuse)
+        rep = nvrtc.ptxas_report("w4_mma.cu", d)
+        assert set(rep) == {"w4_mma_matmul", "w4_mma_dequantize"}
+        for r in rep.values():
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers > 0, r
