@@ -220,7 +220,7 @@ def sweep(log) -> dict:
 
 
 def wgmma_sweep(log) -> dict:
-    """The wgmma kernel's (warpgroups, stages) per token tile over the 7B layer set; sets the winners in-process
+    """The wgmma kernel's (warpgroups, stages, CTAs per SM) per token tile over the 7B layer set; sets the winners in-process
     (w4_wgmma.TUNING) so the benchmark that follows measures them."""
     from ..kernels import w4_wgmma
 
@@ -228,22 +228,22 @@ def wgmma_sweep(log) -> dict:
     res = {}
     for bn in sorted(w4_wgmma.TUNING):
         scores = []
-        for wg in (1, 2):
-            for st in (2, 3, 4, 6, 8):
-                cfg = dict(bn=bn, wg=wg, stages=st)
-                try:
-                    w4_wgmma.plan(bn, 4608, 3584, 132, **dict(cfg))
-                except ValueError:
-                    continue  # over the shared memory
-                tot = 0.0
-                for g, ss in sets.items():
-                    x = torch.randn(bn, ss.k, device="cuda", dtype=torch.bfloat16)
-                    us = _time(ss, "wgmma_cfg", x, g, **cfg)
-                    tot += us if us is not None else float("inf")
-                scores.append((tot, cfg))
+        # 8 shapes a tile (each a compile of a few seconds): warpgroups x stages x CTAs per SM.
+        for wg, st, cps in [(w, s_, c) for w in (1, 2) for s_ in (3, 6) for c in (1, 2)]:
+            cfg = dict(bn=bn, wg=wg, stages=st, ctas_per_sm=cps)
+            try:
+                w4_wgmma.plan(bn, 4608, 3584, 132, **dict(cfg))
+            except ValueError:
+                continue  # over the shared memory
+            tot = 0.0
+            for g, ss in sets.items():
+                x = torch.randn(bn, ss.k, device="cuda", dtype=torch.bfloat16)
+                us = _time(ss, "wgmma_cfg", x, g, **cfg)
+                tot += us if us is not None else float("inf")
+            scores.append((tot, cfg))
         scores.sort(key=lambda s: s[0])
         if scores and scores[0][0] < float("inf"):
-            w4_wgmma.TUNING[bn] = dict(wg=scores[0][1]["wg"], stages=scores[0][1]["stages"])
+            w4_wgmma.TUNING[bn] = {k: v for k, v in scores[0][1].items() if k != "bn"}
         res[bn] = scores
         log(f"wgmma sweep BN={bn}: " + "; ".join(f"{t:.1f} µs {c}" for t, c in scores[:5]))
     log(f"wgmma sweep result: TUNING = {w4_wgmma.TUNING}")

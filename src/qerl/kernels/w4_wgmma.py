@@ -35,15 +35,16 @@ FILE, NAME = "w4_wgmma.cu", "w4_wgmma_matmul"
 MIN_M, MAX_M = 9, 256  # tokens this kernel takes (below: mma.sync; above: dequantize + cuBLAS)
 _COUNTERS = 1 << 14
 
-# Per token tile BN: consumer warpgroups (64 weight rows each) and chunks of 64 inputs in flight.
+# Per token tile BN: consumer warpgroups (64 weight rows each), chunks of 64 inputs in flight, and the
+# CTAs per SM the grid is sized for (small tiles: two CTAs overlap one's barriers with the other's loads).
 # Shared memory: 2 B tiles (BN x 128 B) + ST x (BN x 144 + WG x 2304) bytes, within 227 KB at BN 256.
-# First guesses from the roofline above; `qerl bench kernels --sweep` picks them on the device.
+# First guesses from the roofline above; `python -m qerl.bench.kernels --wgmma-sweep` picks them on the device.
 TUNING: dict[int, dict] = {
-    16: dict(wg=2, stages=8),
-    32: dict(wg=2, stages=8),
-    64: dict(wg=2, stages=6),
-    128: dict(wg=2, stages=4),
-    256: dict(wg=2, stages=3),
+    16: dict(wg=2, stages=8, ctas_per_sm=2),
+    32: dict(wg=2, stages=6, ctas_per_sm=2),
+    64: dict(wg=2, stages=6, ctas_per_sm=1),
+    128: dict(wg=2, stages=4, ctas_per_sm=1),
+    256: dict(wg=2, stages=3, ctas_per_sm=1),
 }
 SMEM_LIMIT = 227 * 1024
 # Token tiles up to which the LoRA shrink may run inside the launch (past it the shrink path's 128
@@ -82,13 +83,13 @@ def token_tile(M: int) -> int:
 
 
 def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, **override) -> WgmmaConfig:
-    """One CTA per SM (the B tiles and stages take most of shared memory): split along K when the
-    (row block x token tile) grid alone leaves SMs idle, each split at least `min_chunks` chunks."""
+    """`ctas_per_sm` CTAs per SM (the B tiles and stages take much of shared memory): split along K when
+    the (row block x token tile) grid alone leaves them idle, each split at least `min_chunks` chunks."""
     bn = override.pop("bn", None) or token_tile(M)
     tune = {**TUNING[bn], **override}
     blocks = math.ceil(N / (64 * tune["wg"])) * math.ceil(M / bn)
     kch = K // 64
-    splits = max(1, min(sms // blocks, kch // min_chunks))
+    splits = max(1, min(sms * tune.get("ctas_per_sm", 1) // blocks, kch // min_chunks))
     cps = math.ceil(kch / splits)
     cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], math.ceil(kch / cps), cps)
     if cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256:
