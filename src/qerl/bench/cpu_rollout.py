@@ -30,12 +30,12 @@ CMD = "python -m qerl.bench.cpu_rollout"
 def _setup():
     from ..model import load_policy
     from ..rl.default_run import default_run_config
-    from ..rl.trainer import _resolve_device_dtype
+    from ..rl.trainer import resolve_device_dtype
     from ..tasks import get_task
     from ..tasks.prompts import encode_prompt
 
     cfg = default_run_config("cpu")
-    _, dtype = _resolve_device_dtype(cfg)
+    _, dtype = resolve_device_dtype(cfg)
     pol = load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                       device="cpu", dtype=dtype, progress=False)
     g = torch.Generator().manual_seed(0)

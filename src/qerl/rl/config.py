@@ -137,6 +137,12 @@ class GRPOConfig:
     rollout_kv_cache_dtype: str = _f("auto", "KV cache of the rollout engine: auto (the model's dtype) | fp8 (E4M3 with "
                                      "per-slot, per-KV-head scales: half the bytes at long context; the engine-vs-"
                                      "trainer logprob mismatch grows, see importance_sampling_correction).")
+    max_staleness: int = _f(0, "TRL's async GRPO name: how many adapter versions a rollout may lag behind the policy "
+                            "the update starts from. 0: the synchronous step (rollout, then update). 1: the rollout "
+                            "of step k+1 samples from adapter k (the engine's own copy) while step k's update makes "
+                            "adapter k+1, on a worker thread where it can; its logprobs are the update's old "
+                            "logprobs, so clipping and importance_sampling_correction apply as they are. Unlike TRL "
+                            "no sample is dropped: every batch lags by exactly min(step, max_staleness). At most 1.")
     # --- multi-turn tool use (GRPOTrainer(tools=...) or a task that carries tools) -------------
     max_turns: int = _f(4, "Tool turns per completion: generation stops at a tool call, the tool's output is "
                         "appended into the same sequence and decoding resumes, at most this many times.")

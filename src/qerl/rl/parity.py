@@ -155,21 +155,24 @@ class ParityGate:
             with torch.no_grad():
                 for m, p in zip(layers, probe):
                     m.lora_B.weight.add_(p, alpha=scale)
+            self.tr.sync_rollout_adapter()  # the engine's own adapter copy (max_staleness 1) gets the probe too
             yield
         finally:
             with torch.no_grad():
                 for m, s in zip(layers, saved):
                     m.lora_B.weight.copy_(s)  # bit for bit: training continues from the same adapter
+            self.tr.sync_rollout_adapter()
 
     def check(self) -> ParityReport:
         tr = self.tr
         self._checked = True
+        tr.sync_rollout_adapter()
         comp = [c for c in tr.engine.generate(self.prompts, n=1, params=self.params) if c.token_ids]
         if not comp:
             raise ParityError("parity gate: every probe completion is empty")
         prompts, toks = [c.prompt_ids for c in comp], [c.token_ids for c in comp]
         sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(comp))
-        with adapters_disabled(tr.model):
+        with adapters_disabled(tr.model), adapters_disabled(tr.engine.model):  # (one model unless max_staleness 1)
             e_off = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
             t_off = _flat(self._trainer_logprobs(comp))
         # a probe that moves the trainer's logprobs well past the limit, so that an adapter missing on

@@ -8,6 +8,7 @@ none (its temporaries are undone when the run folder is next claimed). It holds:
   optimizer.safetensors   optimizer state tensors; their structure in trainer_state.json
   rng.safetensors         torch CPU / CUDA generator states
   trainer_state.json      step, data position, scheduler, python RNG, config
+  rollout_adapter.safetensors  (max_staleness 1) the adapter of the rollout in flight (rl/staleness.py)
 Safetensors and JSON only: nothing is pickled.
 """
 
@@ -53,7 +54,8 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
 
 
 def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: dict, base_name: str | None = None,
-                    keep: int | None = None) -> Path:
+                    keep: int | None = None, tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """tensors: more named tensor files, {stem: {name: tensor}} -> stem.safetensors (read_tensors)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{step}"
@@ -69,6 +71,8 @@ def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: d
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
                 rng[f"torch_cuda_{i}"] = s
         save_file(rng, tmp / "rng.safetensors")
+        for stem, ts in (tensors or {}).items():
+            save_file(ts, tmp / f"{stem}.safetensors")
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(),
                  "python_random": _jsonable(random.getstate()), **extra}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
@@ -129,6 +133,15 @@ def read_checkpoint(folder) -> tuple[dict, dict[str, dict]]:
     if not keys <= set(tensors["optimizer.safetensors"]):
         raise CorruptCheckpoint(f"{folder / 'optimizer.safetensors'}: lacks tensors that {STATE_NAME} lists")
     return state, tensors
+
+
+def read_tensors(folder, stem: str) -> dict[str, torch.Tensor]:
+    """A tensor file that save_checkpoint(tensors=...) wrote; CorruptCheckpoint names it when unreadable."""
+    f = Path(folder) / f"{stem}.safetensors"
+    try:
+        return load_file(f)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for truncation
+        raise CorruptCheckpoint(f"{f}: unreadable ({type(e).__name__}: {e})"[:400]) from None
 
 
 def load_checkpoint(folder, model, optimizer, scheduler) -> dict:

@@ -1,16 +1,21 @@
 """The QeRL training loop (paper.md, Algorithm 1): GRPO / DAPO on a quantized LoRA policy with AQN.
 
-`train_step` is a loop over named, timed phases (rl/profiling.py), each in its own module:
+`train_step` is a loop over named, timed phases (rl/profiling.py), each in its own module and each a
+function of explicit inputs and the step's frozen context (rl/step_context.py):
 rollout (rl/rollout_phase.py: G rollouts per prompt from the noisy behaviour policy, rewards, DAPO's
 dynamic sampling) -> advantages (rl/advantages.py) -> metrics (rl/rollout_metrics.py) -> update
-(rl/update.py: num_iterations passes of clipped policy-gradient updates) -> checkpoint (rl/state.py).
-The KL reference, when beta > 0, is the same model with adapters off.
+(rl/update.py: num_iterations passes of clipped policy-gradient updates; the trainer's
+`optimizer_step` applies each) -> checkpoint (rl/state.py).
+With max_staleness 1 the rollout of the next step runs during the update (rl/staleness.py) on the
+engine's own adapter copy (rl/adapter_snapshot.py). The KL reference, when beta > 0, is the same
+model with adapters off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import time
@@ -23,6 +28,7 @@ from ..rollout import Engine
 from . import levers, run_folder
 from . import state as ckpt
 from .advantages import rollout_batch
+from .adapter_snapshot import AdapterSnapshot
 from .aqn import AQN, AdaptiveSigma, sigma_at
 from .batching import batch_plan
 from .config import GRPOConfig
@@ -32,16 +38,19 @@ from .optim import lr_lambda, make_optimizer
 from .parity import ParityGate
 from .profiling import Profiler
 from .rollout_metrics import rollout_metrics
-from .rollout_phase import RolloutPhase
+from .rollout_phase import RolloutInputs, StepRollouts, collect
 from .sampler import PromptSampler
-from .update import PolicyUpdate, TrainingError
+from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
+from .step_context import StepContext, step_seed
+from .update import PolicyUpdate, TrainingError, UpdateInputs
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
-__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError", "make_optimizer"]
+__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError", "make_optimizer", "resolve_device_dtype"]
 
 
-def _resolve_device_dtype(cfg: GRPOConfig):
+def resolve_device_dtype(cfg: GRPOConfig):
+    """(device, compute dtype) that a config's `device` and `dtype` fields name ("auto" resolved here)."""
     dev = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if cfg.device == "auto" else cfg.device))
     if cfg.dtype == "auto":
@@ -83,14 +92,50 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
                  train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True):
-        self.cfg = cfg = config or GRPOConfig()
+        cfg = config or GRPOConfig()
+        if cfg.max_staleness not in (0, 1):
+            raise ValueError(f"config field 'max_staleness': {cfg.max_staleness} is not supported (0: synchronous, "
+                             "1: the next step's rollout during the update)")
         random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
         torch.manual_seed(cfg.seed)
-        self.device, self.dtype = _resolve_device_dtype(cfg)
+        self.device, self.dtype = resolve_device_dtype(cfg)
         self.dist = Dist.from_env(self.device.type, cfg.ddp_timeout, cfg.ddp_backend)
         if self.dist.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         self.plan = batch_plan(cfg, self.dist.world)  # TRL's batch semantics; explains a batch that cannot split
+        self.progress = progress
+        self._setup_policy(cfg, policy, progress)
+        self._setup_data(cfg, task, reward_funcs, train_dataset, eval_dataset, tools, environment_factory)
+        self.params = self._trainable(cfg)
+        self.dist.broadcast_(self.params)  # every rank starts from rank 0's adapter
+        self._setup_engine(cfg)
+        # the config is final from here: unset memory levers filled in from what is free now
+        self.cfg = cfg = self._choose_levers(cfg)
+        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device, self.master_weights)
+        self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
+        total_updates = cfg.max_steps * self._updates_per_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
+        self.aqn = AQN(self.model) if cfg.aqn else None  # the live norms: the update's noise (aqn_in_training)
+        # the rollout's noise lives on the engine's norms: the snapshot's own under max_staleness 1
+        self.rollout_aqn = (AQN(self.snapshot.model) if cfg.aqn else None) if self.snapshot is not None else self.aqn
+        # closed-loop AQN: sigma steered by a rollout signal instead of the stage schedule
+        self.adaptive = AdaptiveSigma(cfg.aqn_adaptive_target, cfg.aqn_adaptive_signal, cfg.aqn_sigma_end,
+                                      cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
+            if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
+        self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
+        self.step = 0
+        self.out = Path(cfg.output_dir)
+        self._resumed_from = None
+        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
+        self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
+        self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
+        self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
+        self.update = PolicyUpdate(UpdateInputs(self.model, cfg, self.device, self.dtype, self.tok.pad_token_id or 0,
+                                                self.dist, self.profiler, self.aqn, self.optimizer_step))
+        self.parity = ParityGate(self)
+
+    # ---- construction ----------------------------------------------------------------------
+    def _setup_policy(self, cfg: GRPOConfig, policy, progress: bool) -> None:
         if policy is None:
             from ..model import load_policy
 
@@ -108,6 +153,9 @@ class GRPOTrainer:
                 set_lora_dtype(self.model, want, self.device)
         if self.tok is None:
             raise ValueError("the policy has no tokenizer: rewards need completion text")
+
+    def _setup_data(self, cfg: GRPOConfig, task, reward_funcs, train_dataset, eval_dataset, tools,
+                    environment_factory) -> None:
         if task is None and train_dataset is None:
             from ..tasks import get_task
 
@@ -129,32 +177,50 @@ class GRPOTrainer:
         self.evals: list[dict] = []  # one summary per evaluation of this run
         if not self.reward_funcs:
             raise ValueError("no reward functions: pass reward_funcs or a task that has them")
-        self.progress = progress
         for i, r in enumerate(self.train_rows[:1]):
             if "prompt" not in r:
                 raise ValueError(f"training row {i} has no 'prompt' field (fields: {sorted(r)})")
+
+    def _trainable(self, cfg: GRPOConfig) -> list:
         if cfg.train_norms:
             for n, p in self.model.named_parameters():
                 if n.endswith("norm.weight") and ".layers." in n:
                     p.requires_grad_(True)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.params:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
             raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
-        self.dist.broadcast_(self.params)  # every rank starts from rank 0's adapter
-        self.engine = Engine(self.model, self.tok, max_len=cfg.max_prompt_length + 1 +
+        return params
+
+    def _setup_engine(self, cfg: GRPOConfig) -> None:
+        """The rollout engine: on the live policy, or (max_staleness 1) on its own adapter copy, built
+        first so that the KV budget and the memory levers see its bytes."""
+        self.snapshot = AdapterSnapshot(self.model, self.params) if cfg.max_staleness else None
+        self.engine = Engine(self.snapshot.model if self.snapshot is not None else self.model, self.tok,
+                             max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
                              max_slots=max(self.plan.generation_batch_size // self.dist.world,
-                                           min(256, self._eval_slots())),
+                                           min(256, self._eval_slots(cfg))),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
                              (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype)
-        # unset memory levers chosen from what is free once the weights and the KV cache are in place
+
+    def rollout_reserve_bytes(self) -> int:
+        """Memory the update cannot use because a rollout runs beside it (max_staleness 1): the decode
+        step's transient buffers, a few fp32 [slots, vocab] (logits, processed probabilities, sampler).
+        The adapter copy is already allocated when the levers measure free memory; the batch in flight
+        (token ids, logprobs) is host memory."""
+        if self.snapshot is None:
+            return 0
+        return 3 * self.engine.n_slots * self.engine.view.vocab * 4
+
+    def _choose_levers(self, cfg: GRPOConfig) -> GRPOConfig:
         self.levers = levers.choose(levers.Shape.of(self.model.config),
                                     cfg.per_device_train_batch_size * (cfg.max_prompt_length + cfg.max_completion_length),
-                                    levers.free_memory(self.device), gradient_checkpointing=cfg.gradient_checkpointing,
+                                    max(0, levers.free_memory(self.device) - self.rollout_reserve_bytes()),
+                                    gradient_checkpointing=cfg.gradient_checkpointing,
                                     logprob_chunk_size=cfg.logprob_chunk_size)
         if self.levers.chosen:
-            self.cfg = cfg = dataclasses.replace(cfg, gradient_checkpointing=self.levers.gradient_checkpointing,
-                                                 logprob_chunk_size=self.levers.logprob_chunk_size)
+            cfg = dataclasses.replace(cfg, gradient_checkpointing=self.levers.gradient_checkpointing,
+                                      logprob_chunk_size=self.levers.logprob_chunk_size)
             if self.dist.is_main:
                 print(f"qerl: {self.levers.describe()}", flush=True)
         if cfg.gradient_checkpointing:
@@ -163,25 +229,7 @@ class GRPOTrainer:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device, self.master_weights)
-        self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
-        total_updates = cfg.max_steps * self._updates_per_step
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
-        self.aqn = AQN(self.model) if cfg.aqn else None
-        # closed-loop AQN: sigma steered by a rollout signal instead of the stage schedule
-        self.adaptive = AdaptiveSigma(cfg.aqn_adaptive_target, cfg.aqn_adaptive_signal, cfg.aqn_sigma_end,
-                                      cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
-            if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
-        self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
-        self.step = 0
-        self.out = Path(cfg.output_dir)
-        self._resumed_from = None
-        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
-        self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
-        self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
-        self.rollout = RolloutPhase(self)
-        self.update = PolicyUpdate(self)
-        self.parity = ParityGate(self)
+        return cfg
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, row) -> list[int]:
@@ -199,45 +247,116 @@ class GRPOTrainer:
                                max_turns=self.cfg.max_turns)
 
     # ---- one step --------------------------------------------------------------------------
-    def noise(self, sigma: float, seed: int):
-        return self.aqn.applied(sigma, seed) if self.aqn is not None and sigma > 0 else contextlib.nullcontext()
-
-    def train_step(self) -> dict:
-        cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
-        t0 = time.perf_counter()
+    def step_context(self, step: int, adapter_version: int) -> StepContext:
+        """The frozen context of `step`'s phases: its AQN noise (the schedule's, or the closed loop's
+        current sigma), its seeds, and the adapter version its rollout samples from."""
+        cfg = self.cfg
         if self.adaptive is not None:  # one continuous noisy stage whose sigma the controller sets
             sigma, stage = self.adaptive.sigma, 1
         else:
             sigma, stage = sigma_at(step, cfg.max_steps, min(cfg.aqn_stages, cfg.max_steps), cfg.aqn_sigma_start,
                                     cfg.aqn_sigma_end, cfg.aqn_schedule) if self.aqn is not None else (0.0, 0)
-        base_seed = cfg.seed * 1_000_003 + step * 101
-        parity = {}
-        if self.parity.due(step):
-            with phase("parity"):  # before the rollout: its engine seeding then starts the step's sampling afresh
-                parity = self.parity(step)
-        with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
-            ro = self.rollout.collect(self.plan.prompts_per_rank, sigma, base_seed)
+        return StepContext(step, sigma, stage, step_seed(cfg.seed, step), adapter_version)
+
+    def rollout_inputs(self, profiler: Profiler | None = None) -> RolloutInputs:
+        return RolloutInputs(self.cfg, self.engine, self.tok, self.train_rows, self.reward_funcs, self.reward_weights,
+                             self.dist, self.device, self.encode_prompt, self.turns_for, self.rollout_aqn,
+                             profiler or self.profiler)
+
+    def collect_rollouts(self, ctx: StepContext, profiler: Profiler | None = None) -> StepRollouts:
+        """The step's rollouts, now, from the adapter the engine reads (the live one, or the snapshot)."""
+        return collect(self.rollout_inputs(profiler), ctx, self.sampler, self.plan.prompts_per_rank)
+
+    def launch_rollout(self, step: int, ctx: StepContext | None = None) -> InFlight:
+        """Start `step`'s rollout from the current adapter (copied into the engine's snapshot), or from
+        the adapter already in it when `ctx` is given (a resume)."""
+        if ctx is None:
+            self.snapshot.refresh(self.step)
+            ctx = self.step_context(step, self.step)
+        prof = Profiler()  # the worker's own: the main thread's profiler times the update meanwhile
+        data = self.sampler.state()
+        threaded = self.dist.world == 1  # several ranks: the rollout's collectives must not meet the update's
+
+        def run():
+            ro = self.collect_rollouts(ctx, prof)
+            return ro, prof.take()
+
+        return InFlight(ctx, data, run, threaded, self.device)
+
+    def train_step(self) -> dict:
+        cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
+        t0 = time.perf_counter()
+        parity, times = {}, {}
+        if self.snapshot is None:
+            ctx = self.step_context(step, step)
+            if self.parity.due(step):
+                with phase("parity"):  # before the rollout: its engine seeding then starts the step's sampling afresh
+                    parity = self.parity(step)
+            with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
+                ro = self.collect_rollouts(ctx)
+        else:
+            if self._in_flight is None:  # the run's first step: nothing was launched for it
+                self._in_flight = self.launch_rollout(step)
+            with phase("rollout_wait"):  # what the step waits for its rollout, launched during the last update
+                ro, times = self._in_flight.result()
+            self._in_flight = None
+            ctx = ro.ctx
+            times["time_rollout"] = ro.seconds
+            if self.parity.due(step):
+                with phase("parity"):
+                    parity = self.parity(step)
         with phase("advantages"):
             batch = rollout_batch(ro.groups, cfg.num_generations, cfg.scale_rewards, D)
         with phase("metrics"):  # over everything sampled this step (before filtering), over all ranks
-            m = {"step": step, "sigma": sigma, "aqn_stage": stage, "aqn_sigma_effective": ro.effective_sigma,
-                 "lr": self.scheduler.get_last_lr()[0], **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
+            m = {"step": step, "sigma": ctx.sigma, "aqn_stage": ctx.stage, "aqn_sigma_effective": ro.effective_sigma,
+                 "staleness": ctx.staleness, "lr": self.scheduler.get_last_lr()[0],
+                 **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
             if self.adaptive is not None:  # this step's signal sets the next step's sigma
                 measured = m["rollout_entropy"] if cfg.aqn_adaptive_signal == "entropy" else m["zero_variance_fraction"]
                 self.adaptive.update(measured)  # (a first step with no target set makes this its target)
                 m.update({"aqn_target": self.adaptive.target, "aqn_signal": measured})
+        if self.snapshot is not None and step + 1 < cfg.max_steps:
+            self._in_flight = self.launch_rollout(step + 1)  # samples from this adapter while the update trains
         # every rank enters the update: the gradient average is collective, even for an empty share
         if D.sum(len(batch), self.device):
-            m.update(self.update(batch, sigma, base_seed))
+            m.update(self.update(batch, ctx.sigma, ctx.seed))
         else:  # nothing informative this step: no update (loss, entropy, grad norm are not logged)
             m["updates"] = 0
-        m.update({"time_logprob": 0.0, "time_update": 0.0, **self.profiler.take()})
+        m.update({"time_logprob": 0.0, "time_update": 0.0, **self.profiler.take(), **times})
         m["time_step"] = time.perf_counter() - t0
         m["completions"] = int(D.sum(len(batch), self.device))
         self.step += 1
         return m
+
+    def optimizer_step(self, bad: str | None) -> float:
+        """Apply one update's gradients (the update phase computed them): average over the ranks, clip,
+        step the optimizer and the schedule. A non-finite loss on any rank (`bad`) or gradient norm
+        discards them and raises TrainingError. Returns the gradient norm."""
+        cfg, D = self.cfg, self.dist
+        if D.max(1.0 if bad else 0.0, self.device):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(self.bad_step(bad or "the loss is not finite on another rank"))
+        D.mean_grads_(self.params)
+        clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if not torch.isfinite(gn):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(self.bad_step(f"gradient norm is {float(gn)}"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(gn)
+
+    def sync_rollout_adapter(self) -> None:
+        """Let the engine sample from the live adapter now (parity checks, evaluation): copies it into the
+        engine's snapshot under max_staleness 1, after any rollout in flight has finished with it."""
+        if self.snapshot is None:
+            return
+        if self._in_flight is not None:
+            self._in_flight.result()  # kept for its step; the snapshot is free once it is done
+        self.snapshot.refresh(self.step)
 
     def bad_step(self, what: str) -> str:
         last = ckpt.checkpoints(self.out)
@@ -245,8 +364,8 @@ class GRPOTrainer:
         return f"step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
 
     # ---- evaluation ------------------------------------------------------------------------
-    def _eval_slots(self) -> int:
-        cfg = self.cfg
+    @staticmethod
+    def _eval_slots(cfg: GRPOConfig) -> int:
         evaluates = cfg.eval_steps or cfg.eval_on_start or cfg.eval_on_end
         return cfg.eval_num_samples * (cfg.eval_limit or 256) if evaluates else 0
 
@@ -274,6 +393,7 @@ class GRPOTrainer:
 
         cfg = self.cfg
         rows, func, name = self.eval_set()
+        self.sync_rollout_adapter()
         rep = evaluate(self.engine, self.tok, rows, func, samples=cfg.eval_num_samples, temperature=cfg.eval_temperature,
                        top_p=cfg.eval_top_p, max_new_tokens=cfg.eval_max_completion_length or cfg.max_completion_length,
                        seed=cfg.seed, system_prompt=cfg.system_prompt, prompt_suffix=cfg.prompt_suffix,
@@ -299,12 +419,20 @@ class GRPOTrainer:
         resumes with the same or a different number of ranks."""
         path = None
         if self.dist.is_main:
-            extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world,
-                     "updates_per_step": self._updates_per_step}
+            fl = self._in_flight
+            # a rollout in flight is not waited for: the checkpoint holds what launches it again (its
+            # adapter, context and the sampler's position before its draws), rl/staleness.py
+            extra = {"data": fl.data if fl is not None else self.sampler.state(), "config": self.cfg.to_dict(),
+                     "world_size": self.dist.world, "updates_per_step": self._updates_per_step}
+            tensors = None
+            if fl is not None:
+                extra["in_flight"] = fl.record()
+                tensors = {ROLLOUT_ADAPTER: self.snapshot.tensors()}
             if self.adaptive is not None:
                 extra["aqn_adaptive"] = self.adaptive.state_dict()
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                        base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
+                                        base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit,
+                                        tensors=tensors)
         self.dist.barrier()
         return path
 
@@ -338,6 +466,7 @@ class GRPOTrainer:
         skipped = []
         for folder in reversed(found):
             try:
+                self._read_in_flight(folder)  # checked before anything is loaded
                 st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
             except ckpt.CorruptCheckpoint as e:
                 print(f"qerl: resume: skipping {folder.name}: {e}", flush=True)
@@ -361,7 +490,9 @@ class GRPOTrainer:
             if folder is None:
                 folder, st = self._newest_good_checkpoint()
             else:
+                self._read_in_flight(folder)
                 st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+            in_flight = self._read_in_flight(folder)
         except BaseException:
             self._release()
             raise
@@ -379,7 +510,24 @@ class GRPOTrainer:
         if self.adaptive is not None and "aqn_adaptive" in st:
             self.adaptive.load_state_dict(st["aqn_adaptive"])
         self._resumed_from = Path(folder)
+        if in_flight is not None and self.snapshot is not None:
+            # the rollout that was in flight, launched again from its own adapter: the same batch
+            ctx, tensors = in_flight
+            self.snapshot.load(tensors, ctx.adapter_version, where=f"{folder}/{ROLLOUT_ADAPTER}.safetensors")
+            self._in_flight = self.launch_rollout(ctx.step, ctx)
+        # (max_staleness 0 now: the sampler stands before that rollout's draws, and this adapter redraws it)
         return self.step
+
+    def _read_in_flight(self, folder) -> tuple[StepContext, dict] | None:
+        """The context and adapter of the rollout a checkpoint was written with in flight, or None."""
+        st_file = Path(folder) / ckpt.STATE_NAME
+        try:
+            rec = json.loads(st_file.read_text()).get("in_flight")
+        except (OSError, ValueError):
+            return None  # load_checkpoint names what is wrong with the state file
+        if rec is None:
+            return None
+        return context_of(rec, str(st_file)), ckpt.read_tensors(folder, ROLLOUT_ADAPTER)
 
     # ---- the run ---------------------------------------------------------------------------
     def train(self, stop_after: int | None = None) -> list[dict]:
@@ -432,6 +580,8 @@ class GRPOTrainer:
                 if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
                     self._evaluate_on_main(log)
         finally:
+            if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
+                self._in_flight.wait_quietly()
             cache.__exit__(None, None, None)
             bar.close()
             if log is not None:

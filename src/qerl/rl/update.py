@@ -5,12 +5,18 @@ reference (the base: adapters off) come first, timed as `logprob`; then the opti
 timed as `update`. The ranks average gradients once per update and step their optimizers together.
 With packed_update each micro-batch is packed (rl/packing.py: a group's prompt once, no padding);
 the loss sees the same per-completion [B, L] tensors either way.
+
+The phase reads explicit inputs (`UpdateInputs`: the live model, config, ranks, the live AQN) and
+the step's noise; it computes gradients and hands each update to the trainer's optimizer step
+(`UpdateInputs.optimizer_step`: rank averaging, clipping, the step, the schedule), which it does not own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,47 +33,64 @@ class TrainingError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What the update reads that does not change from step to step."""
+    model: torch.nn.Module      # the live policy (trained in place)
+    cfg: object                 # rl.GRPOConfig
+    device: torch.device
+    dtype: torch.dtype
+    pad_id: int
+    dist: object                # rl.distributed.Dist
+    profiler: object            # rl.profiling.Profiler: times "logprob" and "update"
+    aqn: object | None          # rl.aqn.AQN on the live norms (aqn_in_training), or None
+    # the trainer's optimizer step: (why the update's loss is bad, or None) -> gradient norm; averages the
+    # gradients over the ranks, clips, steps the optimizer and the schedule; raises TrainingError instead
+    optimizer_step: Callable[[str | None], float]
+
+
 class PolicyUpdate:
-    def __init__(self, trainer):
-        self.tr = trainer
+    def __init__(self, inputs: UpdateInputs):
+        self.inp = inputs
         self._kind = None  # the mask kind packed rows need (packing.attention_kind), found on first use
 
     def packed_kind(self) -> str | None:
         """The attention-mask kind for packed rows, or None: padded micro-batches (packed_update off, or
         an attention that takes no packed mask)."""
-        tr = self.tr
-        if not tr.cfg.packed_update:
+        inp = self.inp
+        if not inp.cfg.packed_update:
             return None
         if self._kind is None:
             # the GPU needs FlexAttention's block sparsity: a dense mask would compute the masked-out
             # blocks of a row's other completions (a long row costs more attention than padded rows)
-            if tr.device.type == "cuda":
-                self._kind = FLEX if not has_sliding_window(tr.model) and use_flex_attention(tr.model) else ""
+            if inp.device.type == "cuda":
+                self._kind = FLEX if not has_sliding_window(inp.model) and use_flex_attention(inp.model) else ""
             else:
-                self._kind = attention_kind(tr.model) or ""
+                self._kind = attention_kind(inp.model) or ""
             if not self._kind:
-                print(f"qerl: packed_update: attention {tr.model.config._attn_implementation!r} takes no "
+                print(f"qerl: packed_update: attention {inp.model.config._attn_implementation!r} takes no "
                       "packed mask here; training on padded micro-batches", flush=True)
         return self._kind or None
 
     def micro_batches(self, batch: RolloutBatch) -> list:
-        tr = self.tr
-        size, pad, kind = tr.cfg.per_device_train_batch_size, tr.tok.pad_token_id or 0, self.packed_kind()
+        inp = self.inp
+        size, pad, kind = inp.cfg.per_device_train_batch_size, inp.pad_id, self.packed_kind()
         if kind is None:
-            return micro_batches(batch, size, pad, tr.device)
-        return packed_micro_batches(batch, size, pad, tr.device, kind, tr.dtype)
+            return micro_batches(batch, size, pad, inp.device)
+        return packed_micro_batches(batch, size, pad, inp.device, kind, inp.dtype)
 
     def logprobs(self, mb: MicroBatch | PackedBatch, grad: bool):
-        cfg = self.tr.cfg
+        cfg = self.inp.cfg
         with torch.set_grad_enabled(grad), unfused_lora():
             # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
             # top-entropy token selection's input), detached
-            return completion_logprobs(self.tr.model, **mb.model_inputs(), temperature=cfg.temperature,
+            return completion_logprobs(self.inp.model, **mb.model_inputs(), temperature=cfg.temperature,
                                        chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coeff > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
-        tr = self.tr
-        cfg, dev, D, prof = tr.cfg, tr.device, tr.dist, tr.profiler
+        """Train on `batch`, sampled under AQN noise (sigma, seed): metrics of the update."""
+        inp = self.inp
+        cfg, dev, D, prof, model = inp.cfg, inp.device, inp.dist, inp.profiler, inp.model
         N = len(batch)
         # the ranks step the optimizer together: as many updates as the rank with the most completions
         n_updates = int(D.max(max(1, math.ceil(math.ceil(N / cfg.per_device_train_batch_size) /
@@ -75,7 +98,9 @@ class PolicyUpdate:
         single = cfg.num_iterations == 1 and n_updates == 1
 
         def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
-            return tr.noise(sigma, seed) if cfg.aqn_in_training else contextlib.nullcontext()
+            if cfg.aqn_in_training and inp.aqn is not None and sigma > 0:
+                return inp.aqn.applied(sigma, seed)
+            return contextlib.nullcontext()
 
         with prof.phase("logprob"):
             batches = self.micro_batches(batch)  # MicroBatch or packing.PackedBatch: the same [B, L] data
@@ -87,13 +112,13 @@ class PolicyUpdate:
                         old[k] = lp
                         ent.append(en[b.mask.to(dev)])
             if cfg.beta:
-                with adapters_disabled(tr.model):
+                with adapters_disabled(model):
                     ref = [self.logprobs(b, grad=False)[0] for b in batches]
 
         with prof.phase("update"):
-            tr.model.train()
+            model.train()
             stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": []}
-            mism, mism_max, is_mean = [], 0.0, []
+            mism, mism_max, is_mean, ratios = [], 0.0, [], []
             for it in range(cfg.num_iterations):
                 for u in range(n_updates):
                     group = list(range(len(batches)))[u * cfg.gradient_accumulation_steps:
@@ -112,10 +137,12 @@ class PolicyUpdate:
                             lp, en = self.logprobs(b, grad=True)
                             old_k = lp.detach() if single else old[k]
                             if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
-                                d = (old_k - b.rollout_logprobs).abs()[mask]
+                                diff = (old_k - b.rollout_logprobs)[mask]
+                                d = diff.abs()
                                 if d.numel():
                                     mism.append(d)
                                     mism_max = max(mism_max, float(d.max()))
+                                    ratios.append(diff.detach().float().exp())  # policy / behaviour, a token
                                 if single:
                                     ent.append(en[mask].detach())
                             isw = None
@@ -144,28 +171,19 @@ class PolicyUpdate:
                             stats["entropy_mask_fraction"].append(st["entropy_mask_fraction"])
                         if "kl" in st:
                             stats["kl"].append(st["kl"])
-                    if D.max(1.0 if bad else 0.0, dev):
-                        tr.optimizer.zero_grad(set_to_none=True)
-                        raise TrainingError(tr.bad_step(bad or "the loss is not finite on another rank"))
-                    D.mean_grads_(tr.params)
-                    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                    gn = torch.nn.utils.clip_grad_norm_(tr.params, clip)
-                    if not torch.isfinite(gn):
-                        tr.optimizer.zero_grad(set_to_none=True)
-                        raise TrainingError(tr.bad_step(f"gradient norm is {float(gn)}"))
-                    stats["grad_norm"].append(float(gn))
+                    stats["grad_norm"].append(inp.optimizer_step(bad))
                     stats["loss"].append(upd_loss)
-                    tr.optimizer.step()
-                    tr.scheduler.step()
-                    tr.optimizer.zero_grad(set_to_none=True)
-            tr.model.eval()
-        return self._metrics(stats, mism, mism_max, is_mean, ent, cfg.num_iterations * n_updates)
+            model.eval()
+        return self._metrics(stats, mism, mism_max, is_mean, ent, ratios, cfg.num_iterations * n_updates)
 
-    def _metrics(self, stats, mism, mism_max, is_mean, ent, updates) -> dict:
+    def _metrics(self, stats, mism, mism_max, is_mean, ent, ratios, updates) -> dict:
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
         allm = torch.cat(mism) if mism else torch.zeros(0)
         ent_t = torch.cat(ent) if ent else torch.zeros(0)
-        parts = self.tr.dist.gather({"loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
+        rat = torch.cat(ratios).double() if ratios else torch.zeros(0, dtype=torch.float64)
+        ratio = (float(rat.sum()), rat.numel(), float(rat.min()) if rat.numel() else math.inf,
+                 float(rat.max()) if rat.numel() else -math.inf)
+        parts = self.inp.dist.gather({"ratio": ratio, "loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
                                      "emask": stats["entropy_mask_fraction"],
                                      "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
                                      "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
@@ -184,4 +202,9 @@ class PolicyUpdate:
             out["entropy_mask_fraction"] = mean(cat("emask"))
         if cat("is"):
             out["is_weight_mean"] = mean(cat("is"))
+        n_ratio = sum(q["ratio"][1] for q in parts)
+        if n_ratio:  # exp(trainer's pre-update logprob - the sampler's), per model token: noise, numerics, staleness
+            out.update(policy_ratio_mean=sum(q["ratio"][0] for q in parts) / n_ratio,
+                       policy_ratio_min=min(q["ratio"][2] for q in parts),
+                       policy_ratio_max=max(q["ratio"][3] for q in parts))
         return out

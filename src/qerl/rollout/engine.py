@@ -74,6 +74,23 @@ class RolloutStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
+class Completions(list):
+    """What `Engine.generate` returns: the completions (a list, prompt-major) and that call's stats."""
+
+    def __init__(self, items, stats: RolloutStats):
+        super().__init__(items)
+        self.stats = stats
+
+
+@dataclass
+class _Call:
+    """One `generate` call's own state, passed down its loop (the engine instance keeps none)."""
+    params: SamplingParams
+    turns: TurnHandler | None
+    limits: list[list[int]] | None  # each sample's limit of new tokens (SamplingParams), or None
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int | None = None,
@@ -103,9 +120,9 @@ class Engine:
         self.cache = self.runner.cache
         # without kernels (CPU), keep dequantized weights for the rollout's duration
         self.cache_dequantized = not cuda if cache_dequantized is None else cache_dequantized
+        # the stats of the last finished call, for callers written before `generate` returned them
+        # (read them from the returned Completions: a call's state lives in its `_Call`)
         self.stats = RolloutStats()
-        self._turns: TurnHandler | None = None
-        self._limits: list[list[int]] | None = None  # the rollout's per-sample limits (SamplingParams)
 
     # ---- public ------------------------------------------------------------------------------
     def eos_ids(self) -> list[int]:
@@ -120,10 +137,11 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, n: int = 1, params: SamplingParams | None = None, *, perturb=None,
                  progress: bool = False, prompt_keys: list[int] | None = None,
-                 turns: TurnHandler | None = None) -> list[Completion]:
+                 turns: TurnHandler | None = None) -> Completions:
         """prompts: strings (tokenized as they are: apply a chat template first) or token-id lists.
 
-        Returns len(prompts)·n completions, ordered by prompt then sample. perturb: a context
+        Returns len(prompts)·n completions, ordered by prompt then sample, with the call's
+        RolloutStats as `.stats`. perturb: a context
         manager entered around the whole rollout (AQN's noise on the norm weights). On the CPU with
         a seed, sample j of prompt i draws from keyed_uniform(seed, prompt_keys[i]·n + j, position)
         (prompt_keys default to 0..len-1), so its tokens depend on neither batch nor slot.
@@ -134,7 +152,6 @@ class Engine:
         p = params or SamplingParams()
         if turns is not None and self.tokenizer is None:
             raise ValueError("multi-turn rollouts need the engine's tokenizer (to find the tool-call stop)")
-        self._turns = turns
         ids = [self._encode(x) for x in prompts]
         for i, x in enumerate(ids):
             if not x:
@@ -144,11 +161,11 @@ class Engine:
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(ids)))
         if len(keys) != len(ids):
             raise ValueError(f"{len(keys)} prompt_keys for {len(ids)} prompts")
-        self._limits = self._sample_limits(p, keys, n)
+        call = _Call(p, turns, self._sample_limits(p, keys, n))
+        stats = call.stats
         self._setup(p)
         run, sched = self.runner, Scheduler(self.n_slots, [len(x) for x in ids], n)
         t0 = time.perf_counter()
-        self.stats = RolloutStats()
         captured0 = run.graphs_captured
         logits_of: dict[int, torch.Tensor] = {}
         results: dict[tuple, Completion] = {}
@@ -156,28 +173,29 @@ class Engine:
         cache = dispatch.dequantized_cache() if self.cache_dequantized else contextlib.nullcontext()
         with cache, perturb if perturb is not None else contextlib.nullcontext():
             while sched.has_work():
-                self._admit(sched, ids, keys, n, logits_of, p)
+                self._admit(call, sched, ids, keys, n, logits_of)
                 hi = sched.high()
                 b = sched.bucket() if run.cuda_graphs else hi  # buckets bound the graphs; eager steps run what is live
-                self.stats.max_batch = max(self.stats.max_batch, hi)
+                stats.max_batch = max(stats.max_batch, hi)
                 max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
                 key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)
                 tc = time.perf_counter()
                 for _ in range(self.sync_every):
                     run.step(b, key_bucket, p)
-                self.stats.steps += self.sync_every
-                bar.update(self._retire(sched, results, ids, p, hi))  # syncs: the chunk's steps are done
-                self.stats.chunks.append((b, key_bucket, 1e3 * (time.perf_counter() - tc) / self.sync_every))
+                stats.steps += self.sync_every
+                bar.update(self._retire(call, sched, results, ids, hi))  # syncs: the chunk's steps are done
+                stats.chunks.append((b, key_bucket, 1e3 * (time.perf_counter() - tc) / self.sync_every))
                 if not sched.waiting:
                     for src, dst in sched.compaction():
                         run.move(src, dst)
         bar.close()
         if self.view.device.type == "cuda":
             torch.cuda.synchronize()
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.graphs_captured = run.graphs_captured - captured0
-        self.stats.new_tokens = sum(len(c.token_ids) for c in results.values())
-        return [results[(i, j)] for i in range(len(ids)) for j in range(n)]
+        stats.seconds = time.perf_counter() - t0
+        stats.graphs_captured = run.graphs_captured - captured0
+        stats.new_tokens = sum(len(c.token_ids) for c in results.values())
+        self.stats = stats
+        return Completions([results[(i, j)] for i in range(len(ids)) for j in range(n)], stats)
 
     @torch.no_grad()
     def warmup(self, batch_sizes, params: SamplingParams | None = None, max_len: int | None = None) -> int:
@@ -226,15 +244,17 @@ class Engine:
             out.append(row)
         return out
 
-    def _limit(self, seq, p: SamplingParams) -> int:
-        return self._limits[seq.prompt][seq.sample] if self._limits is not None else p.max_new_tokens
+    @staticmethod
+    def _limit(call: _Call, seq) -> int:
+        return call.limits[seq.prompt][seq.sample] if call.limits is not None else call.params.max_new_tokens
 
     def _setup(self, p: SamplingParams):
         if p.max_new_tokens > self.max_len:
             raise ValueError(f"max_new_tokens {p.max_new_tokens} exceeds the engine's max_len {self.max_len}")
         self.runner.setup(p, self.eos_ids())
 
-    def _admit(self, sched: Scheduler, ids, keys, n, logits_of, p):
+    def _admit(self, call: _Call, sched: Scheduler, ids, keys, n, logits_of):
+        p = call.params
         adm = sched.admit()
         if not adm.slots:
             return
@@ -246,18 +266,19 @@ class Engine:
         seqs = [sched.slots[s] for s in adm.slots]
         run.start(adm.slots, torch.stack([logits_of[q.prompt] for q in seqs]),
                   [keys[q.prompt] * n + q.sample for q in seqs], [q.length for q in seqs], p,
-                  [self._limit(q, p) for q in seqs])
+                  [self._limit(call, q) for q in seqs])
         for pi in sched.released_prompts():
             del logits_of[pi]  # every sample of it is in flight: no one needs its logits again
-        self.stats.prefill_seconds += time.perf_counter() - t0
+        call.stats.prefill_seconds += time.perf_counter() - t0
 
-    def _retire(self, sched: Scheduler, results, ids, p, hi) -> int:
+    def _retire(self, call: _Call, sched: Scheduler, results, ids, hi) -> int:
+        p = call.params
         done = self.runner.finished(hi)
         stop_hits, calls = {}, {}
-        if self.tokenizer is not None and (p.stop or self._turns is not None):
-            stop_hits, calls = self._scan(sched, hi, p.stop, self._turns.stop if self._turns is not None else [])
+        if self.tokenizer is not None and (p.stop or call.turns is not None):
+            stop_hits, calls = self._scan(sched, hi, p.stop, call.turns.stop if call.turns is not None else [])
         if calls:
-            self._take_turns(sched, done, stop_hits, calls, p)
+            self._take_turns(call, sched, done, stop_hits, calls)
             done = self.runner.finished(hi)
         fin = [s for s in sched.live(hi) if done[s] or s in stop_hits]
         if not fin:
@@ -275,9 +296,9 @@ class Engine:
         self.runner.release(fin)
         return len(fin)
 
-    def _take_turns(self, sched: Scheduler, done, stop_hits, calls, p):
+    def _take_turns(self, call: _Call, sched: Scheduler, done, stop_hits, calls):
         """Slots whose current model turn ended in a tool call: run the handler, append its tokens."""
-        h = self._turns
+        h, p = call.turns, call.params
         for s, c in calls.items():
             seq = sched.slots[s]
             if (s in stop_hits and stop_hits[s] <= c) or seq.turns >= h.max_turns:
@@ -290,7 +311,7 @@ class Engine:
             if out is None:
                 stop_hits[s] = c  # the handler ends the sample at its call
                 continue
-            room = min(self._limit(seq, p), self.max_len - seq.length) - c - 1  # keep room for one model token
+            room = min(self._limit(call, seq), self.max_len - seq.length) - c - 1  # keep room for one model token
             if room < 0:
                 stop_hits[s] = c
                 continue
