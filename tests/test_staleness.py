@@ -20,6 +20,10 @@ OPTS = dict(max_steps=4, aqn_stages=2, aqn_in_training=True, num_iterations=2, l
             importance_sampling_correction=True)
 
 
+def _rollout_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("qerl-rollout") and t.is_alive()]
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
@@ -58,6 +62,8 @@ def test_staleness_1_equals_sampling_with_the_previous_adapter_then_updating(tmp
     assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(r["policy_ratio_min"] <= r["policy_ratio_mean"] <= r["policy_ratio_max"] for r in rows)
     assert all(r["time_rollout"] > 0 and "time_rollout_wait" in r for r in rows)
+    # the parity gate (step 0) probed the engine's own adapter copy: the probe reached it
+    assert rows[0]["parity_adapter_effect_engine"] > 0.1 and rows[0]["parity_adapter_diff_mean"] < 0.1
     b = _trainer(tmp_path / "b", **OPTS)
     rewards = _sequential(b, 4, lag=1)
     wa, wb = _trainable(a), _trainable(b)
@@ -77,7 +83,7 @@ def test_kill_and_resume_in_any_phase_with_a_rollout_in_flight(tmp_path, where):
     kw = dict(OPTS, max_staleness=1, save_steps=1, save_total_limit=None)
     ref = _trainer(tmp_path / "ref", **kw)
     ref.train()
-    killed, armed = {}, [True]
+    armed = [True]
 
     def kill(name, event):
         if name == where and event == "start" and tr.step == 2 and armed[0]:
@@ -98,7 +104,7 @@ def test_kill_and_resume_in_any_phase_with_a_rollout_in_flight(tmp_path, where):
     tr.profiler.listeners.append(kill)
     with pytest.raises(KeyboardInterrupt) as e:
         tr.train()
-    killed["step"] = tr.step
+    assert not _rollout_threads()  # the killed trainer's rollout did not outlive it
     assert where in str(e.value) and not armed[0]
     last = sorted((tmp_path / "run").glob("checkpoint-*"))[-1]
     assert (last / f"{ROLLOUT_ADAPTER}.safetensors").exists()  # written with the next rollout in flight
@@ -152,3 +158,36 @@ def test_the_engine_samples_from_its_snapshot_while_the_adapter_changes(tmp_path
     again = tr.engine.generate(prompts, n=2, params=params)
     assert [c.token_ids for c in again] == [c.token_ids for c in comps]
     assert [c.logprobs for c in again] == [c.logprobs for c in comps]
+
+
+def test_bench_step_runs_with_a_rollout_in_flight(tmp_path):
+    from test_bench_step import _args
+
+    from qerl.bench import step as bstep
+
+    a = _args(["--out", str(tmp_path), "--steps", "3", "--max-new-tokens", "40"])
+    a.max_staleness = 1
+    res = bstep.run_case(a, None, None)
+    assert res["fits"] and "stale1" in res["case"]
+    assert not _rollout_threads()  # the last step's in-flight rollout was waited for
+    assert [s["staleness"] for s in res["steps"]] == [1, 1, 1]
+    assert res["completions_per_s"] == pytest.approx(res["rows"] / res["step_s"])
+    # the first timed step's rollout was launched during the warm-up: short; the others at their limits
+    assert res["steps"][0]["completion_length_mean"] <= bstep.WARMUP_NEW_TOKENS
+    assert res["steps"][-1]["completion_length_mean"] > bstep.WARMUP_NEW_TOKENS
+
+
+def test_rollout_noise_stays_on_the_snapshot(tmp_path):
+    """AQN: a rollout's noise lives on the engine's norms (the snapshot's); the live model's forward,
+    which the concurrent update runs, is the noiseless one bit for bit while it is applied."""
+    tr = _trainer(tmp_path, max_staleness=1)
+    assert tr.rollout_aqn is not tr.aqn and set(tr.rollout_aqn.noise) == set(tr.aqn.noise)
+    ids = torch.tensor([tr.encode_prompt(tr.train_rows[0])])
+    with torch.no_grad():
+        clean = tr.model(ids).logits
+        with tr.rollout_aqn.applied(0.05, 7):
+            during = tr.model(ids).logits
+            noisy_engine = tr.snapshot.model(ids).logits
+    assert torch.equal(clean, during)
+    assert not torch.allclose(noisy_engine, clean, atol=1e-4)
+    assert all(float(b.abs().max()) == 0 for b in tr.aqn.noise.values())

@@ -2,6 +2,7 @@
 
     qerl bench step --shape qwen2.5-7b --quant nvfp4 [--memory-cap-gb 80] [levers] [--json F] [--record]
     qerl bench step ... --lengths varied     # completions end at varied lengths (mean 40 % of the limit)
+    qerl bench step ... --max-staleness 1    # the next step's rollout during the update (rl/staleness.py)
     qerl bench step --compare A.json B.json --target ">=1.8"     # speedup of A over B, recorded
     torchrun --nproc_per_node N -m qerl bench step ...          # data-parallel (qerl bench scaling)
 
@@ -23,12 +24,16 @@ cap makes the 139 GB H200 fail as a smaller card would. An out-of-memory error i
 varied_length: uniform on 5-75 % of the limit, mean 40 %) that the engine really stops at, so the
 rollout's batch shrinks as samples finish and the packed update costs the tokens produced, as in
 a real run; the case name says so and the result reports the mean completion length produced.
+
+--max-staleness 1: the step's time is then about max(rollout, update) where they overlap; rollout_s
+is the rollout's own wall time (run beside the update) and rollout_wait_s what the step waited for
+it. The first timed step's rollout was launched during the warm-up step (short completions), so
+only the steady steps after it say what the overlap gives.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -93,6 +98,8 @@ def case_name(a, quant: str) -> str:
         from .synthetic import VARIED_CASE
 
         lv.append(VARIED_CASE)
+    if getattr(a, "max_staleness", 0):
+        lv.append(f"stale{a.max_staleness}")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -141,19 +148,7 @@ def build_policy(a):
     return pol, time.perf_counter() - t0
 
 
-def limit_samples(eng, limits) -> None:
-    """Every rollout of this engine (the trainer's) gives each sample its own length limit:
-    limits(prompt key, sample index) -> tokens (SamplingParams.sample_max_new_tokens). The trainer
-    keys prompts by their index in the step's global batch, so every step and every data-parallel
-    split draws the same limits."""
-    from ..rollout import SamplingParams
-
-    gen = eng.generate
-
-    def generate(prompts, n=1, params=None, **kw):
-        return gen(prompts, n, dataclasses.replace(params or SamplingParams(), sample_max_new_tokens=limits), **kw)
-
-    eng.generate = generate
+WARMUP_NEW_TOKENS = 16  # the warm-up step's completions: kernels compile and graphs are captured, quickly
 
 
 def _run_case(a, pol, build_s) -> dict:
@@ -171,7 +166,7 @@ def _run_case(a, pol, build_s) -> dict:
         from ..device_memory import set_memory_cap
 
         set_memory_cap(a.memory_cap_gb, dev)
-    phase = "build"
+    phase, tr = "build", None
     try:
         if pol is None:
             pol, build_s = build_policy(a)
@@ -201,15 +196,17 @@ def _run_case(a, pol, build_s) -> dict:
             # no parity gate: its 0.1-nat threshold is for trained weights. On random weights 48-80 layers
             # deep (14B-72B) the engine's and the trainer's bf16 roundings part by 0.13-0.3 nats
             # (H200, 2026-12-04), while the 7B shape passes; parity is tested on real weights (tests/)
-            parity_check_steps=0,
+            parity_check_steps=0, max_staleness=getattr(a, "max_staleness", 0),
             learning_rate=1e-5, save_steps=10**9, report_to="none", output_dir=str(Path(a.out) / "run"), seed=a.seed)
         phase = "setup"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
-        if lengths == "varied":
-            limit_samples(eng, varied_limits(a.seed, a.max_new_tokens))
+        # each sample's own length limit, through the trainer's public hook. The trainer keys prompts by
+        # their index in the step's global batch, so every step and every data-parallel split draws the
+        # same limits
+        limits = varied_limits(a.seed, a.max_new_tokens) if lengths == "varied" else None
         res.update(optim=tr.optim_name, kv_slots=eng.n_slots, kv_cache_gib=eng.cache.nbytes() / 2**30,
                    trainable_params=sum(p.numel() for p in tr.params))
         if a.optim == "adamw_8bit" and "bitsandbytes" not in tr.optim_name:  # fell back: the case says what ran
@@ -219,9 +216,10 @@ def _run_case(a, pol, build_s) -> dict:
         # warm-up: kernels compile, the training path runs once, decode graphs for the step's batch
         phase = "warm-up"
         t0 = time.perf_counter()
-        tr.cfg.max_completion_length = min(16, a.max_new_tokens)
+        warm = min(WARMUP_NEW_TOKENS, a.max_new_tokens)
+        tr.sample_max_new_tokens = lambda key, j: warm
         tr.train_step()
-        tr.cfg.max_completion_length = a.max_new_tokens
+        tr.sample_max_new_tokens = limits
         sizes = [min(n_rows, eng.n_slots)]
         if lengths == "varied":  # the batch shrinks as samples end: its smaller buckets' graphs too, not in the step
             from ..rollout.scheduler import BUCKETS
@@ -252,10 +250,12 @@ def _run_case(a, pol, build_s) -> dict:
             peak["update"] = _mem(dev)
             new_tokens = int(round(m["completion_length_mean"] * n_rows))
             steps.append({"step_s": m["time_step"], "rollout_s": m["time_rollout"], "logprob_s": m["time_logprob"],
+                          "rollout_wait_s": m.get("time_rollout_wait", m["time_rollout"]),
+                          "staleness": m["staleness"],
                           "update_s": m["time_update"], "new_tokens": new_tokens,
                           "rollout_tokens_per_s": new_tokens / m["time_rollout"],
                           "step_tokens_per_s": (new_tokens + n_rows * a.prompt_len) / m["time_step"],
-                          "graphs_captured": eng.stats.graphs_captured, "reward_mean": m["reward_mean"],
+                          "graphs_captured": m["rollout_graphs_captured"], "reward_mean": m["reward_mean"],
                           "completion_length_mean": m["completion_length_mean"],
                           "completion_length_max": m["completion_length_max"],
                           "truncated_fraction": m["truncated_fraction"],
@@ -266,10 +266,11 @@ def _run_case(a, pol, build_s) -> dict:
         res["first_step_s"] = steps[0]["step_s"]
         steady = steps[1:] or steps  # the first timed step compiled the update at these lengths
         res["steady_steps"] = len(steady)
-        for k in ("step_s", "rollout_s", "logprob_s", "update_s", "rollout_tokens_per_s", "step_tokens_per_s",
-                  "completion_length_mean", "truncated_fraction"):
+        for k in ("step_s", "rollout_s", "rollout_wait_s", "logprob_s", "update_s", "rollout_tokens_per_s",
+                  "step_tokens_per_s", "completion_length_mean", "truncated_fraction"):
             res[k] = sum(s[k] for s in steady) / len(steady)
         res["completion_length_fraction"] = res["completion_length_mean"] / a.max_new_tokens  # of the limit
+        res["completions_per_s"] = n_rows / res["step_s"]  # issue 32's figure: staleness 1 vs the synchronous step
         res["new_tokens"] = steps[-1]["new_tokens"]
         if dev.type == "cuda":
             res["peak_allocated_gib"] = max(p["peak_allocated_gib"] for s in steps for p in s["peak"].values())
@@ -278,6 +279,10 @@ def _run_case(a, pol, build_s) -> dict:
             res["update_peak_gib"] = max(s["peak"]["update"]["peak_allocated_gib"] for s in steps)
     except torch.OutOfMemoryError as e:
         res.update(fits=False, oom_phase=phase, error=str(e).splitlines()[0][:400], **_mem(dev))
+    finally:
+        if tr is not None:
+            tr.close()  # the next step's rollout, in flight under --max-staleness 1
+    if not res["fits"]:
         if pol is not None:  # a reused policy must not carry this case's gradients into the next
             for p in pol.model.parameters():
                 p.grad = None
@@ -354,7 +359,9 @@ def report(res: dict, log=print) -> None:
         log(f"   first timed step {res['first_step_s']:.2f} s (compiles the update at these lengths); "
             f"the mean of the {res['steady_steps']} after it:")
     log(f"   step {res['step_s']:.2f} s = rollout {res['rollout_s']:.2f} + logprob {res['logprob_s']:.2f} + "
-        f"update {res['update_s']:.2f}; {res['new_tokens']} new tokens, rollout {res['rollout_tokens_per_s']:.0f} tok/s, "
+        f"update {res['update_s']:.2f}" + (f" (rollout overlapped; waited {res['rollout_wait_s']:.2f})"
+                                            if "stale" in res["case"] else "") +
+        f"; {res['new_tokens']} new tokens, rollout {res['rollout_tokens_per_s']:.0f} tok/s, "
         f"step {res['step_tokens_per_s']:.0f} tok/s")
     if "completion_length_mean" in res:
         log(f"   completions ({res.get('lengths', 'max')} lengths): mean {res['completion_length_mean']:.1f} tokens "
@@ -379,6 +386,8 @@ def record_case(res: dict, command: str, results_dir: Path, peak_target: str | N
     if "first_step_s" in res:
         rec("first_step_time", res["first_step_s"], "s")
     rec("rollout_tokens_per_s", res["rollout_tokens_per_s"], "tok/s")
+    if "completions_per_s" in res:
+        rec("completions_per_s", res["completions_per_s"], "1/s")
     rec("step_tokens_per_s", res["step_tokens_per_s"], "tok/s")
     if res.get("completion_length_mean") is not None:
         rec("completion_length_mean", res["completion_length_mean"], "tokens")
@@ -411,6 +420,8 @@ def main(argv=None):
     ap.add_argument("--logprob-chunk", type=int, default=None, help="tokens per logprob chunk (default 1024)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="rollout KV budget (default: half the free memory)")
     ap.add_argument("--optim", default="adamw_8bit", help="adamw_8bit (bitsandbytes) | adamw_torch")
+    ap.add_argument("--max-staleness", type=int, default=0, choices=[0, 1],
+                    help="1: the next step's rollout runs during the update (GRPOConfig.max_staleness)")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step with its logprob and update phases under torch.profiler (table in the log)")
     ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")

@@ -51,6 +51,7 @@ class RolloutInputs:
     turns_for: Callable                 # rows -> multi-turn handler or None
     aqn: object | None                  # rl.aqn.AQN on the engine's norms, or None
     profiler: Profiler                  # times the "rewards" sub-phase
+    sample_max_new_tokens: Callable | None = None  # (prompt key, sample) -> its own limit (SamplingParams)
 
 
 def noise(aqn, sigma: float, seed: int):
@@ -67,7 +68,8 @@ def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_off
     prompts = [inp.encode(r) for r in rows]
     rseed = seed if inp.device.type != "cuda" else seed + 7919 * inp.dist.rank
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, seed=rseed)
+                            top_p=cfg.top_p, top_k=cfg.top_k, seed=rseed,
+                            sample_max_new_tokens=inp.sample_max_new_tokens)
     outs = inp.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=noise(inp.aqn, sigma, seed),
                                prompt_keys=[key_offset + i for i in range(len(prompts))], turns=inp.turns_for(rows))
     with inp.profiler.phase("rewards"):

@@ -88,7 +88,11 @@ class GRPOTrainer:
     `tools=`; their JSON schemas come from signatures and docstrings and are offered in each chat
     prompt's system turn. A task that carries tools (tool_arithmetic) brings its own.
     environment_factory: builds a per-sample environment with reset(row) / respond(text) (see
-    qerl.tools.ToolEnvironment) for tasks that need state; it replaces the plain tool runner."""
+    qerl.tools.ToolEnvironment) for tasks that need state; it replaces the plain tool runner.
+
+    `sample_max_new_tokens` (an attribute, None by default): (prompt key, sample index) -> that
+    sample's own limit of new tokens in the rollouts (SamplingParams.sample_max_new_tokens; benchmarks
+    use it to end completions at chosen lengths). A rollout reads it when it is launched."""
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
                  train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True):
@@ -129,6 +133,7 @@ class GRPOTrainer:
         self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
         self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
         self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
+        self.sample_max_new_tokens = None
         self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
         self.update = PolicyUpdate(UpdateInputs(self.model, cfg, self.device, self.dtype, self.tok.pad_token_id or 0,
                                                 self.dist, self.profiler, self.aqn, self.optimizer_step))
@@ -261,11 +266,11 @@ class GRPOTrainer:
     def rollout_inputs(self, profiler: Profiler | None = None) -> RolloutInputs:
         return RolloutInputs(self.cfg, self.engine, self.tok, self.train_rows, self.reward_funcs, self.reward_weights,
                              self.dist, self.device, self.encode_prompt, self.turns_for, self.rollout_aqn,
-                             profiler or self.profiler)
+                             profiler or self.profiler, self.sample_max_new_tokens)
 
-    def collect_rollouts(self, ctx: StepContext, profiler: Profiler | None = None) -> StepRollouts:
+    def collect_rollouts(self, ctx: StepContext, inputs: RolloutInputs | None = None) -> StepRollouts:
         """The step's rollouts, now, from the adapter the engine reads (the live one, or the snapshot)."""
-        return collect(self.rollout_inputs(profiler), ctx, self.sampler, self.plan.prompts_per_rank)
+        return collect(inputs or self.rollout_inputs(), ctx, self.sampler, self.plan.prompts_per_rank)
 
     def launch_rollout(self, step: int, ctx: StepContext | None = None) -> InFlight:
         """Start `step`'s rollout from the current adapter (copied into the engine's snapshot), or from
@@ -274,11 +279,12 @@ class GRPOTrainer:
             self.snapshot.refresh(self.step)
             ctx = self.step_context(step, self.step)
         prof = Profiler()  # the worker's own: the main thread's profiler times the update meanwhile
+        inputs = self.rollout_inputs(prof)  # fixed at launch
         data = self.sampler.state()
         threaded = self.dist.world == 1  # several ranks: the rollout's collectives must not meet the update's
 
         def run():
-            ro = self.collect_rollouts(ctx, prof)
+            ro = self.collect_rollouts(ctx, inputs)
             return ro, prof.take()
 
         return InFlight(ctx, data, run, threaded, self.device)
@@ -310,6 +316,7 @@ class GRPOTrainer:
         with phase("metrics"):  # over everything sampled this step (before filtering), over all ranks
             m = {"step": step, "sigma": ctx.sigma, "aqn_stage": ctx.stage, "aqn_sigma_effective": ro.effective_sigma,
                  "staleness": ctx.staleness, "lr": self.scheduler.get_last_lr()[0],
+                 "rollout_graphs_captured": sum(r.stats.graphs_captured for r in ro.rounds),
                  **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
@@ -348,6 +355,13 @@ class GRPOTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(gn)
+
+    def close(self) -> None:
+        """Let a rollout still in flight (max_staleness 1, after a bare `train_step`) finish and drop it;
+        `train()` needs no call: no rollout outlives it."""
+        if self._in_flight is not None:
+            self._in_flight.wait_quietly()
+            self._in_flight = None
 
     def sync_rollout_adapter(self) -> None:
         """Let the engine sample from the live adapter now (parity checks, evaluation): copies it into the
