@@ -191,3 +191,41 @@ def test_rollout_noise_stays_on_the_snapshot(tmp_path):
     assert torch.equal(clean, during)
     assert not torch.allclose(noisy_engine, clean, atol=1e-4)
     assert all(float(b.abs().max()) == 0 for b in tr.aqn.noise.values())
+
+
+def test_the_memory_planner_sets_aside_the_rollout_beside_the_update(tmp_path, monkeypatch):
+    """max_staleness 1: the adapter copy exists before the levers measure free memory, and the decode
+    buffers of the rollout that runs beside the update are taken off what the update may use."""
+    from qerl.rl import levers
+
+    seen = []
+    real = levers.choose
+    monkeypatch.setattr(levers, "free_memory", lambda device: 10**9)
+    monkeypatch.setattr(levers, "choose", lambda shape, tokens, free, **kw: seen.append(free) or
+                        real(shape, tokens, free, **kw))
+    sync = _trainer(tmp_path / "a")
+    stale = _trainer(tmp_path / "b", max_staleness=1)
+    assert sync.rollout_reserve_bytes() == 0 and seen[0] == 10**9
+    vocab = stale.model.config.vocab_size
+    assert stale.rollout_reserve_bytes() == 3 * stale.engine.n_slots * vocab * 4
+    assert seen[1] == 10**9 - stale.rollout_reserve_bytes()
+    # one adapter's worth: every trainable tensor once, nothing of the frozen base
+    assert stale.snapshot.nbytes() == sum(p.numel() * p.element_size() for p in stale.params)
+    frozen = {t.data_ptr() for t in stale.model.buffers()}
+    assert frozen and frozen == {t.data_ptr() for t in stale.snapshot.model.buffers()}
+
+
+def test_max_staleness_beyond_1_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness"):
+        _trainer(tmp_path, max_staleness=2)
+
+
+def test_each_rollout_returns_its_own_stats(tmp_path):
+    tr = _trainer(tmp_path)
+    prompts = [tr.encode_prompt(r) for r in tr.train_rows[:2]]
+    a = tr.engine.generate(prompts, n=2, params=SamplingParams(max_new_tokens=3, seed=1))
+    b = tr.engine.generate(prompts, n=1, params=SamplingParams(max_new_tokens=5, seed=1))
+    assert a.stats is not b.stats
+    assert a.stats.new_tokens == sum(len(c.token_ids) for c in a)
+    assert b.stats.new_tokens == sum(len(c.token_ids) for c in b)
+    assert not any(k.startswith("_turns") or k.startswith("_limits") for k in vars(tr.engine))

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels import dispatch
 from .step_context import StepContext
 
 ROLLOUT_ADAPTER = "rollout_adapter"  # checkpoint file (.safetensors) of the in-flight rollout's adapter
@@ -42,6 +43,11 @@ class InFlight:
         self.ctx, self.data = ctx, data  # data: the prompt sampler's state before the rollout's first draw
         self._run, self._value, self._error, self._done = run, None, None, False
         self._thread = None
+        # on the CPU the rollout folds adapters into dequantized copies held in dispatch's cache: keep it
+        # open from the launching thread until the join, so no thread closes it under the other
+        self._cache = dispatch.dequantized_cache() if threaded and device.type == "cpu" else None
+        if self._cache is not None:
+            self._cache.__enter__()
         self._stream = None
         if threaded:
             if device.type == "cuda":
@@ -67,6 +73,7 @@ class InFlight:
         """Wait for the rollout (or run it here when it has no thread); its error is raised here."""
         if self._thread is not None:
             self._thread.join()
+            self._close_cache()
         elif not self._done:
             self._work()
         if self._error is not None:
@@ -77,6 +84,12 @@ class InFlight:
         """Let a running rollout finish (a trainer stopping on an error elsewhere); its outcome is dropped."""
         if self._thread is not None:
             self._thread.join()
+            self._close_cache()
+
+    def _close_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.__exit__(None, None, None)
+            self._cache = None
 
     def record(self) -> dict:
         """What a checkpoint stores to launch this rollout again (see the module docstring)."""

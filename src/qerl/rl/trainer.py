@@ -134,6 +134,7 @@ class GRPOTrainer:
         self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
         self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
         self.sample_max_new_tokens = None
+        self._graphs_warm = False  # max_staleness 1 on a GPU: decode graphs captured before any overlap
         self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
         self.update = PolicyUpdate(UpdateInputs(self.model, cfg, self.device, self.dtype, self.tok.pad_token_id or 0,
                                                 self.dist, self.profiler, self.aqn, self.optimizer_step))
@@ -282,6 +283,8 @@ class GRPOTrainer:
         inputs = self.rollout_inputs(prof)  # fixed at launch
         data = self.sampler.state()
         threaded = self.dist.world == 1  # several ranks: the rollout's collectives must not meet the update's
+        if threaded and self.device.type == "cuda" and not self._graphs_warm:
+            self._warm_decode_graphs()
 
         def run():
             ro = self.collect_rollouts(ctx, inputs)
@@ -355,6 +358,19 @@ class GRPOTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(gn)
+
+    def _warm_decode_graphs(self) -> None:
+        """Capture every decode graph a training rollout can use (each batch bucket up to this rank's
+        rows, each key length) now, while nothing runs beside: a capture on the worker thread while
+        the update allocates and launches on the main thread would break the capture."""
+        from ..rollout import SamplingParams
+        from ..rollout.scheduler import BUCKETS
+
+        cfg = self.cfg
+        rows = min(self.engine.n_slots, self.plan.prompts_per_rank * cfg.num_generations)
+        sizes = [b for b in BUCKETS if b < rows] + [rows]
+        self.engine.warmup(sizes, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
+        self._graphs_warm = True
 
     def close(self) -> None:
         """Let a rollout still in flight (max_staleness 1, after a bare `train_step`) finish and drop it;

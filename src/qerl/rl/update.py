@@ -183,10 +183,11 @@ class PolicyUpdate:
         rat = torch.cat(ratios).double() if ratios else torch.zeros(0, dtype=torch.float64)
         ratio = (float(rat.sum()), rat.numel(), float(rat.min()) if rat.numel() else math.inf,
                  float(rat.max()) if rat.numel() else -math.inf)
-        parts = self.inp.dist.gather({"ratio": ratio, "loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
-                                     "emask": stats["entropy_mask_fraction"],
-                                     "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
-                                     "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
+        parts = self.inp.dist.gather({"ratio": ratio,
+                                      "loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
+                                      "emask": stats["entropy_mask_fraction"],
+                                      "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
+                                      "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
         # each rank's update loss is its share of the global mean (gradients are averaged): average them
         losses = [mean([q["loss"][i] for q in parts]) for i in range(len(stats["loss"]))]
         cat = lambda k: [x for q in parts for x in q[k]]  # noqa: E731
