@@ -229,3 +229,15 @@ def test_each_rollout_returns_its_own_stats(tmp_path):
     assert a.stats.new_tokens == sum(len(c.token_ids) for c in a)
     assert b.stats.new_tokens == sum(len(c.token_ids) for c in b)
     assert not any(k.startswith("_turns") or k.startswith("_limits") for k in vars(tr.engine))
+
+
+def test_evaluation_and_parity_checks_between_steps_leave_the_staleness_1_run_unchanged(tmp_path):
+    """Both use the engine, so they wait for the rollout in flight and point the engine's adapter copy
+    at the live adapter; the rollout already drawn keeps the adapter it was sampled with."""
+    kw = dict(OPTS, max_staleness=1)
+    a = _trainer(tmp_path / "a", eval_steps=1, eval_limit=4, eval_max_completion_length=6, parity_check_steps=1, **kw)
+    rows = a.train()
+    assert len(a.evals) == 4 and all("parity_adapter_diff_mean" in r for r in rows)
+    b = _trainer(tmp_path / "b", parity_check_steps=0, **kw)
+    b.train()
+    assert _same(_trainable(a), _trainable(b))
