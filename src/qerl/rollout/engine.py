@@ -190,7 +190,8 @@ class Engine:
                         run.move(src, dst)
         bar.close()
         if self.view.device.type == "cuda":
-            torch.cuda.synchronize()
+            # this stream only: a rollout beside the update (max_staleness 1) must not wait for its kernels
+            torch.cuda.current_stream(self.view.device).synchronize()
         stats.seconds = time.perf_counter() - t0
         stats.graphs_captured = run.graphs_captured - captured0
         stats.new_tokens = sum(len(c.token_ids) for c in results.values())
