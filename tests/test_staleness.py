@@ -110,9 +110,9 @@ def test_kill_and_resume_in_any_phase_with_a_rollout_in_flight(tmp_path, where):
     assert (last / f"{ROLLOUT_ADAPTER}.safetensors").exists()  # written with the next rollout in flight
     res = _trainer(tmp_path / "run", **kw)
     step = res.resume()
-    assert step == int(last.name.split("-")[1]) and res._in_flight is not None
-    assert res._in_flight.ctx.adapter_version == step - 1  # the rollout relaunched from its own adapter
-    res.train()
+    assert step == int(last.name.split("-")[1])
+    rows = res.train()
+    assert rows[0]["staleness"] == 1  # the rollout relaunched from its own adapter, one version back
     assert _same(_trainable(ref), _trainable(res))
 
 
@@ -241,3 +241,26 @@ def test_evaluation_and_parity_checks_between_steps_leave_the_staleness_1_run_un
     b = _trainer(tmp_path / "b", parity_check_steps=0, **kw)
     b.train()
     assert _same(_trainable(a), _trainable(b))
+
+
+def test_a_resumed_run_saved_before_its_first_step_keeps_the_rollout_in_flight(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    kw = dict(OPTS, max_staleness=1, save_steps=1, save_total_limit=None)
+    a = _trainer(tmp_path / "run", **kw)
+    a.train(stop_after=2)
+    ck = tmp_path / "run" / "checkpoint-2"
+    before = load_file(str(ck / f"{ROLLOUT_ADAPTER}.safetensors"))
+    state = json.loads((ck / "trainer_state.json").read_text())
+    b = _trainer(tmp_path / "run", **kw)
+    b.resume()
+    b.save()  # the same step again: the folder is replaced whole
+    try:
+        again = load_file(str(ck / f"{ROLLOUT_ADAPTER}.safetensors"))
+        st2 = json.loads((ck / "trainer_state.json").read_text())
+    finally:
+        b._release()
+    assert _same(before, again) and not _same(before, _trainable(b))  # adapter k-1, not the live k
+    assert st2["in_flight"] == state["in_flight"] and st2["data"] == state["data"]

@@ -15,8 +15,8 @@ it touches until joined; the layers' fusion switches are per thread).
 
 A checkpoint written with a rollout in flight stores what regenerates it deterministically, not the
 batch: the snapshot's adapter (`rollout_adapter.safetensors`), and in trainer_state.json the step
-context and the prompt sampler's position before its first draw (`InFlight.record`). Resuming loads
-them and launches the same rollout again (on the CPU, sampling is keyed per prompt and sample, so its
+context (`InFlight.record`) and, as the data position, the prompt sampler's before its first draw.
+Resuming loads them and the next step launches the same rollout again (on the CPU, sampling is keyed per prompt and sample, so its
 tokens are the same bit for bit; on a GPU the seeded generator stream replays the same draws on the
 same kernels).
 """
@@ -93,7 +93,7 @@ class InFlight:
 
     def record(self) -> dict:
         """What a checkpoint stores to launch this rollout again (see the module docstring)."""
-        return {"ctx": dataclasses.asdict(self.ctx), "data": self.data}
+        return {"ctx": dataclasses.asdict(self.ctx)}
 
 
 def context_of(record: dict, where: str) -> StepContext:

@@ -133,6 +133,7 @@ class GRPOTrainer:
         self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
         self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
         self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
+        self._relaunch: tuple[StepContext, dict] | None = None  # a resumed checkpoint's in-flight rollout
         self.sample_max_new_tokens = None
         self._graphs_warm = False  # max_staleness 1 on a GPU: decode graphs captured before any overlap
         self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
@@ -304,8 +305,8 @@ class GRPOTrainer:
             with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
                 ro = self.collect_rollouts(ctx)
         else:
-            if self._in_flight is None:  # the run's first step: nothing was launched for it
-                self._in_flight = self.launch_rollout(step)
+            if self._in_flight is None:  # the run's first step, or the first after a resume
+                self._in_flight = self._relaunch_or_launch(step)
             with phase("rollout_wait"):  # what the step waits for its rollout, launched during the last update
                 ro, times = self._in_flight.result()
             self._in_flight = None
@@ -358,6 +359,15 @@ class GRPOTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(gn)
+
+    def _relaunch_or_launch(self, step: int) -> InFlight:
+        if self._relaunch is None:
+            return self.launch_rollout(step)
+        (ctx, tensors), self._relaunch = self._relaunch, None
+        if ctx.step != step:
+            raise ValueError(f"{self._resumed_from}: its in-flight rollout is for step {ctx.step}, the run is at {step}")
+        self.snapshot.load(tensors, ctx.adapter_version, where=f"{self._resumed_from}/{ROLLOUT_ADAPTER}.safetensors")
+        return self.launch_rollout(ctx.step, ctx)
 
     def _warm_decode_graphs(self) -> None:
         """Capture every decode graph a training rollout can use (each batch bucket up to this rank's
@@ -458,6 +468,9 @@ class GRPOTrainer:
             if fl is not None:
                 extra["in_flight"] = fl.record()
                 tensors = {ROLLOUT_ADAPTER: self.snapshot.tensors()}
+            elif self._relaunch is not None:  # resumed and saved again before its first step
+                extra["in_flight"] = {"ctx": dataclasses.asdict(self._relaunch[0])}
+                tensors = {ROLLOUT_ADAPTER: self._relaunch[1]}
             if self.adaptive is not None:
                 extra["aqn_adaptive"] = self.adaptive.state_dict()
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
@@ -540,12 +553,10 @@ class GRPOTrainer:
         if self.adaptive is not None and "aqn_adaptive" in st:
             self.adaptive.load_state_dict(st["aqn_adaptive"])
         self._resumed_from = Path(folder)
-        if in_flight is not None and self.snapshot is not None:
-            # the rollout that was in flight, launched again from its own adapter: the same batch
-            ctx, tensors = in_flight
-            self.snapshot.load(tensors, ctx.adapter_version, where=f"{folder}/{ROLLOUT_ADAPTER}.safetensors")
-            self._in_flight = self.launch_rollout(ctx.step, ctx)
-        # (max_staleness 0 now: the sampler stands before that rollout's draws, and this adapter redraws it)
+        # the rollout that was in flight is launched again from its own adapter by the next step (inside
+        # the run, as every launch); with max_staleness 0 now the sampler stands before its draws and the
+        # current adapter redraws it
+        self._relaunch = in_flight if self.snapshot is not None else None
         return self.step
 
     def _read_in_flight(self, folder) -> tuple[StepContext, dict] | None:
