@@ -54,8 +54,12 @@ def test_staleness_0_is_the_synchronous_step(tmp_path):
     assert _same(_trainable(a), _trainable(b))
 
 
-def test_staleness_1_equals_sampling_with_the_previous_adapter_then_updating(tmp_path):
-    a = _trainer(tmp_path / "a", max_staleness=1, **OPTS)
+# the second: trained norms (in the adapter copy too) and a KL term (the update's reference pass turns the
+# live adapters off while the rollout beside it samples with its own)
+@pytest.mark.parametrize("more", [{}, {"train_norms": True, "beta": 0.05, "loss_type": "grpo"}])
+def test_staleness_1_equals_sampling_with_the_previous_adapter_then_updating(tmp_path, more):
+    opts = {**OPTS, **more}
+    a = _trainer(tmp_path / "a", max_staleness=1, **opts)
     assert a.engine.model is a.snapshot.model and a.snapshot.nbytes() > 0
     start = _trainable(a)
     rows = a.train()
@@ -64,7 +68,7 @@ def test_staleness_1_equals_sampling_with_the_previous_adapter_then_updating(tmp
     assert all(r["time_rollout"] > 0 and "time_rollout_wait" in r for r in rows)
     # the parity gate (step 0) probed the engine's own adapter copy: the probe reached it
     assert rows[0]["parity_adapter_effect_engine"] > 0.1 and rows[0]["parity_adapter_diff_mean"] < 0.1
-    b = _trainer(tmp_path / "b", **OPTS)
+    b = _trainer(tmp_path / "b", **opts)
     rewards = _sequential(b, 4, lag=1)
     wa, wb = _trainable(a), _trainable(b)
     assert _same(wa, wb)
@@ -72,7 +76,7 @@ def test_staleness_1_equals_sampling_with_the_previous_adapter_then_updating(tmp
     assert [r["reward_mean"] for r in rows] == pytest.approx([float(torch.cat([x.flatten() for x in rs]).mean())
                                                               for rs in rewards], rel=0, abs=0)
     # and the lag is real: the synchronous run ends elsewhere
-    c = _trainer(tmp_path / "c", **OPTS)
+    c = _trainer(tmp_path / "c", **opts)
     c.train()
     assert not _same(_trainable(c), wa)
 
