@@ -16,9 +16,10 @@ it touches until joined; the layers' fusion switches are per thread).
 A checkpoint written with a rollout in flight stores what regenerates it deterministically, not the
 batch: the snapshot's adapter (`rollout_adapter.safetensors`), and in trainer_state.json the step
 context (`InFlight.record`) and, as the data position, the prompt sampler's before its first draw.
-Resuming loads them and the next step launches the same rollout again (on the CPU, sampling is keyed per prompt and sample, so its
-tokens are the same bit for bit; on a GPU the seeded generator stream replays the same draws on the
-same kernels).
+Resuming loads them and the next step launches the same rollout again (on the CPU sampling is keyed
+per prompt and sample, so its tokens are the same bit for bit; on a GPU the rollout reseeds the
+default CUDA generator and replays the same graphs, which should give the same draws: not yet
+verified on a GPU. There the update must draw nothing from that generator: no lora_dropout).
 """
 
 from __future__ import annotations

@@ -107,6 +107,12 @@ class GRPOTrainer:
         if self.dist.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         self.plan = batch_plan(cfg, self.dist.world)  # TRL's batch semantics; explains a batch that cannot split
+        if cfg.max_staleness and cfg.lora_dropout and self.device.type == "cuda":
+            # the engine's CUDA graphs sample from the default CUDA generator (seeded per rollout), which
+            # dropout in the concurrent update would draw from too: neither would be reproducible
+            raise ValueError("config fields 'max_staleness' and 'lora_dropout': a rollout beside the update "
+                             "shares the default CUDA generator with the update's dropout on a GPU; set "
+                             "lora_dropout: 0 (the default) or max_staleness: 0")
         self.progress = progress
         self._setup_policy(cfg, policy, progress)
         self._setup_data(cfg, task, reward_funcs, train_dataset, eval_dataset, tools, environment_factory)
@@ -365,7 +371,8 @@ class GRPOTrainer:
             return self.launch_rollout(step)
         (ctx, tensors), self._relaunch = self._relaunch, None
         if ctx.step != step:
-            raise ValueError(f"{self._resumed_from}: its in-flight rollout is for step {ctx.step}, the run is at {step}")
+            raise ValueError(f"{self._resumed_from}: its in-flight rollout is for step {ctx.step}, "
+                             f"the run is at {step}")
         self.snapshot.load(tensors, ctx.adapter_version, where=f"{self._resumed_from}/{ROLLOUT_ADAPTER}.safetensors")
         return self.launch_rollout(ctx.step, ctx)
 
