@@ -268,3 +268,26 @@ def test_a_resumed_run_saved_before_its_first_step_keeps_the_rollout_in_flight(t
         b._release()
     assert _same(before, again) and not _same(before, _trainable(b))  # adapter k-1, not the live k
     assert st2["in_flight"] == state["in_flight"] and st2["data"] == state["data"]
+
+
+def test_the_worker_keeps_the_launching_threads_kernel_settings(tmp_path):
+    """The rollout thread runs under the kernel settings in force where it was launched, not the
+    defaults, and not what the update's thread enters meanwhile."""
+    from qerl.kernels import settings
+    from qerl.rl.staleness import InFlight
+
+    seen = []
+    gate = threading.Event()
+
+    def run():
+        gate.wait(5)
+        seen.append(settings.current())
+        return None
+
+    ctx = _trainer(tmp_path).step_context(0, 0)
+    with settings.use(fold_and_pack=False):
+        fl = InFlight(ctx, {}, run, threaded=True, device=torch.device("cpu"))
+    with settings.use(fuse_lora=False):  # the update's old-policy pass, on this thread
+        gate.set()
+        fl.result()
+    assert seen[0].fold_and_pack is False and seen[0].fuse_lora is True

@@ -11,7 +11,8 @@ importance-sampling correction apply unchanged. The step's rollout metrics carry
 threads cannot share the work (several ranks: the rollout's collectives must not interleave with the
 update's), when it is joined. Either way the result is the same: nothing the rollout reads changes
 while it runs (the snapshot, its own AQN noise on the snapshot's norms, the prompt sampler, which only
-it touches until joined; the layers' fusion switches are per thread).
+it touches until joined; the kernel settings, kernels/settings.py, are per thread: the worker runs
+in a copy of the launching thread's, so the update entering `unfused_lora` does not reach it).
 
 A checkpoint written with a rollout in flight stores what regenerates it deterministically, not the
 batch: the snapshot's adapter (`rollout_adapter.safetensors`), and in trainer_state.json the step
@@ -24,6 +25,7 @@ verified on a GPU. There the update must draw nothing from that generator: no lo
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import threading
 from typing import Callable
@@ -55,7 +57,10 @@ class InFlight:
                 # the rollout's kernels on their own stream, after what the main stream queued (the snapshot copy)
                 self._stream = torch.cuda.Stream(device)
                 self._stream.wait_stream(torch.cuda.current_stream(device))
-            self._thread = threading.Thread(target=self._work, name=f"qerl-rollout-{ctx.step}", daemon=True)
+            # the launching thread's context (its kernel settings as they are now) for the worker
+            here = contextvars.copy_context()
+            self._thread = threading.Thread(target=here.run, args=(self._work,), name=f"qerl-rollout-{ctx.step}",
+                                            daemon=True)
             self._thread.start()
 
     def _work(self):
