@@ -16,7 +16,7 @@ GROUPS = {
     "data": ("dataset_name", "dataset_config", "system_prompt", "prompt_suffix", "max_prompt_length"),
     "generation": ("num_generations", "generation_batch_size", "max_completion_length", "temperature", "top_p", "top_k",
                    "dynamic_sampling", "max_resample_rounds", "rollout_kv_cache_gb", "rollout_kv_cache_dtype",
-                   "steps_per_generation"),
+                   "steps_per_generation", "max_staleness"),
     "tools": ("max_turns", "tool_timeout_s", "tool_max_output_chars"),
     "loss": ("loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "top_entropy_quantile",
              "entropy_coeff", "beta", "scale_rewards", "num_iterations",
