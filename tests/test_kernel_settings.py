@@ -84,3 +84,23 @@ def test_weight_state_builds_once_per_live_tensor_and_forgets_dead_ones():
     del a
     gc.collect()
     assert len(cache) == 1  # the dead tensor's entry went with it
+
+
+def test_engine_and_trainer_run_under_their_own_settings(tmp_path, monkeypatch):
+    from test_trainer import _trainer
+
+    from qerl.rollout import Engine, SamplingParams
+
+    want = settings.KernelSettings(fold_and_pack=False, wgmma=True)
+    tr = _trainer(tmp_path / "run", max_steps=1)
+    tr.kernel_settings = want  # as if passed to the constructor (what the engine got there is checked below)
+    seen = []
+    real = dispatch.base_matmul
+    monkeypatch.setattr(dispatch, "base_matmul", lambda *a, **k: seen.append(settings.current()) or real(*a, **k))
+    tr.train_step()
+    assert seen and all(s.fold_and_pack is False and s.wgmma for s in seen[:3])  # the rollout's and the update's
+    assert settings.current() == settings.KernelSettings()  # nothing leaks out of the step
+    seen.clear()
+    eng = Engine(tr.model, tr.tok, max_len=32, max_slots=2, kernel_settings=settings.KernelSettings(kernels=False))
+    eng.generate([[5, 6, 7]], n=1, params=SamplingParams(max_new_tokens=2, seed=0))
+    assert seen and all(not s.kernels for s in seen)

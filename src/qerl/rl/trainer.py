@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels import settings
+from ..kernels.settings import KernelSettings
 from ..rollout import Engine
 from . import levers, run_folder
 from . import state as ckpt
@@ -95,8 +97,12 @@ class GRPOTrainer:
     use it to end completions at chosen lengths). A rollout reads it when it is launched."""
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
-                 train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True):
+                 train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True,
+                 kernel_settings: KernelSettings | None = None):
+        """kernel_settings: the kernel choices (kernels.settings.KernelSettings) its steps, rollouts and
+        evaluations run under; None: the caller's."""
         cfg = config or GRPOConfig()
+        self.kernel_settings = kernel_settings
         if cfg.max_staleness not in (0, 1):
             raise ValueError(f"config field 'max_staleness': {cfg.max_staleness} is not supported (0: synchronous, "
                              "1: the next step's rollout during the update)")
@@ -214,7 +220,8 @@ class GRPOTrainer:
                              max_slots=max(self.plan.generation_batch_size // self.dist.world,
                                            min(256, self._eval_slots(cfg))),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
-                             (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype)
+                             (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype,
+                             kernel_settings=self.kernel_settings)
 
     def rollout_reserve_bytes(self) -> int:
         """Memory the update cannot use because a rollout runs beside it (max_staleness 1): the decode
@@ -300,6 +307,10 @@ class GRPOTrainer:
         return InFlight(ctx, data, run, threaded, self.device)
 
     def train_step(self) -> dict:
+        with self._kernels():
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
         t0 = time.perf_counter()
         parity, times = {}, {}
@@ -583,9 +594,14 @@ class GRPOTrainer:
         checkpoint at the stop); returns the metrics rows of this run."""
         self._claim(fresh=self._resumed_from is None)
         try:
-            return self._train(stop_after)
+            with self._kernels():
+                return self._train(stop_after)
         finally:
             self._release()
+
+    def _kernels(self):
+        """The trainer's kernel settings in force (a rollout thread runs in a copy of this context)."""
+        return settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
 
     def _train(self, stop_after: int | None) -> list[dict]:
         cfg, main = self.cfg, self.dist.is_main

@@ -24,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..device_memory import free_bytes
-from ..kernels import dispatch
+from ..kernels import dispatch, settings
+from ..kernels.settings import KernelSettings
 from .forward import ModelView
 from .kv_cache import slots_for_budget
 from .model_runner import ModelRunner
@@ -95,12 +96,15 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int | None = None,
                  prefill_tokens: int = 8192, cache_dequantized: bool | None = None, compile: bool | None = None,
-                 kv_cache_dtype: str = "auto", fused_attention: bool | None = None, prefill_chunk_tokens: int = 2048):
+                 kv_cache_dtype: str = "auto", fused_attention: bool | None = None, prefill_chunk_tokens: int = 2048,
+                 kernel_settings: KernelSettings | None = None):
         """max_len: prompt + completion tokens a slot holds. kv_cache_gb: the cache's budget (default:
         half the free GPU memory, 1 GiB on the CPU); kv_cache_dtype: auto (the model's) | fp8 (E4M3,
         per-head scales: half the bytes). prefill_tokens: padded prompt tokens per prefill batch;
         prefill_chunk_tokens: tokens per attention/MLP chunk inside it (bounds prefill memory).
-        cuda_graphs / compile / fused_attention / cache_dequantized: None picks by device."""
+        cuda_graphs / compile / fused_attention / cache_dequantized: None picks by device.
+        kernel_settings: the kernel choices its rollouts run under (None: the caller's, kernels.settings)."""
+        self.kernel_settings = kernel_settings
         self.view = ModelView(model)
         self.model, self.tokenizer = model, tokenizer
         dev = self.view.device
@@ -171,7 +175,8 @@ class Engine:
         results: dict[tuple, Completion] = {}
         bar = tqdm(total=len(sched.waiting), desc="rollout", unit="seq", disable=not progress)
         cache = dispatch.dequantized_cache() if self.cache_dequantized else contextlib.nullcontext()
-        with cache, perturb if perturb is not None else contextlib.nullcontext():
+        kernels = settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
+        with kernels, cache, perturb if perturb is not None else contextlib.nullcontext():
             while sched.has_work():
                 self._admit(call, sched, ids, keys, n, logits_of)
                 hi = sched.high()
