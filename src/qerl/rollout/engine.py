@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from .scheduler import BUCKETS, Scheduler
 from .turns import TurnHandler
 
 SCAN_OVERLAP = 32  # tokens re-decoded before the new ones when scanning for stop strings
+TOOL_WORKERS = 16  # tool calls run at once, where the turn handler allows concurrent calls
 
 
 @dataclass
@@ -84,12 +86,22 @@ class Completions(list):
 
 
 @dataclass
+class _Pending:
+    """A tool call running beside the decoding: its sample (held out of decoding), its call's end."""
+    seq: object  # the scheduler's Sequence (its slot may move in a compaction)
+    call_end: int
+    future: Future
+
+
+@dataclass
 class _Call:
     """One `generate` call's own state, passed down its loop (the engine instance keeps none)."""
     params: SamplingParams
     turns: TurnHandler | None
     limits: list[list[int]] | None  # each sample's limit of new tokens (SamplingParams), or None
     stats: RolloutStats = field(default_factory=RolloutStats)
+    pool: ThreadPoolExecutor | None = None  # tool calls, where the handler takes concurrent calls
+    pending: dict[int, _Pending] = field(default_factory=dict)  # id(sequence) -> its running tool call
 
 
 class Engine:
@@ -166,6 +178,8 @@ class Engine:
         if len(keys) != len(ids):
             raise ValueError(f"{len(keys)} prompt_keys for {len(ids)} prompts")
         call = _Call(p, turns, self._sample_limits(p, keys, n))
+        if turns is not None and getattr(turns, "concurrent", False):
+            call.pool = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="qerl-tool")
         stats = call.stats
         self._setup(p)
         run, sched = self.runner, Scheduler(self.n_slots, [len(x) for x in ids], n)
@@ -176,7 +190,8 @@ class Engine:
         bar = tqdm(total=len(sched.waiting), desc="rollout", unit="seq", disable=not progress)
         cache = dispatch.dequantized_cache() if self.cache_dequantized else contextlib.nullcontext()
         kernels = settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
-        with kernels, cache, perturb if perturb is not None else contextlib.nullcontext():
+        pool = call.pool if call.pool is not None else contextlib.nullcontext()
+        with kernels, cache, pool, perturb if perturb is not None else contextlib.nullcontext():
             while sched.has_work():
                 self._admit(call, sched, ids, keys, n, logits_of)
                 hi = sched.high()
@@ -283,10 +298,10 @@ class Engine:
         stop_hits, calls = {}, {}
         if self.tokenizer is not None and (p.stop or call.turns is not None):
             stop_hits, calls = self._scan(sched, hi, p.stop, call.turns.stop if call.turns is not None else [])
-        if calls:
-            self._take_turns(call, sched, done, stop_hits, calls)
+        if calls or call.pending:
+            self._take_turns(call, sched, hi, done, stop_hits, calls)
             done = self.runner.finished(hi)
-        fin = [s for s in sched.live(hi) if done[s] or s in stop_hits]
+        fin = [s for s in sched.live(hi) if (done[s] or s in stop_hits) and id(sched.slots[s]) not in call.pending]
         if not fin:
             return 0
         counts, toks, lps, reasons = self.runner.tokens_of(fin)
@@ -302,31 +317,55 @@ class Engine:
         self.runner.release(fin)
         return len(fin)
 
-    def _take_turns(self, call: _Call, sched: Scheduler, done, stop_hits, calls):
-        """Slots whose current model turn ended in a tool call: run the handler, append its tokens."""
-        h, p = call.turns, call.params
+    def _take_turns(self, call: _Call, sched: Scheduler, hi, done, stop_hits, calls):
+        """Slots whose current model turn ended in a tool call: run the handler, append its tokens.
+
+        All the answers of one sync go through the model in one forward (`ModelRunner.continue_with`).
+        Where the handler takes concurrent calls (`concurrent = True`), each call runs on a worker
+        thread while the other samples keep decoding: its sample is held out of decoding and resumes at
+        the first sync after its answer (the engine waits only when nothing else is left to decode)."""
+        h = call.turns
+        answered = []  # (slot, sequence, call end, tokens to append or None)
         for s, c in calls.items():
             seq = sched.slots[s]
+            if id(seq) in call.pending:  # found again in the scan's overlap: already running
+                continue
             if (s in stop_hits and stop_hits[s] <= c) or seq.turns >= h.max_turns:
                 continue
             counts, toks, _, reasons = self.runner.tokens_of([s])
             if done[s] and counts[0] <= c:  # finished (EOS, length) at or before the call's end
                 continue
             tid = toks[0][:c]
-            out = h.respond(seq.prompt, seq.sample, tid, self.tokenizer.decode(tid, skip_special_tokens=False))
-            if out is None:
-                stop_hits[s] = c  # the handler ends the sample at its call
-                continue
+            args = (seq.prompt, seq.sample, tid, self.tokenizer.decode(tid, skip_special_tokens=False))
+            if call.pool is None:
+                answered.append((s, seq, c, h.respond(*args)))
+            else:
+                call.pending[id(seq)] = _Pending(seq, c, call.pool.submit(h.respond, *args))
+                self.runner.pause(s)
+        if call.pending:
+            slot_of = {id(sched.slots[s]): s for s in sched.live(hi)}
+            running = [q.future for q in call.pending.values()]
+            if all(id(sched.slots[s]) in call.pending for s in sched.live(hi)) and not sched.waiting:
+                wait(running, return_when=FIRST_COMPLETED)  # nothing else to decode meanwhile
+            for key, q in list(call.pending.items()):
+                if q.future.done():
+                    del call.pending[key]
+                    answered.append((slot_of[key], q.seq, q.call_end, q.future.result()))  # a handler error: raised
+        items = []
+        for s, seq, c, out in answered:
             room = min(self._limit(call, seq), self.max_len - seq.length) - c - 1  # keep room for one model token
-            if room < 0:
+            if out is None or room < 0:  # the handler ends the sample at its call (or no room is left)
                 stop_hits[s] = c
+                self.runner.end(s)
                 continue
             out = list(out)[:room]
             stop_hits.pop(s, None)  # a stop string past the call was in the discarded tokens
-            self.runner.continue_with(s, c, out, seq.length, p)
+            items.append((s, c, out, seq.length))
             seq.tool_spans.append((c, c + len(out)))
             seq.turns += 1
             seq.turn_start = seq.scanned = c + len(out)
+        if items:
+            self.runner.continue_with(items, call.params)
 
     def _scan(self, sched: Scheduler, hi, stops, calls) -> tuple[dict[int, int], dict[int, int]]:
         """(stop hits, tool-call hits): slot -> completion tokens up to and including the token that

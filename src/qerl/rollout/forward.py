@@ -187,25 +187,43 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tok
     return _lm_head(view, view.norm(last)).float()
 
 
-def extend(view: ModelView, cache, slot: int, ids, start: int, rope):
-    """Append tokens ids [T] to one slot whose cache holds positions [0, start): their K/V go to
-    [start, start + T), each attends to the slot's cached keys and to the new ones before it.
-    Returns the fp32 logits at the last new token [V]. The multi-turn path: a tool's output joins
-    the sequence without re-prefilling what came before."""
-    t = ids.shape[0]
-    cos, sin = (x[start:start + t][None, None] for x in rope)
-    keys = torch.arange(start + t, device=ids.device)
-    mask = (keys[None, :] <= (start + torch.arange(t, device=ids.device))[:, None])[None, None]  # [1, 1, T, start+T]
-    h = view.embed(ids[None])
+def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[int], rope):
+    """Append tokens to slots whose caches hold positions [0, start): row r's ids [T_r] go to slot
+    slots[r] at [starts[r], starts[r] + T_r), each attending to that slot's cached keys and to the new
+    ones before it. Returns the fp32 logits at each row's last new token [B, V]. The multi-turn path:
+    tools' outputs join their sequences without re-prefilling what came before, every pending sample's
+    in one forward (rows right-padded; a padded query sees its row's keys and is never read)."""
+    dev = rows[0].device
+    b = len(rows)
+    lens = torch.tensor([r.shape[0] for r in rows], device=dev)
+    t = int(lens.max())
+    st = torch.tensor(starts, device=dev)
+    ids = torch.zeros(b, t, dtype=torch.long, device=dev)
+    for r, x in enumerate(rows):
+        ids[r, : x.shape[0]] = x
+    pos = (st[:, None] + torch.arange(t, device=dev)[None]).clamp(max=rope[0].shape[0] - 1)  # [B, T]
+    cos, sin = (x[pos][:, None] for x in rope)  # [B, 1, T, d]
+    ends = st + lens
+    n_keys = int(ends.max())
+    keys = torch.arange(n_keys, device=dev)
+    mask = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < ends[:, None, None])
+    mask = mask[:, None]  # [B, 1, T, keys]
+    h = view.embed(ids)
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
         q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
-        cache.write_span(i, slot, k[0], v[0], start)
-        kc, vc = cache.read_span(i, slot, start + t, q.dtype)
-        o = _attend(view, q, kc[None], vc[None], mask)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, -1))
+        kc, vc = [], []
+        for r, slot in enumerate(slots):
+            n = rows[r].shape[0]
+            cache.write_span(i, slot, k[r, :, :n], v[r, :, :n], starts[r])
+            kr, vr = cache.read_span(i, slot, n_keys, q.dtype)  # past a row's end: masked
+            kc.append(kr)
+            vc.append(vr)
+        o = _attend(view, q, torch.stack(kc), torch.stack(vc), mask)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         h = h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
-    return _lm_head(view, view.norm(h[0, -1:]))[0].float()
+    last = h[torch.arange(b, device=dev), lens - 1]
+    return _lm_head(view, view.norm(last)).float()
 
 
 def _norm(view, ops, norm, x):

@@ -224,27 +224,41 @@ class ModelRunner:
             self.graphs_captured += 1
         g.replay()
 
-    def continue_with(self, slot: int, keep: int, tokens: list[int], length: int, p: SamplingParams) -> None:
-        """Multi-turn: cut the slot's completion back to its first `keep` tokens, append `tokens` (a
-        tool's output: in the sequence, not sampled, logprob 0), and sample the next model token after
-        them. Only the new tokens run through the model; the cached prefix is reused."""
+    def continue_with(self, items: list[tuple[int, int, list[int], int]], p: SamplingParams) -> None:
+        """Multi-turn: for each (slot, keep, tokens, length), cut the slot's completion back to its first
+        `keep` tokens, append `tokens` (a tool's output: in the sequence, not sampled, logprob 0), and
+        sample the next model token after them. Only the new tokens run through the model (every item's
+        in one forward); the cached prefixes are reused."""
         st, dev = self.state, self.view.device
-        start = length + keep - 1  # where the last kept token goes: it was sampled but not yet fed
-        ids = torch.tensor([int(st.out_tok[slot, keep - 1])] + list(tokens), device=dev)
-        logits = extend(self.view, self.cache, slot, ids, start, self.rope)
-        n = len(tokens)
-        if n:
-            st.out_tok[slot, keep:keep + n] = ids[1:]
-            st.out_lp[slot, keep:keep + n] = 0.0
-        rows = torch.tensor([slot], device=dev)
-        tok, lp = sample(logits[None], p, self.gen, self._keyed(p, st.skey[rows], torch.full_like(rows, keep + n)))
-        st.out_tok[slot, keep + n] = tok[0]
-        st.out_lp[slot, keep + n] = lp[0]
-        st.count[slot] = keep + n + 1
-        st.pos[slot] = start + n + 1
-        st.tokens[slot] = tok[0]
-        fin, code = self._finish_flags(tok, st.count[rows], st.pos[rows], st.limit[rows])
-        st.done[slot], st.reason[slot] = fin[0], code[0]
+        slots = [it[0] for it in items]
+        starts = [length + keep - 1 for _, keep, _, length in items]  # the last kept token: sampled, not yet fed
+        rows = [torch.tensor([int(st.out_tok[slot, keep - 1])] + list(toks), device=dev)
+                for slot, keep, toks, _ in items]
+        logits = extend(self.view, self.cache, slots, rows, starts, self.rope)
+        for (slot, keep, toks, _), ids in zip(items, rows):
+            if toks:
+                st.out_tok[slot, keep:keep + len(toks)] = ids[1:]
+                st.out_lp[slot, keep:keep + len(toks)] = 0.0
+        r = torch.tensor(slots, device=dev)
+        at = torch.tensor([keep + len(toks) for _, keep, toks, _ in items], device=dev)  # the new token's index
+        tok, lp = sample(logits, p, self.gen, self._keyed(p, st.skey[r], at))
+        st.out_tok[r, at] = tok
+        st.out_lp[r, at] = lp
+        st.count[r] = at + 1
+        st.pos[r] = torch.tensor(starts, device=dev) + at - torch.tensor([k for _, k, _, _ in items], device=dev) + 1
+        st.tokens[r] = tok
+        fin, code = self._finish_flags(tok, st.count[r], st.pos[r], st.limit[r])
+        st.done[r], st.reason[r] = fin, code
+
+    def end(self, slot: int) -> None:
+        """Finish a slot as stopped (the engine cuts it at its stop: the turn handler ended it)."""
+        self.state.done[slot] = True
+        self.state.reason[slot] = 3
+
+    def pause(self, slot: int) -> None:
+        """Hold a slot out of decoding (its tool call is running): flagged done, so steps leave its tokens,
+        count and position alone, until `continue_with` resumes it (or the engine retires it)."""
+        self.state.done[slot] = True
 
     # ---- reading back ------------------------------------------------------------------------
     def finished(self, hi: int) -> list[bool]:

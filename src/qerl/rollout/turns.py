@@ -7,6 +7,10 @@ output, formatted as the chat template wants), or None to end the sample there. 
 appends them into the same KV slot and decoding resumes, up to `max_turns` tool turns; the
 group's other samples keep decoding meanwhile. Appended tokens carry logprob 0 and are listed
 in `Completion.tool_spans`, so the loss can leave them out while rewards see the whole text.
+
+The answers found at one sync are appended in one forward. A handler whose `respond` may run
+on several threads at once says so with `concurrent = True`: each call then runs on a worker
+while the other samples decode, and its sample resumes at the first sync after the answer.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Protocol
 class TurnHandler(Protocol):
     stop: list[str]
     max_turns: int
+    # optional: concurrent = True where respond() is thread-safe (calls for different samples at once)
 
     def respond(self, prompt_index: int, sample_index: int, token_ids: list[int], text: str) -> list[int] | None:
         """Tokens to append after the model's turn (token_ids / text: the completion so far, ending
