@@ -6,7 +6,9 @@ so stop strings are scanned on real decoded text), prompt 256, 512 new tokens, i
   idle     a tool handler whose call marker never appears: the per-sync text scan only
   active   a handler stopping on a character that random text hits every ~160 tokens, answering
            with 16 tool tokens appended into the same slot, up to 4 turns a sample
-Target: idle within 5 % of single (tok/s of model tokens). Writes rows to --results-dir/rollout.jsonl.
+Targets: idle within 5 % of single; active >= 0.8x single at batch 64 (issue 35: tool answers of a sync
+appended in one forward, tool calls on worker threads while the other samples decode). Tok/s of model
+tokens. Writes rows to --results-dir/rollout.jsonl.
 
     python scripts/multiturn_speed.py --results-dir $OUT/results
 """
@@ -29,11 +31,12 @@ from tiny_models import tiny_tokenizer  # noqa: E402
 
 
 class Turns:
+    concurrent = True  # respond() keeps no state: the engine may run calls on worker threads
+
     def __init__(self, stop: str, reply: list[int], max_turns: int = 4):
-        self.stop, self.reply, self.max_turns, self.calls = [stop], reply, max_turns, 0
+        self.stop, self.reply, self.max_turns = [stop], reply, max_turns
 
     def respond(self, prompt_index, sample_index, token_ids, text):
-        self.calls += 1
         return list(self.reply)
 
 
@@ -89,8 +92,8 @@ def main():
                 record("rollout", case, f"{m}_model_tokens_per_s", v[m], "tok/s", command=cmd, results_dir=a.results_dir)
             record("rollout", case, "idle_over_single", v["idle"] / v["single"], "x", ">=0.95", command=cmd,
                    results_dir=a.results_dir)
-            record("rollout", case, "active_over_single", v["active"] / v["single"], "x", command=cmd,
-                   results_dir=a.results_dir)
+            record("rollout", case, "active_over_single", v["active"] / v["single"], "x",
+                   ">=0.8" if b == 64 else None, command=cmd, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":
