@@ -13,7 +13,8 @@ HELP = "evaluate a policy (quantized base + optional PEFT adapter) on a dataset:
 def add_arguments(p):
     p.add_argument("model", nargs="?", default="smollm2", help="a folder, a hub id, or smollm2 (offline)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder (as `qerl train` or PEFT writes)")
-    p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"])
+    p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
+                   help="base format (auto: the one the adapter was trained on, else the checkpoint's, else nvfp4)")
     p.add_argument("--dataset", default="gsm8k-offline",
                    help="gsm8k-offline (default, no network), rg:<name>, gsm8k, math500, aime24, ..., or a .jsonl/.parquet file")
     p.add_argument("--dataset-config", default="{}", help="options as JSON/YAML, e.g. '{question: problem, seed: 1}'")

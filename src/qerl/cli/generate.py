@@ -12,7 +12,8 @@ HELP = "sample completions from a policy (quantized base + optional PEFT adapter
 def add_arguments(p):
     p.add_argument("model", nargs="?", default="smollm2", help="a folder, a hub id, or smollm2 (offline)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder (as `qerl train` or PEFT writes)")
-    p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"])
+    p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
+                   help="base format (auto: the one the adapter was trained on, else the checkpoint's, else nvfp4)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--n", type=positive, default=1, help="completions per prompt")
     p.add_argument("--temperature", type=non_negative, default=1.0)

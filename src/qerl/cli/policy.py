@@ -35,9 +35,10 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
     require_tokenizer(resolve_model(model))
     rank = 0
     if adapter:
-        from ..checkpoint.peft_adapter import _read_config
+        from ..checkpoint.peft_adapter import _read_config, resolve_quant
 
         rank = int(_read_config(Path(adapter))["r"])
+        quant = resolve_quant(adapter, quant)
     pol = load_policy(model, quant, lora_rank=rank, device=device, dtype=dtype, progress=False)
     if adapter:
         from ..checkpoint import load_adapter
