@@ -55,11 +55,14 @@ def run(args):
     rows = rows[:args.limit] if args.limit else rows
     if not rows:
         raise ValueError(f"{args.dataset}: the {args.split} split has no problems")
-    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device)
+    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device, args.max_new_tokens)
     from ..tasks.prompts import encode_prompt
+    from .policy import check_length
 
     longest = max(len(encode_prompt(pol.tokenizer, r["prompt"], system_prompt=args.system_prompt,
                                     suffix=args.prompt_suffix)) for r in rows) if rows else 1
+    check_length(getattr(pol.model.config, "max_position_embeddings", None), longest, args.max_new_tokens,
+                 f"{args.dataset}: its longest prompt", "--max-new-tokens")
     eng = Engine(pol.model, pol.tokenizer, max_len=longest + args.max_new_tokens + 1,
                  max_slots=min(256, max(1, len(rows)) * args.samples))
     rep = evaluate(eng, pol.tokenizer, rows, task.accuracy_func(), samples=args.samples, temperature=args.temperature,

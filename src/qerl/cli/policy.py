@@ -18,7 +18,26 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None):
+def max_positions(folder) -> int | None:
+    """The model's position limit (config.json's max_position_embeddings), None when it has none."""
+    from transformers import AutoConfig
+
+    try:
+        n = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
+    except (OSError, ValueError):  # the loader reports a bad config.json, naming it
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_length(positions: int | None, prompt_tokens: int, new_tokens: int, what: str, flag: str) -> None:
+    """Refuse a prompt + completion past the model's positions (it would generate garbage past them)."""
+    if positions is not None and prompt_tokens + new_tokens > positions:
+        raise ValueError(f"{what}: {prompt_tokens} prompt tokens + {flag} {new_tokens} = {prompt_tokens + new_tokens} "
+                         f"tokens, beyond the model's {positions} positions (max_position_embeddings)")
+
+
+def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None, new_tokens: int | None = None,
+                    flag: str = "--max-new-tokens"):
     """(policy, device): bf16 on CUDA, fp32 on the CPU; the adapter's rank read from its config.
     Everything that can be checked without the weights (device, tokenizer, adapter config) is
     checked first, so a bad input costs no model load."""
@@ -32,7 +51,10 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
 
     device = check_device(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    require_tokenizer(resolve_model(model))
+    folder = resolve_model(model)
+    require_tokenizer(folder)
+    if new_tokens is not None:  # before the weights load: the completion alone must fit
+        check_length(max_positions(folder), 1, new_tokens, str(model), flag)
     rank = 0
     if adapter:
         from ..checkpoint.peft_adapter import _read_config, resolve_quant

@@ -14,9 +14,17 @@ def preflight(cfg):
     from ..model.load import require_tokenizer
     from ..tasks import get_task
 
+    from ..model.resolve import ALIASES, resolve_model
+    from .policy import check_length, max_positions
+
     model = Path(cfg.model_name_or_path).expanduser()
-    if model.is_dir():  # hub ids are checked by the trainer after their download
-        require_tokenizer(model)
+    if model.is_dir() or cfg.model_name_or_path.lower() in ALIASES:  # hub ids: checked after their download
+        folder = resolve_model(cfg.model_name_or_path)
+        require_tokenizer(folder)
+        check_length(max_positions(folder), cfg.max_prompt_length,
+                     max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
+                     f"model_name_or_path {cfg.model_name_or_path}: max_prompt_length {cfg.max_prompt_length}",
+                     "max_completion_length")
     task = get_task(cfg.dataset_name, **cfg.dataset_config)
     main = os.environ.get("RANK", "0") == "0"
     for note in task.notes if main else ():

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
 from ..checkpoint.peft_adapter import save_adapter
 from ..layers.qlora_linear import standalone
 
@@ -76,6 +77,7 @@ def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: d
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(),
                  "python_random": _jsonable(random.getstate()), **extra}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+        write_checksums(tmp)  # verified at resume: bytes changed in place fail there, not silently
     if keep:
         for old in checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -111,6 +113,10 @@ def read_checkpoint(folder) -> tuple[dict, dict[str, dict]]:
     Raises CorruptCheckpoint naming the file that fails."""
     folder = Path(folder)
     f = folder / STATE_NAME
+    try:
+        verify_checksums(folder)
+    except ChecksumError as e:
+        raise CorruptCheckpoint(str(e)) from None
     try:
         state = json.loads(f.read_text())
     except FileNotFoundError:

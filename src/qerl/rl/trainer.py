@@ -256,6 +256,10 @@ class GRPOTrainer:
         return encode_prompt(self.tok, row["prompt"], system_prompt=self.cfg.system_prompt,
                              suffix=self.cfg.prompt_suffix, max_length=self.cfg.max_prompt_length)
 
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools or self.environment_factory) and self.cfg.max_turns > 0
+
     def turns_for(self, rows):
         """The multi-turn handler of a rollout over `rows` (None without tools): one environment per sample."""
         if not (self.tools or self.environment_factory) or self.cfg.max_turns == 0:
@@ -338,7 +342,7 @@ class GRPOTrainer:
             m = {"step": step, "sigma": ctx.sigma, "aqn_stage": ctx.stage, "aqn_sigma_effective": ro.effective_sigma,
                  "staleness": ctx.staleness, "lr": self.scheduler.get_last_lr()[0],
                  "rollout_graphs_captured": sum(r.stats.graphs_captured for r in ro.rounds),
-                 **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
+                 **rollout_metrics(ro.rounds, ro.n_informative, D, self.offers_tools), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
             if self.adaptive is not None:  # this step's signal sets the next step's sigma
