@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.command].run(args) or 0
+    except KeyboardInterrupt:  # `qerl train` says what was saved itself; the others have nothing to save
+        print(f"qerl {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
         if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
             raise

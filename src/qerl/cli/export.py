@@ -32,6 +32,10 @@ def run(args):
     check_export_target(args.output_dir, overwrite=args.overwrite,
                         protected={"adapter": args.adapter, "base model": args.model if Path(args.model).exists() else None})
     device = check_device(args.device)
+    from ..model.resolve import resolve_model
+    from .policy import read_model_config
+
+    read_model_config(resolve_model(args.model))  # a config transformers cannot read: one line, no traceback
     if args.adapter:
         _read_config(Path(args.adapter))
     quant = resolve_quant(args.adapter, args.quant)

@@ -18,14 +18,35 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def max_positions(folder) -> int | None:
-    """The model's position limit (config.json's max_position_embeddings), None when it has none."""
+def read_model_config(folder):
+    """config.json as transformers reads it, after its architecture label is checked as plain JSON:
+    a Llama config relabelled falcon made transformers itself fail with an AttributeError."""
+    import json
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    from ..model.architectures import SUPPORTED_ARCHITECTURES
+
+    path = Path(folder) / "config.json"
     try:
-        n = getattr(AutoConfig.from_pretrained(folder), "max_position_embeddings", None)
-    except (OSError, ValueError):  # the loader reports a bad config.json, naming it
-        return None
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON config ({type(e).__name__}: {e})"[:300]) from None
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        label = archs or (raw.get("model_type") if isinstance(raw, dict) else None)
+        raise ValueError(f"{path}: unsupported architecture {label!r}; qerl supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config that contradicts itself
+        raise ValueError(f"{path}: transformers cannot read it as a {raw.get('model_type')!r} config "
+                         f"({type(e).__name__}: {e}); is model_type the model's own?"[:400]) from None
+
+
+def max_positions(folder) -> int | None:
+    """The model's position limit (config.json's max_position_embeddings), None when it has none."""
+    n = getattr(read_model_config(folder), "max_position_embeddings", None)
     return n if isinstance(n, int) and n > 0 else None
 
 
@@ -53,8 +74,9 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     folder = resolve_model(model)
     require_tokenizer(folder)
-    if new_tokens is not None:  # before the weights load: the completion alone must fit
-        check_length(max_positions(folder), 1, new_tokens, str(model), flag)
+    positions = max_positions(folder)  # config.json checked before the weights load
+    if new_tokens is not None:  # the completion alone must fit
+        check_length(positions, 1, new_tokens, str(model), flag)
     rank = 0
     if adapter:
         from ..checkpoint.peft_adapter import _read_config, resolve_quant

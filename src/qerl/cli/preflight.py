@@ -8,12 +8,50 @@ import sys
 from pathlib import Path
 
 
+def check_run_folder(cfg, resuming: bool) -> None:
+    """output_dir usable before anything loads: not a file (nor under one), not locked by a live run,
+    and, for a fresh run, holding no earlier run unless overwrite_output_dir (the trainer checks again
+    under its lock; these fail in a second instead of after the model's load)."""
+    from ..rl.run_folder import check_unlocked, earlier_run, refuse_or_clear
+
+    out = Path(cfg.output_dir).expanduser()
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"config field 'output_dir': {out}: {'is' if p == out else f'{p} is'} a file, "
+                                 "not a folder; choose another --output_dir")
+            break
+    check_unlocked(out)
+    if not resuming and not cfg.overwrite_output_dir and earlier_run(out):
+        refuse_or_clear(out, overwrite=False)
+
+
+def check_device(cfg) -> None:
+    """The device and dtype the machine can run (cuda without a GPU was an AssertionError, float16 on
+    the CPU a traceback from inside a kernel)."""
+    import torch
+
+    dev = cfg.device
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"config field 'device': {dev}, but CUDA is not available on this machine (use --device "
+                             "cpu, or auto)")
+        idx = int(dev.partition(":")[2] or 0)
+        if idx >= torch.cuda.device_count():
+            raise ValueError(f"config field 'device': {dev}, but this machine has {torch.cuda.device_count()} GPU(s)")
+    on_cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
+    for name in ("dtype", "lora_dtype"):
+        if on_cpu and getattr(cfg, name) == "float16":
+            raise ValueError(f"config field '{name}': float16 is not supported on the CPU (use float32, or bfloat16)")
+
+
 def preflight(cfg):
     """The run's task, after checking the model folder's tokenizer and that the task has rows to
     train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed."""
     from ..model.load import require_tokenizer
     from ..tasks import get_task
 
+    check_device(cfg)
     from ..model.resolve import ALIASES, resolve_model
     from .policy import check_length, max_positions
 

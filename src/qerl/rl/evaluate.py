@@ -77,6 +77,8 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
     chunk = chunk or len(rows)
     funcs = [accuracy_func] + ([format_func] if format_func is not None else [])
     per, t0, new_tokens, truncated, lengths, errors, called = [], time.perf_counter(), 0, 0, [], 0, 0
+    if progress:  # its own phase, named before the rollout bar starts
+        tqdm.write(f"eval {dataset or 'evaluation set'}: {len(rows)} problems x {samples} samples")
     bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress or chunk >= len(rows))
     for s in range(0, len(rows), chunk):
         part = rows[s: s + chunk]

@@ -196,9 +196,9 @@ class GRPOTrainer:
         self.evals: list[dict] = []  # one summary per evaluation of this run
         if not self.reward_funcs:
             raise ValueError("no reward functions: pass reward_funcs or a task that has them")
-        for i, r in enumerate(self.train_rows[:1]):
-            if "prompt" not in r:
-                raise ValueError(f"training row {i} has no 'prompt' field (fields: {sorted(r)})")
+        from ..tasks.rows import check_rows
+
+        check_rows(self.train_rows, "train_dataset")  # every row, not only row 0
 
     def _trainable(self, cfg: GRPOConfig) -> list:
         if cfg.train_norms:
@@ -617,8 +617,7 @@ class GRPOTrainer:
             continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
             log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None)
         rows = []
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (self.progress and main))
+        bar = None
         # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
         # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
         from ..kernels import dispatch
@@ -630,6 +629,9 @@ class GRPOTrainer:
                 self._evaluate_on_main(log)
             if cfg.eval_on_end and self._resumed_from is not None and self.step == cfg.max_steps == end:
                 self._evaluate_on_main(log)  # stopped after its last checkpoint, before its last evaluation
+            # after the start evaluation, which is its own phase: the bar's rate and ETA count steps only
+            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+                       disable=not (self.progress and main))
             while self.step < end:
                 m = self.train_step()
                 if log is not None:
@@ -637,21 +639,24 @@ class GRPOTrainer:
                 rows.append(m)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", sigma=f"{m['sigma']:.1e}", len=f"{m['completion_length_mean']:.0f}")
-                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and not self.progress and main:
-                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                                   if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
-                                            "completion_length_mean", "time_step")), flush=True)
+                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and main:
+                    line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                                    if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
+                                             "completion_length_mean", "time_step"))
+                    bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
                 if self.step % cfg.save_steps == 0 or self.step == end:
                     with self.profiler.phase("checkpoint"):  # reported in the next step's row
                         self.save()
                 last = self.step == cfg.max_steps
                 if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
                     self._evaluate_on_main(log)
+                    bar.unpause()  # the evaluation's time is not a step's
         finally:
             if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
                 self._in_flight.wait_quietly()
             cache.__exit__(None, None, None)
-            bar.close()
+            if bar is not None:
+                bar.close()
             if log is not None:
                 log.close()
         from ..checkpoint.peft_adapter import save_adapter
