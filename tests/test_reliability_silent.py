@@ -178,9 +178,13 @@ def test_eval_refuses_prompts_beyond_the_positions(cli, model):
     assert rc == 2 and "beyond the model's 128 positions" in err
 
 
-def test_train_refuses_prompt_plus_completion_beyond_the_positions(cli, model, tmp_path, no_model_load):
-    rc, _, err = cli(*train_args(model, tmp_path / "run"), "--max_prompt_length", "100", "--max_completion_length", "64")
-    assert rc == 2 and "beyond the model's 128 positions" in err
+def test_train_warning_text(model, tmp_path, capsys):
+    from qerl.cli.preflight import preflight
+    from qerl.rl import GRPOConfig
+
+    preflight(GRPOConfig(model_name_or_path=str(model), max_prompt_length=64, max_completion_length=100,
+                         dataset_config={"size": 8, "eval_size": 2}, output_dir=str(tmp_path / "r")))
+    assert "exceed the model's 128 positions" in capsys.readouterr().err
 
 
 # ---- tool_call_rate is 0, not missing, when tools are offered and never called ---------------------

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 
+def main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def check_run_folder(cfg, resuming: bool) -> None:
     """output_dir usable before anything loads: not a file (nor under one), not locked by a live run,
     and, for a fresh run, holding no earlier run unless overwrite_output_dir (the trainer checks again
@@ -21,6 +25,8 @@ def check_run_folder(cfg, resuming: bool) -> None:
                 raise ValueError(f"config field 'output_dir': {out}: {'is' if p == out else f'{p} is'} a file, "
                                  "not a folder; choose another --output_dir")
             break
+    if not main_rank():  # under torchrun rank 0 owns the folder (the others would see its lock)
+        return
     check_unlocked(out)
     if not resuming and not cfg.overwrite_output_dir and earlier_run(out):
         refuse_or_clear(out, overwrite=False)
@@ -59,10 +65,13 @@ def preflight(cfg):
     if model.is_dir() or cfg.model_name_or_path.lower() in ALIASES:  # hub ids: checked after their download
         folder = resolve_model(cfg.model_name_or_path)
         require_tokenizer(folder)
-        check_length(max_positions(folder), cfg.max_prompt_length,
-                     max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                     f"model_name_or_path {cfg.model_name_or_path}: max_prompt_length {cfg.max_prompt_length}",
-                     "max_completion_length")
+        # a warning: the limits are upper bounds (prompts are often shorter, completions stop at EOS);
+        # generate and eval, which know their prompts and lengths, refuse
+        positions, new = max_positions(folder), max(cfg.max_completion_length, cfg.eval_max_completion_length or 0)
+        if positions and cfg.max_prompt_length + new > positions and main_rank():
+            print(f"qerl train: warning: max_prompt_length {cfg.max_prompt_length} + max_completion_length {new} "
+                  f"exceed the model's {positions} positions (max_position_embeddings): a sequence longer than that "
+                  "runs past what the model was trained on", file=sys.stderr)
     task = get_task(cfg.dataset_name, **cfg.dataset_config)
     main = os.environ.get("RANK", "0") == "0"
     for note in task.notes if main else ():

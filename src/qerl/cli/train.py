@@ -125,8 +125,10 @@ def run(args):
             return 130 if stop.signal == "SIGINT" else 143
         except Exception as e:
             if disk_full(e):
-                raise OSError(errno.ENOSPC, f"no space left on the disk of {cfg.output_dir} ({type(e).__name__}); "
-                              f"{saved(cfg.output_dir)}; free space, then continue with: {resume_command(cfg)}") from None
+                full = OSError(f"no space left on the disk of {cfg.output_dir} ({type(e).__name__}); "
+                               f"{saved(cfg.output_dir)}; free space, then continue with: {resume_command(cfg)}")
+                full.errno = errno.ENOSPC
+                raise full from None
             raise
     if not trainer.dist.is_main:  # under torchrun, rank 0 reports
         trainer.dist.close()
@@ -205,12 +207,16 @@ def finished_run(cfg) -> str | None:
     max_steps, its final evaluation and adapter written); None when there is work left."""
     from pathlib import Path
 
-    from ..rl.state import checkpoints
+    from ..rl.state import CorruptCheckpoint, checkpoints, read_checkpoint
 
     out = Path(cfg.output_dir)
     found = checkpoints(out)
     if not found or int(found[-1].name.rpartition("-")[2]) < cfg.max_steps:
         return None
+    try:
+        read_checkpoint(found[-1])
+    except CorruptCheckpoint:
+        return None  # the trainer falls back to an earlier checkpoint and trains again from there
     if not (out / "adapter").is_dir() or (cfg.eval_on_end and not (out / "eval" / f"step_{cfg.max_steps}.json").exists()):
         return None  # killed after its last checkpoint: the trainer finishes it
     lines = [f"qerl train: {out} is finished (step {cfg.max_steps}/{cfg.max_steps}); its adapter is {out / 'adapter'}. "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,7 +79,7 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
     funcs = [accuracy_func] + ([format_func] if format_func is not None else [])
     per, t0, new_tokens, truncated, lengths, errors, called = [], time.perf_counter(), 0, 0, [], 0, 0
     if progress:  # its own phase, named before the rollout bar starts
-        tqdm.write(f"eval {dataset or 'evaluation set'}: {len(rows)} problems x {samples} samples")
+        tqdm.write(f"eval {dataset or 'evaluation set'}: {len(rows)} problems x {samples} samples", file=sys.stderr)
     bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress or chunk >= len(rows))
     for s in range(0, len(rows), chunk):
         part = rows[s: s + chunk]

@@ -140,6 +140,11 @@ def is_plain_number(s: str) -> bool:
     return not _MATH.search(_PLAIN_FRAC.sub("0", _WRAPPERS.sub("", s))) and parse_number(s) is not None
 
 
+def is_expression(s: str) -> bool:
+    """True when `s` holds math beyond plain numbers (a command, ^ or _, a factorial): math-verify's case."""
+    return _MATH.search(_PLAIN_FRAC.sub("0", _WRAPPERS.sub("", s[-TAIL:]))) is not None
+
+
 def same_number(pred: str, ref: str) -> bool:
     a, b = parse_number(pred), parse_number(ref)
     return a is not None and b is not None and a == b
