@@ -93,7 +93,8 @@ def test_a_llama_config_relabelled_falcon_is_named(cli, tmp_path, model, command
     bad = tmp_path / "f"
     shutil.copytree(model, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
+    cfg.update(model_type="falcon", architectures=["FalconForCausalLM"])
+    (bad / "config.json").write_text(json.dumps(cfg))
     args = {"generate": ["generate", bad, "--prompt", "hi", "--device", "cpu"],
             "train": train_args(bad, tmp_path / "run"), "export": ["export", bad, tmp_path / "out"]}[command]
     rc, _, err = cli(*args)

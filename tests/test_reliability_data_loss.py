@@ -142,10 +142,13 @@ def test_the_offline_alias_is_written_as_a_base_peft_can_load(tmp_path, monkeypa
     import shutil
 
     shutil.copytree(base, tmp_path / "cache" / "SmolLM2-135M-Instruct")  # stands in for the converted model
-    shutil.copytree(adapter, tmp_path / "a")
+    from qerl.checkpoint import load_adapter, save_adapter
+    from qerl.model import load_policy
+
+    pol = load_policy(str(base), "nvfp4", lora_rank=4, device="cpu", dtype=torch.float32, progress=False)
+    load_adapter(pol, adapter)
+    save_adapter(pol.model, tmp_path / "a", base_model_name_or_path="smollm2")  # as the trainer saves
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = peft_base_name("smollm2")
-    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
     assert cfg["base_model_name_or_path"] == str((tmp_path / "cache" / "SmolLM2-135M-Instruct").resolve())
     m = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "a"))
     assert m.peft_config["default"].r == 4

@@ -135,3 +135,27 @@ def test_the_trainer_hands_its_tool_limits_to_environments(tmp_path):
                      environment_factory=lambda: Stepper(_sleep))
     h = tr.turns_for(tr.train_rows[:1])
     assert (h.limits.timeout_s, h.limits.max_output_chars) == (0.25, 77)
+
+
+def test_a_closure_tool_whose_result_cannot_be_shown_is_error_text():
+    from qerl.tools import ToolRunner
+    from qerl.tools.calls import parse_tool_calls
+
+    class Weird:
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    def make():
+        def odd(x: int):
+            """Return something odd.
+
+            Args:
+                x: Anything.
+            """
+            return Weird()
+        return odd
+
+    odd = make()  # a closure: runs in this process, on a thread
+    runner = ToolRunner([odd], LIMITS)
+    (call,) = parse_tool_calls('<tool_call>{"name": "odd", "arguments": {"x": 1}}</tool_call>', runner.tools)
+    assert runner.run(call).startswith("Error: RuntimeError: no str")

@@ -31,7 +31,8 @@ def _files(folder: Path) -> list[Path]:
 def write_checksums(folder) -> Path:
     """Record every file under `folder` (call it last, once all files are written)."""
     folder = Path(folder)
-    table = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in _files(folder)}
+    table = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+             for p in _files(folder)}
     out = folder / NAME
     out.write_text(json.dumps({"algorithm": "sha256", "files": table}, indent=1) + "\n")
     return out

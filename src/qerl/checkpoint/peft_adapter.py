@@ -29,7 +29,7 @@ from .atomic import atomic_folder, entries, write_safetensors
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 INFO_NAME = "qerl_adapter.json"  # what PEFT's config has no field for: the base format the adapter was trained on
-HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+HUB_IDS = dict.fromkeys(("smollm2", "smollm2-135m-instruct"), "HuggingFaceTB/SmolLM2-135M-Instruct")
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)\.weight$")
@@ -76,9 +76,12 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str] | str:
 
 def peft_base_name(name: str | None) -> str | None:
     """A base_model_name_or_path PEFT can load: qerl's offline alias becomes its converted folder when
-    present (the exact base), else its hub id; paths and hub ids pass through."""
-    if name is None or name.lower() not in HUB_IDS:
-        return name
+    present (the exact base), else its hub id; a local folder becomes absolute; hub ids pass through."""
+    if name is None:
+        return None
+    if name.lower() not in HUB_IDS:
+        local = Path(name).expanduser()
+        return str(local.resolve()) if local.is_dir() else name  # absolute: PEFT reads it from any folder
     from ..model.smollm2 import cache_dir
 
     local = cache_dir() / "SmolLM2-135M-Instruct"

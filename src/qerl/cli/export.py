@@ -30,7 +30,8 @@ def run(args):
 
     # everything checked before the model loads: nothing in OUTPUT_DIR is lost by mistake
     check_export_target(args.output_dir, overwrite=args.overwrite,
-                        protected={"adapter": args.adapter, "base model": args.model if Path(args.model).exists() else None})
+                        protected={"adapter": args.adapter,
+                                   "base model": args.model if Path(args.model).exists() else None})
     device = check_device(args.device)
     from ..model.resolve import resolve_model
     from .policy import read_model_config

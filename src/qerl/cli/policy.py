@@ -36,7 +36,8 @@ def read_model_config(folder):
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         label = archs or (raw.get("model_type") if isinstance(raw, dict) else None)
-        raise ValueError(f"{path}: unsupported architecture {label!r}; qerl supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"{path}: unsupported architecture {label!r}; qerl supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     try:
         return AutoConfig.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a config that contradicts itself

@@ -59,7 +59,7 @@ def preflight(cfg):
 
     check_device(cfg)
     from ..model.resolve import ALIASES, resolve_model
-    from .policy import check_length, max_positions
+    from .policy import max_positions
 
     model = Path(cfg.model_name_or_path).expanduser()
     if model.is_dir() or cfg.model_name_or_path.lower() in ALIASES:  # hub ids: checked after their download

@@ -110,7 +110,8 @@ def run(args):
                 import torch.distributed as dist
 
                 print(f"qerl train: {trainer.dist.world} ranks ({dist.get_backend()}); each samples and trains on "
-                      f"1/{trainer.dist.world} of a step's {trainer.plan.generation_batch_size} completions", flush=True)
+                      f"1/{trainer.dist.world} of a step's {trainer.plan.generation_batch_size} completions",
+                      flush=True)
             if args.resume:
                 step = trainer.resume()
                 if trainer.dist.is_main:
@@ -217,7 +218,8 @@ def finished_run(cfg) -> str | None:
         read_checkpoint(found[-1])
     except CorruptCheckpoint:
         return None  # the trainer falls back to an earlier checkpoint and trains again from there
-    if not (out / "adapter").is_dir() or (cfg.eval_on_end and not (out / "eval" / f"step_{cfg.max_steps}.json").exists()):
+    final_eval = out / "eval" / f"step_{cfg.max_steps}.json"
+    if not (out / "adapter").is_dir() or (cfg.eval_on_end and not final_eval.exists()):
         return None  # killed after its last checkpoint: the trainer finishes it
     lines = [f"qerl train: {out} is finished (step {cfg.max_steps}/{cfg.max_steps}); its adapter is {out / 'adapter'}. "
              f"To train further: {resume_command(cfg)} --max_steps N (N > {cfg.max_steps}); to evaluate it: "

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import threading
 
-from .answers import TAIL, final_answer, gsm8k_reference, is_expression, is_plain_number, last_tag, parse_number, same_number
+from .answers import (TAIL, final_answer, gsm8k_reference, is_expression, is_plain_number, last_tag, parse_number,
+                      same_number)
 
 _FORMAT = re.compile(r"\s*<think>(?:(?!<think>|</think>).)*</think>\s*<answer>(?:(?!<answer>|</answer>).)*</answer>\s*",
                      re.S)
