@@ -228,6 +228,7 @@ def test_the_start_evaluation_is_its_own_phase_and_logging_steps_print_with_the_
     assert rc == 0
     # the evaluation before training runs before the train bar exists (its time is not step 1's)
     assert err.index("eval arithmetic: 4 problems") < err.index("train:")
+    assert err.rindex("eval arithmetic: 4 problems") > err.rindex("train:")  # so does the final one, after the bar
     assert [x.split()[0] for x in out.splitlines() if x.startswith("step=")] == ["step=0", "step=1"]
 
 

@@ -122,7 +122,8 @@ def run(args):
             rows = trainer.train()
             wall = time.perf_counter() - t0
         except KeyboardInterrupt:
-            print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
+            if trainer is None or trainer.dist.is_main:  # one line for the job, not one per rank
+                print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
         except Exception as e:
             if disk_full(e):

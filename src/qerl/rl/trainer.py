@@ -649,6 +649,8 @@ class GRPOTrainer:
                         self.save()
                 last = self.step == cfg.max_steps
                 if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
+                    if last:
+                        bar.close()  # the final evaluation is its own phase, after the train bar
                     self._evaluate_on_main(log)
                     bar.unpause()  # the evaluation's time is not a step's
         finally:
