@@ -19,23 +19,22 @@ def add_arguments(p):
 
 
 def run(args):
-    import torch
-
     from pathlib import Path
+
+    import torch
 
     from ..checkpoint.export import check_export_target, export_merged
     from ..checkpoint.peft_adapter import _read_config, load_adapter, resolve_quant
     from ..model import load_policy
-    from .policy import check_device
+    from ..model.resolve import ALIASES, resolve_model
+    from ..model.smollm2 import cache_dir
+    from .policy import check_device, read_model_config
 
     # everything checked before the model loads: nothing in OUTPUT_DIR is lost by mistake
-    check_export_target(args.output_dir, overwrite=args.overwrite,
-                        protected={"adapter": args.adapter,
-                                   "base model": args.model if Path(args.model).exists() else None})
+    base = args.model if Path(args.model).exists() else (
+        cache_dir() / "SmolLM2-135M-Instruct" if args.model.lower() in ALIASES else None)
+    check_export_target(args.output_dir, overwrite=args.overwrite, protected={"adapter": args.adapter, "base model": base})
     device = check_device(args.device)
-    from ..model.resolve import resolve_model
-    from .policy import read_model_config
-
     read_model_config(resolve_model(args.model))  # a config transformers cannot read: one line, no traceback
     if args.adapter:
         _read_config(Path(args.adapter))
