@@ -106,7 +106,7 @@ def test_export_with_another_quant_than_the_adapters_base_is_refused(cli, tmp_pa
 
 
 def test_eval_with_another_quant_than_the_adapters_base_is_refused(cli, base, adapter, no_model_load):
-    rc, _, err = cli("eval", base, "--adapter", adapter, "--quant", "mxfp4", "--limit", "1")
+    rc, _, err = cli("eval", base, "--adapter", adapter, "--quant", "mxfp4", "--limit", "1", "--max-new-tokens", "8")
     assert rc == 2 and "trained on a nvfp4 base" in err
 
 

@@ -108,7 +108,7 @@ class ToolRunner:
         self.tools = tools if isinstance(tools, dict) else as_tools(tools)  # name -> Tool, or a list of tools
         self.limits = limits
         # isolate=None: each tool that can be imported by name runs in a worker process
-        self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in tools.items()}
+        self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in self.tools.items()}
         # workers import the tools' modules before their first job, so no call pays for that import
         self.warm = ("qerl.tools.runner",) + tuple(sorted({p.partition(":")[0] for p in self.targets.values() if p}))
         if isolate:
