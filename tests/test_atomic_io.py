@@ -234,7 +234,8 @@ def test_a_save_into_an_existing_adapter_folder_keeps_its_other_files(tmp_path):
     out.mkdir()
     (out / "README.md").write_text("mine")
     save_adapter(pol, out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                                    "qerl_adapter.json"]
     assert (out / "README.md").read_text() == "mine"
 
 

@@ -69,7 +69,10 @@ def peft_model(base, adapter_dir):
 
 def test_files_are_peft_format(trained):
     pol, ad = trained
-    assert sorted(p.name for p in ad.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # PEFT's two files, and qerl's record of the base format (PEFT's config has no field for it)
+    assert sorted(p.name for p in ad.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                    "qerl_adapter.json"]
+    assert json.loads((ad / "qerl_adapter.json").read_text()) == {"base_quant": pol.quant}
     cfg = json.loads((ad / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM"
     assert (cfg["r"], cfg["lora_alpha"], cfg["bias"], cfg["use_rslora"], cfg["revision"]) == (8, 32, "none", False, None)

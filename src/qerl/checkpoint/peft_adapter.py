@@ -28,6 +28,8 @@ from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+INFO_NAME = "qerl_adapter.json"  # what PEFT's config has no field for: the base format the adapter was trained on
+HUB_IDS = dict.fromkeys(("smollm2", "smollm2-135m-instruct"), "HuggingFaceTB/SmolLM2-135M-Instruct")
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)\.weight$")
@@ -72,6 +74,48 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str] | str:
     return "^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
 
 
+def peft_base_name(name: str | None) -> str | None:
+    """A base_model_name_or_path PEFT can load: qerl's offline alias becomes its converted folder when
+    present (the exact base), else its hub id; a local folder becomes absolute; hub ids pass through."""
+    if name is None:
+        return None
+    if name.lower() not in HUB_IDS:
+        local = Path(name).expanduser()
+        return str(local.resolve()) if local.is_dir() else name  # absolute: PEFT reads it from any folder
+    from ..model.smollm2 import cache_dir
+
+    local = cache_dir() / "SmolLM2-135M-Instruct"
+    return str(local.resolve()) if (local / "config.json").is_file() else HUB_IDS[name.lower()]
+
+
+def _base_quant(layers: dict[str, QLoRALinear]) -> str | None:
+    names = {m.fmt.name for m in layers.values()}
+    return names.pop() if len(names) == 1 else None
+
+
+def recorded_base_quant(adapter_dir) -> str | None:
+    """The base format `save_adapter` recorded next to the adapter (None: not recorded, e.g. PEFT's own)."""
+    try:
+        info = json.loads((Path(adapter_dir) / INFO_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    q = info.get("base_quant") if isinstance(info, dict) else None
+    return q if isinstance(q, str) else None
+
+
+def resolve_quant(adapter_dir, quant: str | None, flag: str = "--quant") -> str:
+    """The base format to load under an adapter: the adapter's recorded one when `quant` is None or
+    auto; an explicit other format is refused (the adapter was fitted to that base's rounding)."""
+    recorded = recorded_base_quant(adapter_dir) if adapter_dir else None
+    if quant in (None, "auto"):
+        return recorded or "auto"
+    if recorded and quant != recorded:
+        raise ValueError(f"{flag} {quant}: the adapter {adapter_dir} was trained on a {recorded} base "
+                         f"({Path(adapter_dir) / INFO_NAME}); its LoRA corrects that base's rounding, not {quant}'s: "
+                         f"use {flag} {recorded} (or auto)")
+    return quant
+
+
 def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
     """Write the model's LoRA factors as a PEFT adapter folder; returns the folder.
 
@@ -96,6 +140,7 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     if base_model_name_or_path is None:
         src = getattr(policy, "source", None) if policy is not None else None
         base_model_name_or_path = str(src) if src else getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    base_model_name_or_path = peft_base_name(base_model_name_or_path)
 
     config = {
         "peft_type": "LORA",
@@ -127,6 +172,9 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     with atomic_folder(out_dir, keep_existing=True) as tmp:
         write_safetensors(tmp / WEIGHTS_NAME, entries(tensors))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        quant = _base_quant(layers)
+        if quant:
+            (tmp / INFO_NAME).write_text(json.dumps({"base_quant": quant}) + "\n")
     return Path(out_dir)
 
 

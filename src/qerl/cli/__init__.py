@@ -13,7 +13,28 @@ COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generat
             "train": train, "eval": evaluate, "plot": plot, "study": study}
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def glue_negative_numbers(argv: list[str]) -> list[str]:
+    """`--learning_rate -1e-3` as `--learning_rate=-1e-3`: argparse takes a negative number with an exponent
+    for an option ("expected one argument"); glued to its flag, the value reaches the field's own check."""
+    out: list[str] = []
+    for t in argv:
+        if out and t.startswith("-") and _is_number(t) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={t}"
+        else:
+            out.append(t)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = glue_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="qerl", description="RL of LLMs on 4-bit weights (QeRL).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in COMMANDS.items():
@@ -32,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.command].run(args) or 0
+    except KeyboardInterrupt:  # `qerl train` says what was saved itself; the others have nothing to save
+        print(f"qerl {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
         if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
             raise

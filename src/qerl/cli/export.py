@@ -9,20 +9,38 @@ def add_arguments(p):
     p.add_argument("model", help="the base: a dense or compressed-tensors folder, hub id, or 'smollm2'")
     p.add_argument("output_dir")
     p.add_argument("--adapter", help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
-    p.add_argument("--quant", default="auto", help="base format the adapter was trained on (default: the checkpoint's, or nvfp4)")
+    p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
+                   help="base format the adapter was trained on (default: auto, the one the adapter recorded, else "
+                        "the checkpoint's, else nvfp4); another than the adapter's is refused")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an OUTPUT_DIR that is not empty (never a run folder, the base or the adapter)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cpu")
 
 
 def run(args):
+    from pathlib import Path
+
     import torch
 
-    from ..checkpoint.export import export_merged
-    from ..checkpoint.peft_adapter import load_adapter
+    from ..checkpoint.export import check_export_target, export_merged
+    from ..checkpoint.peft_adapter import _read_config, load_adapter, resolve_quant
     from ..model import load_policy
+    from ..model.resolve import ALIASES, resolve_model
+    from ..model.smollm2 import cache_dir
+    from .policy import check_device, read_model_config
 
+    # everything checked before the model loads: nothing in OUTPUT_DIR is lost by mistake
+    base = args.model if Path(args.model).exists() else (
+        cache_dir() / "SmolLM2-135M-Instruct" if args.model.lower() in ALIASES else None)
+    check_export_target(args.output_dir, overwrite=args.overwrite, protected={"adapter": args.adapter, "base model": base})
+    device = check_device(args.device)
+    read_model_config(resolve_model(args.model))  # a config transformers cannot read: one line, no traceback
+    if args.adapter:
+        _read_config(Path(args.adapter))
+    quant = resolve_quant(args.adapter, args.quant)
     # fp32 compute so the merge W + s·B·A is exact before the final cast
-    policy = load_policy(args.model, args.quant, lora_rank=0, device=args.device, dtype=torch.float32)
+    policy = load_policy(args.model, quant, lora_rank=0, device=device, dtype=torch.float32)
     if args.adapter:
         load_adapter(policy, args.adapter)
     out = export_merged(policy, args.output_dir, dtype=getattr(torch, args.dtype))

@@ -12,7 +12,8 @@ HELP = "sample completions from a policy (quantized base + optional PEFT adapter
 def add_arguments(p):
     p.add_argument("model", nargs="?", default="smollm2", help="a folder, a hub id, or smollm2 (offline)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder (as `qerl train` or PEFT writes)")
-    p.add_argument("--quant", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"])
+    p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
+                   help="base format (auto: the one the adapter was trained on, else the checkpoint's, else nvfp4)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--n", type=positive, default=1, help="completions per prompt")
     p.add_argument("--temperature", type=non_negative, default=1.0)
@@ -30,9 +31,9 @@ def add_arguments(p):
 def run(args):
 
     from ..rollout import Engine, SamplingParams
-    from .policy import load_cli_policy
+    from .policy import check_length, load_cli_policy
 
-    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device)
+    pol, device = load_cli_policy(args.model, args.quant, args.adapter, args.device, args.max_new_tokens)
     tok = pol.tokenizer
     prompts = args.prompt
     if tok is not None and not args.no_chat_template and getattr(tok, "chat_template", None):
@@ -41,6 +42,9 @@ def run(args):
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, greedy=args.greedy, stop=args.stop, seed=args.seed)
     ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
+    positions = getattr(pol.model.config, "max_position_embeddings", None)
+    for i, x in enumerate(ids):
+        check_length(positions, len(x), args.max_new_tokens, f"--prompt {i + 1}", "--max-new-tokens")
     eng = Engine(pol.model, tok, max_len=max(len(x) for x in ids) + args.max_new_tokens + 1,
                  max_slots=len(ids) * args.n)
     outs = eng.generate(ids, n=args.n, params=params)

@@ -18,7 +18,48 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None):
+def read_model_config(folder):
+    """config.json as transformers reads it, after its architecture label is checked as plain JSON:
+    a Llama config relabelled falcon made transformers itself fail with an AttributeError."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from ..model.architectures import SUPPORTED_ARCHITECTURES
+
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON config ({type(e).__name__}: {e})"[:300]) from None
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        label = archs or (raw.get("model_type") if isinstance(raw, dict) else None)
+        raise ValueError(f"{path}: unsupported architecture {label!r}; qerl supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config that contradicts itself
+        raise ValueError(f"{path}: transformers cannot read it as a {raw.get('model_type')!r} config "
+                         f"({type(e).__name__}: {e}); is model_type the model's own?"[:400]) from None
+
+
+def max_positions(folder) -> int | None:
+    """The model's position limit (config.json's max_position_embeddings), None when it has none."""
+    n = getattr(read_model_config(folder), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_length(positions: int | None, prompt_tokens: int, new_tokens: int, what: str, flag: str) -> None:
+    """Refuse a prompt + completion past the model's positions (it would generate garbage past them)."""
+    if positions is not None and prompt_tokens + new_tokens > positions:
+        raise ValueError(f"{what}: {prompt_tokens} prompt tokens + {flag} {new_tokens} = {prompt_tokens + new_tokens} "
+                         f"tokens, beyond the model's {positions} positions (max_position_embeddings)")
+
+
+def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None, new_tokens: int | None = None,
+                    flag: str = "--max-new-tokens"):
     """(policy, device): bf16 on CUDA, fp32 on the CPU; the adapter's rank read from its config.
     Everything that can be checked without the weights (device, tokenizer, adapter config) is
     checked first, so a bad input costs no model load."""
@@ -32,12 +73,17 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
 
     device = check_device(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    require_tokenizer(resolve_model(model))
+    folder = resolve_model(model)
+    require_tokenizer(folder)
+    positions = max_positions(folder)  # config.json checked before the weights load
+    if new_tokens is not None:  # the completion alone must fit
+        check_length(positions, 1, new_tokens, str(model), flag)
     rank = 0
     if adapter:
-        from ..checkpoint.peft_adapter import _read_config
+        from ..checkpoint.peft_adapter import _read_config, resolve_quant
 
         rank = int(_read_config(Path(adapter))["r"])
+        quant = resolve_quant(adapter, quant)
     pol = load_policy(model, quant, lora_rank=rank, device=device, dtype=dtype, progress=False)
     if adapter:
         from ..checkpoint import load_adapter

@@ -8,15 +8,70 @@ import sys
 from pathlib import Path
 
 
+def main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def check_run_folder(cfg, resuming: bool) -> None:
+    """output_dir usable before anything loads: not a file (nor under one), not locked by a live run,
+    and, for a fresh run, holding no earlier run unless overwrite_output_dir (the trainer checks again
+    under its lock; these fail in a second instead of after the model's load)."""
+    from ..rl.run_folder import check_unlocked, earlier_run, refuse_or_clear
+
+    out = Path(cfg.output_dir).expanduser()
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"config field 'output_dir': {out}: {'is' if p == out else f'{p} is'} a file, "
+                                 "not a folder; choose another --output_dir")
+            break
+    if not main_rank():  # under torchrun rank 0 owns the folder (the others would see its lock)
+        return
+    check_unlocked(out)
+    if not resuming and not cfg.overwrite_output_dir and earlier_run(out):
+        refuse_or_clear(out, overwrite=False)
+
+
+def check_device(cfg) -> None:
+    """The device and dtype the machine can run (cuda without a GPU was an AssertionError, float16 on
+    the CPU a traceback from inside a kernel)."""
+    import torch
+
+    dev = cfg.device
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"config field 'device': {dev}, but CUDA is not available on this machine (use --device "
+                             "cpu, or auto)")
+        idx = int(dev.partition(":")[2] or 0)
+        if idx >= torch.cuda.device_count():
+            raise ValueError(f"config field 'device': {dev}, but this machine has {torch.cuda.device_count()} GPU(s)")
+    on_cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
+    for name in ("dtype", "lora_dtype"):
+        if on_cpu and getattr(cfg, name) == "float16":
+            raise ValueError(f"config field '{name}': float16 is not supported on the CPU (use float32, or bfloat16)")
+
+
 def preflight(cfg):
     """The run's task, after checking the model folder's tokenizer and that the task has rows to
     train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed."""
     from ..model.load import require_tokenizer
     from ..tasks import get_task
 
+    check_device(cfg)
+    from ..model.resolve import ALIASES, resolve_model
+    from .policy import max_positions
+
     model = Path(cfg.model_name_or_path).expanduser()
-    if model.is_dir():  # hub ids are checked by the trainer after their download
-        require_tokenizer(model)
+    if model.is_dir() or cfg.model_name_or_path.lower() in ALIASES:  # hub ids: checked after their download
+        folder = resolve_model(cfg.model_name_or_path)
+        require_tokenizer(folder)
+        # a warning: the limits are upper bounds (prompts are often shorter, completions stop at EOS);
+        # generate and eval, which know their prompts and lengths, refuse
+        positions, new = max_positions(folder), max(cfg.max_completion_length, cfg.eval_max_completion_length or 0)
+        if positions and cfg.max_prompt_length + new > positions and main_rank():
+            print(f"qerl train: warning: max_prompt_length {cfg.max_prompt_length} + max_completion_length {new} "
+                  f"exceed the model's {positions} positions (max_position_embeddings): a sequence longer than that "
+                  "runs past what the model was trained on", file=sys.stderr)
     task = get_task(cfg.dataset_name, **cfg.dataset_config)
     main = os.environ.get("RANK", "0") == "0"
     for note in task.notes if main else ():

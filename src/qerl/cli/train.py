@@ -7,6 +7,12 @@ summary table and the curves as a PNG. `--field value` pairs still apply on top 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import shlex
+import signal
+import sys
+
 USAGE = "qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR [--field value ...]"
 HELP = "train a LoRA policy on 4-bit weights with GRPO/DAPO and AQN (every config field is a --flag)"
 DESCRIPTION = (HELP + ". Values apply on top of CONFIG.yaml, whose missing fields take the defaults below; with "
@@ -87,26 +93,45 @@ def run(args):
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from .preflight import check_run_folder, preflight
+
+    check_run_folder(cfg, resuming=bool(args.resume))  # the lock, an earlier run, a file in the way
+    if args.resume and (done := finished_run(cfg)):
+        print(done)
+        return 0
     from ..rl import GRPOTrainer
-    from ..rl.run_folder import earlier_run
 
-    if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
-        # the trainer refuses it too; here before minutes of model loading
-        from ..rl.run_folder import refuse_or_clear
+    task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
+    with interruptible() as stop:
+        trainer = None
+        try:
+            trainer = GRPOTrainer(cfg, task=task)
+            if trainer.dist.world > 1 and trainer.dist.is_main:
+                import torch.distributed as dist
 
-        refuse_or_clear(cfg.output_dir, overwrite=False)
-    from .preflight import preflight
+                print(f"qerl train: {trainer.dist.world} ranks ({dist.get_backend()}); each samples and trains on "
+                      f"1/{trainer.dist.world} of a step's {trainer.plan.generation_batch_size} completions",
+                      flush=True)
+            if args.resume:
+                step = trainer.resume()
+                if trainer.dist.is_main:
+                    print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
+            import time
 
-    trainer = GRPOTrainer(cfg, task=preflight(cfg))
-    if args.resume:
-        step = trainer.resume()
-        if trainer.dist.is_main:
-            print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
-    import time
-
-    t0 = time.perf_counter()
-    rows = trainer.train()
-    wall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rows = trainer.train()
+            wall = time.perf_counter() - t0
+        except KeyboardInterrupt:
+            if trainer is None or trainer.dist.is_main:  # one line for the job, not one per rank
+                print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
+            return 130 if stop.signal == "SIGINT" else 143
+        except Exception as e:
+            if disk_full(e):
+                full = OSError(f"no space left on the disk of {cfg.output_dir} ({type(e).__name__}); "
+                               f"{saved(cfg.output_dir)}; free space, then continue with: {resume_command(cfg)}")
+                full.errno = errno.ENOSPC
+                raise full from None
+            raise
     if not trainer.dist.is_main:  # under torchrun, rank 0 reports
         trainer.dist.close()
         return 0
@@ -114,8 +139,9 @@ def run(args):
         last = rows[-1]
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
               f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
-    if trainer.evals:
-        print(summary_table(trainer.evals, wall))
+    evals = run_evals(cfg.output_dir) or trainer.evals  # a resumed run's earlier evaluations too
+    if evals:
+        print(summary_table(evals, wall))
     from .plot import plot
 
     try:
@@ -126,7 +152,98 @@ def run(args):
     return 0
 
 
-def summary_table(evals: list[dict], wall_s: float) -> str:
+class _Stop:
+    signal = "SIGINT"
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGTERM ends the run the way Ctrl-C does (a KeyboardInterrupt the caller turns into one line)."""
+    stop = _Stop()
+
+    def on_term(signum, frame):
+        stop.signal = "SIGTERM"
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        old = None
+    try:
+        yield stop
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def resume_command(cfg) -> str:
+    return f"qerl train --resume {shlex.quote(str(cfg.output_dir))}"
+
+
+def saved(output_dir) -> str:
+    from ..rl.state import checkpoints
+
+    found = checkpoints(output_dir)
+    return f"saved: {found[-1]}" if found else "no checkpoint saved yet"
+
+
+def interrupted(cfg, trainer, signame: str) -> str:
+    """One line: where the run stopped, what is on disk, the exact command that continues it."""
+    from ..rl.state import checkpoints
+
+    where = f"at step {trainer.step}/{cfg.max_steps}" if trainer is not None else "before training started"
+    if checkpoints(cfg.output_dir):
+        then = f"continue with: {resume_command(cfg)}"
+    else:
+        then = "start again with the same command (add --overwrite_output_dir if the folder holds its metrics)"
+    return f"qerl train: stopped by {signame} {where}; {saved(cfg.output_dir)}; {then}"
+
+
+def disk_full(e: BaseException) -> bool:
+    text = str(e)
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in text or "No space left" in text
+
+
+def finished_run(cfg) -> str | None:
+    """The message for `--resume` of a run that has nothing left to do (its last checkpoint at
+    max_steps, its final evaluation and adapter written); None when there is work left."""
+    from pathlib import Path
+
+    from ..rl.state import CorruptCheckpoint, checkpoints, read_checkpoint
+
+    out = Path(cfg.output_dir)
+    found = checkpoints(out)
+    if not found or int(found[-1].name.rpartition("-")[2]) < cfg.max_steps:
+        return None
+    try:
+        read_checkpoint(found[-1])
+    except CorruptCheckpoint:
+        return None  # the trainer falls back to an earlier checkpoint and trains again from there
+    final_eval = out / "eval" / f"step_{cfg.max_steps}.json"
+    if not (out / "adapter").is_dir() or (cfg.eval_on_end and not final_eval.exists()):
+        return None  # killed after its last checkpoint: the trainer finishes it
+    lines = [f"qerl train: {out} is finished (step {cfg.max_steps}/{cfg.max_steps}); its adapter is {out / 'adapter'}. "
+             f"To train further: {resume_command(cfg)} --max_steps N (N > {cfg.max_steps}); to evaluate it: "
+             f"qerl eval {shlex.quote(str(out))}"]
+    evals = run_evals(out)
+    if evals:
+        lines.append(summary_table(evals, None))
+    return "\n".join(lines)
+
+
+def run_evals(output_dir) -> list[dict]:
+    """The run's evaluation rows from metrics.jsonl (earlier sessions' too), one per step, in order."""
+    from ..rl.metrics import read_metrics
+
+    try:
+        rows = read_metrics(output_dir)
+    except (OSError, ValueError):
+        return []
+    by_step = {r["step"]: r for r in rows if "eval_pass_at_1" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def summary_table(evals: list[dict], wall_s: float | None) -> str:
     """Held-out pass@1 at each evaluation, and the change from the first to the last."""
     lines = ["", "| held-out | step | pass@1 (%) | ± s.e. | problems × samples |", "|---|---|---|---|---|"]
     for i, e in enumerate(evals):
@@ -137,5 +254,6 @@ def summary_table(evals: list[dict], wall_s: float) -> str:
         d = evals[-1]["eval_pass_at_1"] - evals[0]["eval_pass_at_1"]
         se = (evals[-1]["eval_stderr"] ** 2 + evals[0]["eval_stderr"] ** 2) ** 0.5
         lines.append(f"| change | | {100 * d:+.1f} points | {100 * se:.1f} | |")
-    lines.append(f"training + evaluation wall time: {wall_s / 60:.1f} min")
+    if wall_s is not None:
+        lines.append(f"training + evaluation wall time: {wall_s / 60:.1f} min")
     return "\n".join(lines)

@@ -220,9 +220,10 @@ class GRPOConfig:
             bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not constant, linear or cosine")
         if self.optim not in ("adamw_8bit", "adamw_torch"):
             bad("optim", f"{self.optim!r} is not adamw_8bit or adamw_torch")
-        from .config_checks import check_inputs  # model, device and dataset options (issue 22)
+        from .config_checks import check_inputs, check_ranges  # model, device and dataset options (issue 22)
 
         check_inputs(self)
+        check_ranges(self)  # every numeric field's range (issue 34)
 
     @property
     def updates_per_step(self) -> int:

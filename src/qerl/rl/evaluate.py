@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,9 +47,14 @@ class EvalReport:
     def write(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path}: is a folder; the report is a file (e.g. {path / 'report.json'})")
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=1))
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
 
@@ -64,13 +70,16 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     rows = check_rows(rows, dataset or "evaluation set")
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
-                            seed=seed)
+    greedy = greedy or temperature == 0  # temperature 0 is the greedy limit (eval_temperature: 0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature if temperature > 0 else 1.0,
+                            top_p=top_p, greedy=greedy, seed=seed)
     # one generate call for everything by default: continuous batching refills the slots, where
     # chunks would each wait for their longest completion
     chunk = chunk or len(rows)
     funcs = [accuracy_func] + ([format_func] if format_func is not None else [])
     per, t0, new_tokens, truncated, lengths, errors, called = [], time.perf_counter(), 0, 0, [], 0, 0
+    if progress:  # its own phase, named before the rollout bar starts
+        tqdm.write(f"eval {dataset or 'evaluation set'}: {len(rows)} problems x {samples} samples", file=sys.stderr)
     bar = tqdm(total=len(rows), desc=f"eval {dataset}".strip(), unit="problem", disable=not progress or chunk >= len(rows))
     for s in range(0, len(rows), chunk):
         part = rows[s: s + chunk]

@@ -1,5 +1,10 @@
 """Calling reward functions safely: a failure on one completion scores it 0 and is counted.
 
+A failure is an exception, a value that is not a finite number (NaN, inf, None, text) or beyond
+MAX_REWARD in size (1e308 ended as "loss is nan" in the advantages' std), or a list of the wrong
+length (one value for four completions was retried one by one and scored every completion 1.0):
+each is scored 0, counted in `reward_errors`, and the first one's message kept.
+
 A reward function follows TRL's convention: `f(completions: list[str], **columns) -> list[float]`
 where each dataset column (e.g. `answer`) and `prompts` arrive as lists aligned with
 `completions`. A function may set `f.metric = "accuracy"` or `"format"` to be reported as the
@@ -24,12 +29,22 @@ def func_name(f) -> str:
     return getattr(f, "metric", None) or getattr(f, "__name__", type(f).__name__)
 
 
-def _clean(v) -> float:
+MAX_REWARD = 1e6  # |reward| beyond it is a broken function: its square overflows the advantages' std
+
+
+def _bad_value(v) -> str | None:
+    """None for a usable reward, else what is wrong with it."""
+    if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):  # bools count as 0 / 1
+        return f"returned {type(v).__name__} {str(v)[:40]!r}, not a number"
     try:
-        v = float(v)
-    except (TypeError, ValueError):
-        return 0.0
-    return v if math.isfinite(v) else 0.0
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return f"returned {str(v)[:40]!r}, not a number"
+    if not math.isfinite(x):
+        return f"returned {x}"
+    if abs(x) > MAX_REWARD:
+        return f"returned {x:g}, beyond +-{MAX_REWARD:g}"
+    return None
 
 
 def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> Scores:
@@ -38,22 +53,35 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> S
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
     out = Scores(total=[0.0] * n)
+
+    def error(name, msg, count=1):
+        out.errors += count
+        out.first_error = out.first_error or f"{name}: {msg}"[:300]
+
     for f, w in zip(funcs, weights):
         name = func_name(f)
         try:
             vals = list(f(completions, **columns))
-            if len(vals) != n:
-                raise ValueError(f"returned {len(vals)} values for {n} completions")
         except Exception:  # noqa: BLE001 - retry one by one so one bad completion costs only itself
             vals = []
             for i in range(n):
                 try:
-                    vals.append(f([completions[i]], **{k: [v[i]] for k, v in columns.items()})[0])
+                    one = list(f([completions[i]], **{k: [v[i]] for k, v in columns.items()}))
+                    if len(one) != 1:
+                        raise ValueError(f"returned {len(one)} values for 1 completion")
+                    vals.append(one[0])
                 except Exception as e:  # noqa: BLE001
-                    out.errors += 1
-                    out.first_error = out.first_error or f"{name}: {type(e).__name__}: {e}"[:300]
+                    error(name, f"{type(e).__name__}: {e}")
                     vals.append(0.0)
-        vals = [_clean(v) for v in vals]
-        out.per_func[name] = vals
-        out.total = [t + w * v for t, v in zip(out.total, vals)]
+        if len(vals) != n:  # which value belongs to which completion is unknown: none is used
+            error(name, f"returned {len(vals)} values for {n} completions", n)
+            vals = [0.0] * n
+        clean = []
+        for v in vals:
+            why = _bad_value(v)
+            if why:
+                error(name, why)
+            clean.append(0.0 if why else float(v))
+        out.per_func[name] = clean
+        out.total = [t + w * v for t, v in zip(out.total, clean)]
     return out

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def rollout_metrics(rounds, n_info: int, dist) -> dict:
+def rollout_metrics(rounds, n_info: int, dist, tools_offered: bool = False) -> dict:
     """Rewards, lengths, truncation, filtering, reward errors, rollout entropy and speed of every
-    round of the step, all ranks' (rank 0 logs them)."""
+    round of the step, all ranks' (rank 0 logs them). tools_offered: the rollouts could call tools,
+    so tool_call_rate is logged, 0 when none was called."""
     mine = {"r": [float(x) for r in rounds for x in r.rewards.flatten()],
             "len": [int(x) for r in rounds for x in r.lengths],
             "trunc": sum((c.finish_reason == "length") for r in rounds for c in r.completions),
@@ -40,7 +41,7 @@ def rollout_metrics(rounds, n_info: int, dist) -> dict:
         vals = [v for q in parts for v in q["per_func"][name]]
         key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
         m[key] = sum(vals) / len(vals)
-    if any(q["tool_turns"] for q in parts):  # multi-turn rollouts: how much the policy uses its tools
+    if tools_offered or any(q["tool_turns"] for q in parts):  # how much the policy uses its tools
         m["tool_call_rate"] = sum(q["tool_users"] for q in parts) / len(all_len)
         m["tool_turns_mean"] = sum(q["tool_turns"] for q in parts) / len(all_len)
     errs = [q["first_error"] for q in parts if q["first_error"]]

@@ -60,13 +60,16 @@ class RunLock:
                 return
             holder = self._read()
             if not self._stale(holder):
-                who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
-                raise RunFolderError(f"{self.path.parent}: another qerl run is using this folder ({who}, lock file "
-                                     f"{self.path}); wait for it, use another output_dir, or delete the lock file "
-                                     f"if that process is gone")
+                raise self.busy(holder)
             print(f"qerl: removing the stale lock {self.path} of a process that is gone ({holder})")
             self._remove_if(holder)
         raise RunFolderError(f"{self.path}: could not take the lock (it keeps changing: another run is starting)")
+
+    def busy(self, holder: dict | None) -> RunFolderError:
+        who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
+        return RunFolderError(f"{self.path.parent}: another qerl run is using this folder ({who}, lock file "
+                              f"{self.path}); wait for it, use another output_dir, or delete the lock file "
+                              f"if that process is gone")
 
     def _create(self) -> bool:
         """Atomically create the lock with its content (link fails if the name exists)."""
@@ -107,6 +110,15 @@ class RunLock:
         if self.held and d and all(d.get(k) == v for k, v in self.me.items()):  # ours, not a successor's
             self.path.unlink(missing_ok=True)
         self.held = False
+
+
+def check_unlocked(folder) -> None:
+    """Refuse a folder whose lock a live process holds, without taking the lock (a check before the
+    model loads; the trainer takes the lock itself)."""
+    lock = RunLock(folder)
+    holder = lock._read()
+    if holder is not None and not lock._stale(holder):
+        raise lock.busy(holder)
 
 
 def clean_temporaries(folder) -> list[str]:

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
 from ..checkpoint.peft_adapter import save_adapter
 from ..layers.qlora_linear import standalone
 
@@ -76,6 +77,7 @@ def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: d
         state = {"step": step, "optimizer": opt_meta, "scheduler": scheduler.state_dict(),
                  "python_random": _jsonable(random.getstate()), **extra}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+        write_checksums(tmp)  # verified at resume: bytes changed in place fail there, not silently
     if keep:
         for old in checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -132,6 +134,10 @@ def read_checkpoint(folder) -> tuple[dict, dict[str, dict]]:
         raise CorruptCheckpoint(f"{f}: its optimizer section is not what qerl writes") from None
     if not keys <= set(tensors["optimizer.safetensors"]):
         raise CorruptCheckpoint(f"{folder / 'optimizer.safetensors'}: lacks tensors that {STATE_NAME} lists")
+    try:  # files that parse may still hold other bytes than were saved (flipped in place)
+        verify_checksums(folder)
+    except ChecksumError as e:
+        raise CorruptCheckpoint(str(e)) from None
     return state, tensors
 
 

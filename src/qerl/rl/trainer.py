@@ -196,9 +196,9 @@ class GRPOTrainer:
         self.evals: list[dict] = []  # one summary per evaluation of this run
         if not self.reward_funcs:
             raise ValueError("no reward functions: pass reward_funcs or a task that has them")
-        for i, r in enumerate(self.train_rows[:1]):
-            if "prompt" not in r:
-                raise ValueError(f"training row {i} has no 'prompt' field (fields: {sorted(r)})")
+        from ..tasks.rows import check_rows
+
+        check_rows(self.train_rows, "train_dataset")  # every row, not only row 0
 
     def _trainable(self, cfg: GRPOConfig) -> list:
         if cfg.train_norms:
@@ -255,6 +255,10 @@ class GRPOTrainer:
     def encode_prompt(self, row) -> list[int]:
         return encode_prompt(self.tok, row["prompt"], system_prompt=self.cfg.system_prompt,
                              suffix=self.cfg.prompt_suffix, max_length=self.cfg.max_prompt_length)
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools or self.environment_factory) and self.cfg.max_turns > 0
 
     def turns_for(self, rows):
         """The multi-turn handler of a rollout over `rows` (None without tools): one environment per sample."""
@@ -338,7 +342,7 @@ class GRPOTrainer:
             m = {"step": step, "sigma": ctx.sigma, "aqn_stage": ctx.stage, "aqn_sigma_effective": ro.effective_sigma,
                  "staleness": ctx.staleness, "lr": self.scheduler.get_last_lr()[0],
                  "rollout_graphs_captured": sum(r.stats.graphs_captured for r in ro.rounds),
-                 **rollout_metrics(ro.rounds, ro.n_informative, D), **parity}
+                 **rollout_metrics(ro.rounds, ro.n_informative, D, self.offers_tools), **parity}
             if D.world > 1:
                 m["world_size"] = D.world
             if self.adaptive is not None:  # this step's signal sets the next step's sigma
@@ -613,8 +617,7 @@ class GRPOTrainer:
             continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
             log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None)
         rows = []
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (self.progress and main))
+        bar = None
         # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
         # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
         from ..kernels import dispatch
@@ -626,6 +629,9 @@ class GRPOTrainer:
                 self._evaluate_on_main(log)
             if cfg.eval_on_end and self._resumed_from is not None and self.step == cfg.max_steps == end:
                 self._evaluate_on_main(log)  # stopped after its last checkpoint, before its last evaluation
+            # after the start evaluation, which is its own phase: the bar's rate and ETA count steps only
+            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
+                       disable=not (self.progress and main))
             while self.step < end:
                 m = self.train_step()
                 if log is not None:
@@ -633,21 +639,26 @@ class GRPOTrainer:
                 rows.append(m)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", sigma=f"{m['sigma']:.1e}", len=f"{m['completion_length_mean']:.0f}")
-                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and not self.progress and main:
-                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                                   if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
-                                            "completion_length_mean", "time_step")), flush=True)
+                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and main:
+                    line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                                    if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
+                                             "completion_length_mean", "time_step"))
+                    bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
                 if self.step % cfg.save_steps == 0 or self.step == end:
                     with self.profiler.phase("checkpoint"):  # reported in the next step's row
                         self.save()
                 last = self.step == cfg.max_steps
                 if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
+                    if last:
+                        bar.close()  # the final evaluation is its own phase, after the train bar
                     self._evaluate_on_main(log)
+                    bar.unpause()  # the evaluation's time is not a step's
         finally:
             if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
                 self._in_flight.wait_quietly()
             cache.__exit__(None, None, None)
-            bar.close()
+            if bar is not None:
+                bar.close()
             if log is not None:
                 log.close()
         from ..checkpoint.peft_adapter import save_adapter

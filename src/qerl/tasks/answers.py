@@ -126,6 +126,25 @@ def _bounded(tok: str) -> Fraction | None:
     return Fraction(tok)
 
 
+# formatting that leaves a number plain: \text{..}-style wrappers, thin spaces, escaped $ and %, {,}
+_WRAPPERS = re.compile(r"\\(?:text|mathrm|mathbf|textbf|mbox|textnormal)\s*\{|\\[!,;:% $]|\{,\}")
+_PLAIN_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*-?[\d.,]+\s*\}\s*\{\s*-?[\d.,]+\s*\}")
+_MATH = re.compile(r"[\\^_]|\d\s*!")  # a command, a power or index, a factorial: an expression
+
+
+def is_plain_number(s: str) -> bool:
+    """True when `s` (a final answer) holds a number as plain text ('12', '$1,234.50', 'so 12 apples',
+    '\\text{12}', '\\frac{3}{4}'); False for an expression ('\\sqrt[3]{2}', '2^{1}', '\\log_2 4', '3!')
+    that only a symbolic reader (math-verify) can value."""
+    s = s[-TAIL:]
+    return not _MATH.search(_PLAIN_FRAC.sub("0", _WRAPPERS.sub("", s))) and parse_number(s) is not None
+
+
+def is_expression(s: str) -> bool:
+    """True when `s` holds math beyond plain numbers (a command, ^ or _, a factorial): math-verify's case."""
+    return _MATH.search(_PLAIN_FRAC.sub("0", _WRAPPERS.sub("", s[-TAIL:]))) is not None
+
+
 def same_number(pred: str, ref: str) -> bool:
     a, b = parse_number(pred), parse_number(ref)
     return a is not None and b is not None and a == b

@@ -44,6 +44,12 @@ def to_row(raw: dict, where: str, question: str = "question", answer: str = "ans
         a = str(a)
     if not isinstance(a, str) or not a.strip():
         raise DataError(f"{where}: field {answer!r} must be a non-empty string or a number, got {a!r:.60}")
+    for key, text in ((question, q), (answer, a)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800" escape: a lone surrogate no tokenizer can take
+            raise DataError(f"{where}: field {key!r} holds a lone surrogate {text[e.start]!r} at character "
+                            f"{e.start + 1}, not text (a broken \\uXXXX escape?)") from None
     row = {k: v for k, v in raw.items() if k not in (question, answer, "prompt")}
     row.update(prompt=[{"role": "user", "content": q}], question=q, answer=a)
     return row
@@ -97,6 +103,8 @@ def load_file(path, *, question: str = "question", answer: str = "answer", on_er
               limit: int | None = None) -> Rows:
     """A local .jsonl (one object per line), .json (a list of objects) or .parquet file."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder; name the data file in it (.jsonl, .json or .parquet)")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     suffix = path.suffix.lower()

@@ -27,7 +27,9 @@ STARTUP_S = 120.0  # a fresh worker's imports (sympy, antlr) are not charged to 
 def _serve(rd: Connection, wr: Connection, warm: list[str]) -> None:
     """Worker loop: import `warm`, say ready, then run ['module:function', args] jobs until EOF."""
     import logging
+    import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts are ours to report
     for name in warm:
         try:

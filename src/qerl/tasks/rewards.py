@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import threading
 
-from .answers import TAIL, final_answer, gsm8k_reference, last_tag, parse_number, same_number
+from .answers import (TAIL, final_answer, gsm8k_reference, is_expression, is_plain_number, last_tag, parse_number,
+                      same_number)
 
 _FORMAT = re.compile(r"\s*<think>(?:(?!<think>|</think>).)*</think>\s*<answer>(?:(?!<answer>|</answer>).)*</answer>\s*",
                      re.S)
@@ -26,10 +27,49 @@ def format_reward(completions, **_):
 format_reward.metric = "format"
 
 
+SYMBOLIC_TIMEOUT_S = 2  # math-verify's own limit a parse / verify; the worker's hard deadline is 3x + 1
+
+
+def _same_value(pred: str, ref: str, timeout_s: int | None) -> float:
+    """1.0 when math-verify reads `pred` and `ref` (final answers, LaTeX or plain) as the same value."""
+    from math_verify import parse, verify
+
+    t = timeout_s if threading.current_thread() is threading.main_thread() else None
+
+    def read(x):
+        x = x.strip().strip("$").strip()
+        return parse(f"${x}$", parsing_timeout=t) if x else []
+
+    gold, got = read(ref), read(pred)
+    return 1.0 if gold and got and verify(gold, got, timeout_seconds=t) else 0.0
+
+
 def numeric_accuracy(completions, answer, **_):
-    """GSM8K-style: the completion's final number equals the reference's (`#### N` or a plain number)."""
-    return [1.0 if same_number(final_answer(c), gsm8k_reference(str(a))) else 0.0
-            for c, a in zip(completions, answer)]
+    """GSM8K-style: the completion's final answer has the reference's value (`#### N` or a number).
+    Plain numbers on both sides compare exactly here (thousands commas, units, '$5.50'); an answer
+    that is an expression ('2^{1}', '\\log_2 4', '\\sqrt[3]{2}') is valued by math-verify in a worker
+    process under a hard time limit (a timeout raises: `score` counts it and scores 0)."""
+    out: list[float] = []
+    symbolic = []
+    for i, (c, a) in enumerate(zip(completions, answer)):
+        pred, ref = final_answer(c), gsm8k_reference(str(a))
+        if is_plain_number(pred) and is_plain_number(ref):
+            out.append(1.0 if same_number(pred, ref) else 0.0)
+        else:
+            out.append(0.0)  # no number and no math in it (say 100 kB of braces): nothing to value
+            if is_expression(pred) or is_expression(ref):
+                symbolic.append((i, pred[-TAIL:], ref))
+    if symbolic:
+        from .deadline import shared_pool
+
+        results = shared_pool(("math_verify",)).map("qerl.tasks.rewards:_same_value",
+                                                    [(p, r, SYMBOLIC_TIMEOUT_S) for _, p, r in symbolic],
+                                                    3 * SYMBOLIC_TIMEOUT_S + 1)
+        for (i, _, _), (ok, r) in zip(symbolic, results):
+            if not ok:
+                raise RewardTimeout(r) if "TimeoutError" in str(r) else RuntimeError(r)
+            out[i] = float(r)
+    return out
 
 
 numeric_accuracy.metric = "accuracy"
@@ -124,7 +164,7 @@ class ReasoningGymAccuracy:
         for c, a, md, q in zip(completions, answer, metadata, question or [None] * len(completions)):
             entry = {"question": q, "answer": a, "metadata": md}
             pred = final_answer(c)
-            if parse_number(str(a)) is not None and (num := parse_number(pred)) is not None:
+            if parse_number(str(a)) is not None and is_plain_number(pred) and (num := parse_number(pred)) is not None:
                 pred = str(num.numerator) if num.denominator == 1 else str(float(num))
             out.append(float(self.dataset.score_answer(pred, entry) or 0.0))
         return out

@@ -46,6 +46,16 @@ def _power(a, b):
     return a ** b
 
 
+def _apply(op, a, b):
+    try:
+        v = _power(a, b) if isinstance(op, ast.Pow) else _BINARY[type(op)](a, b)
+    except ZeroDivisionError:
+        raise CalculatorError("division by zero") from None
+    except OverflowError:
+        raise CalculatorError("a value exceeds the floating-point range") from None
+    return _check(v)
+
+
 def _eval(node, depth: int = 0):
     if depth > MAX_DEPTH:
         raise CalculatorError(f"the expression is nested more than {MAX_DEPTH} levels deep")
@@ -58,14 +68,18 @@ def _eval(node, depth: int = 0):
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _check(_UNARY[type(node.op)](_eval(node.operand, depth + 1)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        a, b = _eval(node.left, depth + 1), _eval(node.right, depth + 1)
-        try:
-            v = _power(a, b) if isinstance(node.op, ast.Pow) else _BINARY[type(node.op)](a, b)
-        except ZeroDivisionError:
-            raise CalculatorError("division by zero") from None
-        except OverflowError:
-            raise CalculatorError("a value exceeds the floating-point range") from None
-        return _check(v)
+        # a flat chain `1 + 2 + ... + 150` parses left-deep: walk it as one level, not 150 (only
+        # parentheses and right operands nest); ** is right-associative and stays recursive
+        chain = []
+        while isinstance(node, ast.BinOp) and type(node.op) in _BINARY and not isinstance(node.op, ast.Pow):
+            chain.append(node)
+            node = node.left
+        if not chain:
+            return _apply(node.op, _eval(node.left, depth + 1), _eval(node.right, depth + 1))
+        acc = _eval(node, depth + 1)
+        for link in reversed(chain):
+            acc = _apply(link.op, acc, _eval(link.right, depth + 1))
+        return acc
     what = type(node.op).__name__ if isinstance(node, (ast.BinOp, ast.UnaryOp)) else type(node).__name__
     raise CalculatorError(f"{what} is not allowed (only {_ALLOWED})")
 

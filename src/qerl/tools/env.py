@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .calls import HERMES, ToolCall, ToolCallFormat, parse_tool_calls
 from .chat import tool_message
-from .runner import ToolLimits, ToolRunner
+from .runner import ToolLimits, ToolRunner, call_with_deadline, safe_text
 from .tool import as_tools
 
 
@@ -36,6 +36,11 @@ class ToolEnvironment:
         calls = parse_tool_calls(turn_text, self.tools, self.fmt)
         if type(self).step is ToolEnvironment.step:  # the default: one batch through the worker pool
             answers = self.runner.run_many(calls)
-        else:
-            answers = [self.step(c) for c in calls]
+        else:  # an overridden step: the same wall-time and output limits as a tool, its errors as text
+            lim = self.runner.limits
+            answers = []
+            for c in calls:
+                ok, res = call_with_deadline(lambda c=c: self.step(c), lim.timeout_s,
+                                             f"the environment's step ({c.name})")
+                answers.append(safe_text(res, lim.max_output_chars) if ok else str(res))
         return [tool_message(a, c.name or None) for c, a in zip(calls, answers)]

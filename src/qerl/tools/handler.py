@@ -4,6 +4,11 @@ One environment per (prompt, sample), reset with the prompt's dataset row on fir
 group's samples keep separate state. Each call to `respond` reads only the current model turn:
 the tokens since the end of what this handler appended last time, so text a tool returned
 earlier (an error quoting a call, say) is never taken for a new call.
+
+A user's environment (`environment_factory`) runs under the tools' limits: building it, `reset` and
+`respond` each get `limits.timeout_s` of wall time, what it answers is cut to `limits.max_output_chars`
+a message, and its exceptions (or an answer that is not a list of messages) become error text for the
+model. An environment that timed out or failed to start answers nothing more: its sample ends.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 from .calls import HERMES, ToolCallFormat, tool_call_stop_strings
-from .chat import tool_response_ids
+from .chat import tool_message, tool_response_ids
 from .env import ToolEnvironment
-from .runner import ToolLimits
+from .runner import ToolLimits, call_with_deadline, safe_text
 
 
 class ToolTurnHandler:
@@ -26,6 +31,9 @@ class ToolTurnHandler:
             raise ValueError(f"max_turns must be >= 0, got {max_turns}")
         self.tokenizer, self.rows, self.fmt = tokenizer, rows, fmt
         self.factory = env_factory or (lambda: ToolEnvironment(tools, limits, fmt))
+        self.limits = limits
+        self.broken: set[tuple[int, int]] = set()  # environments that failed or timed out: their samples end
+        self.env_errors = 0  # environment failures answered as error text
         self.stop, self.max_turns = tool_call_stop_strings(fmt), max_turns
         self.envs: dict[tuple[int, int], ToolEnvironment] = {}
         self.turn_start: dict[tuple[int, int], int] = {}
@@ -39,10 +47,49 @@ class ToolTurnHandler:
             self.envs[key] = env
         return self.envs[key]
 
+    def _guarded(self, what: str, func):
+        ok, res = call_with_deadline(func, self.limits.timeout_s, what)
+        if not ok:
+            self.env_errors += 1
+        return ok, res
+
+    def _messages(self, key, turn: str) -> tuple[list[dict], bool]:
+        """(messages answering the turn, whether the environment still works)."""
+        if key not in self.envs:
+            ok, env = self._guarded("building the environment", self.factory)
+            if ok:
+                row = self.rows[key[0]]
+                ok, err = self._guarded("the environment's reset", lambda: env.reset(row))
+                env = env if ok else err
+            if not ok:
+                return [tool_message(f"{env} (the environment could not start)")], False
+            self.envs[key] = env
+        env = self.envs[key]
+        if isinstance(env, ToolEnvironment) and type(env).respond is ToolEnvironment.respond:
+            return env.respond(turn), True  # its tools' and steps' calls run under the limits already
+        else:
+            ok, res = self._guarded("the environment's respond", lambda: env.respond(turn))
+        if not ok:
+            return [tool_message(str(res))], False
+        if res is None or res == []:
+            return [], True
+        if isinstance(res, str):  # one answer as plain text: a tool message
+            res = [tool_message(res)]
+        if not isinstance(res, list) or not all(isinstance(m, dict) and "content" in m for m in res):
+            self.env_errors += 1
+            return [tool_message(f"Error: the environment answered {type(res).__name__} {safe_text(res, 100)!r}, "
+                                 "not a list of messages")], False
+        cap = self.limits.max_output_chars
+        return [{**m, "role": m.get("role", "tool"), "content": safe_text(m["content"], cap)} for m in res], True
+
     def respond(self, prompt_index: int, sample_index: int, token_ids: list[int], text: str) -> list[int] | None:
         key = (prompt_index, sample_index)
+        if key in self.broken:
+            return None
         turn = self.tokenizer.decode(token_ids[self.turn_start.get(key, 0):], skip_special_tokens=True)
-        msgs = self.env(prompt_index, sample_index).respond(turn)
+        msgs, works = self._messages(key, turn)
+        if not works:
+            self.broken.add(key)
         if not msgs:  # a closing marker without a complete call: the sample ends here
             return None
         ids = tool_response_ids(self.tokenizer, msgs)

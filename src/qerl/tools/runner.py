@@ -45,7 +45,11 @@ def to_text(result) -> str:
 
 
 def _error_text(e: BaseException) -> str:
-    return f"Error: {type(e).__name__}: {e}"[:500]
+    try:
+        msg = str(e)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        msg = "(its message cannot be shown)"
+    return f"Error: {type(e).__name__}: {msg}"[:500]
 
 
 def import_path(func) -> str | None:
@@ -68,19 +72,33 @@ def _worker_call(target: str, arguments: dict, max_chars: int) -> str:
         return _error_text(e)
 
 
-def _thread_call(name: str, func, arguments: dict, timeout_s: float) -> tuple[bool, object]:
+def call_with_deadline(func, timeout_s: float, what: str) -> tuple[bool, object]:
+    """(True, func()) or (False, error text for the model) when it raises or runs past `timeout_s`.
+    It runs on a daemon thread: the caller gets its answer at the deadline, the thread cannot be stopped."""
     box: list = []
 
     def go():
         try:
-            box.append((True, func(**arguments)))
-        except BaseException as e:  # noqa: BLE001
+            box.append((True, func()))
+        except BaseException as e:  # noqa: BLE001 - the model reads it
             box.append((False, _error_text(e)))
 
     t = threading.Thread(target=go, daemon=True, name="qerl-tool")
     t.start()
     t.join(timeout_s)
-    return box[0] if box else (False, f"Error: {name} took longer than {timeout_s:g} s")
+    return box[0] if box else (False, f"Error: {what} took longer than {timeout_s:g} s")
+
+
+def _thread_call(name: str, func, arguments: dict, timeout_s: float) -> tuple[bool, object]:
+    return call_with_deadline(lambda: func(**arguments), timeout_s, name)
+
+
+def safe_text(result, max_chars: int) -> str:
+    """to_text, then truncate; a value whose str() raises is an error text too."""
+    try:
+        return truncate(to_text(result), max_chars)
+    except Exception as e:  # noqa: BLE001 - e.g. a result type whose __str__ raises
+        return _error_text(e)
 
 
 class ToolRunner:
@@ -90,7 +108,7 @@ class ToolRunner:
         self.tools = tools if isinstance(tools, dict) else as_tools(tools)  # name -> Tool, or a list of tools
         self.limits = limits
         # isolate=None: each tool that can be imported by name runs in a worker process
-        self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in tools.items()}
+        self.targets = {n: (import_path(t.func) if isolate is not False else None) for n, t in self.tools.items()}
         # workers import the tools' modules before their first job, so no call pays for that import
         self.warm = ("qerl.tools.runner",) + tuple(sorted({p.partition(":")[0] for p in self.targets.values() if p}))
         if isolate:
@@ -132,5 +150,5 @@ class ToolRunner:
         for i, c in enumerate(calls):
             if out[i] is None:  # not importable by name: run here, on a thread we can stop waiting for
                 ok, res = _thread_call(c.name, self.tools[c.name].func, c.arguments, lim.timeout_s)
-                out[i] = truncate(to_text(res), lim.max_output_chars) if ok else str(res)
+                out[i] = safe_text(res, lim.max_output_chars) if ok else str(res)
         return out

@@ -1,0 +1,154 @@
+"""Issue 34, data lost: `qerl export` never replaces a folder that holds anything unless asked, and
+never a run folder, the adapter's or the base model's folder; `save_total_limit` below 1 is refused
+(it deleted every checkpoint as it was written). Also the adapter's record of its base format
+(export / eval with another --quant) and a base_model_name_or_path PEFT can resolve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import save_tiny, tiny_tokenizer
+
+from qerl.cli import main
+
+
+@pytest.fixture
+def cli(capsys):
+    def run(*args):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        return rc, out.out, out.err
+    return run
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr("qerl.model.load_policy", refuse)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("m") / "base"
+    save_tiny(d, "llama")
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, base):
+    """A run folder (as `qerl train` leaves it) whose adapter was trained on an NVFP4 base."""
+    from qerl.checkpoint import save_adapter
+    from qerl.model import load_policy
+
+    run = tmp_path_factory.mktemp("r") / "run"
+    pol = load_policy(str(base), "nvfp4", lora_rank=4, device="cpu", dtype=torch.float32, progress=False)
+    torch.manual_seed(0)
+    for m in pol.model.modules():
+        if hasattr(m, "lora_B") and m.r:
+            torch.nn.init.normal_(m.lora_B.weight, std=0.02)
+    save_adapter(pol, run / "adapter")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "checkpoint-1").mkdir()
+    (run / "config.yaml").write_text("max_steps: 1\n")
+    return run / "adapter"
+
+
+def _tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def test_export_into_a_folder_holding_files_is_refused_without_overwrite(cli, tmp_path, base, adapter, no_model_load):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = cli("export", base, out, "--adapter", adapter)
+    assert rc == 2 and "not empty" in err and "notes.txt" in err and "--overwrite" in err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_export_with_overwrite_replaces_the_folder(cli, tmp_path, base, adapter):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = cli("export", base, out, "--adapter", adapter, "--overwrite")
+    assert rc == 0, err
+    assert (out / "config.json").is_file() and not (out / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("where", ["run", "adapter", "base"])
+def test_export_never_replaces_a_run_the_adapter_or_the_base(cli, base, adapter, where, no_model_load):
+    out = {"run": adapter.parent, "adapter": adapter, "base": base}[where]
+    before = _tree(out)
+    rc, _, err = cli("export", base, out, "--adapter", adapter, "--overwrite")
+    assert rc == 2 and "would delete it" in err, err
+    assert _tree(out) == before
+
+
+def test_export_into_a_file_is_refused(cli, tmp_path, base, adapter, no_model_load):
+    f = tmp_path / "x"
+    f.write_text("keep")
+    rc, _, err = cli("export", base, f, "--adapter", adapter)
+    assert rc == 2 and "is a file" in err and f.read_text() == "keep"
+
+
+def test_export_with_another_quant_than_the_adapters_base_is_refused(cli, tmp_path, base, adapter, no_model_load):
+    rc, _, err = cli("export", base, tmp_path / "out", "--adapter", adapter, "--quant", "nf4")
+    assert rc == 2 and "trained on a nvfp4 base" in err and "--quant nvfp4" in err
+
+
+def test_eval_with_another_quant_than_the_adapters_base_is_refused(cli, base, adapter, no_model_load):
+    rc, _, err = cli("eval", base, "--adapter", adapter, "--quant", "mxfp4", "--limit", "1", "--max-new-tokens", "8")
+    assert rc == 2 and "trained on a nvfp4 base" in err
+
+
+def test_export_auto_quant_takes_the_adapters_base_format(cli, tmp_path, base, adapter):
+    from safetensors.torch import load_file
+
+    assert cli("export", base, tmp_path / "auto", "--adapter", adapter, "--dtype", "float32")[0] == 0
+    assert cli("export", base, tmp_path / "nvfp4", "--adapter", adapter, "--dtype", "float32",
+               "--quant", "nvfp4")[0] == 0
+    assert cli("export", base, tmp_path / "nf4", "--dtype", "float32", "--quant", "nf4")[0] == 0
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("auto", "nvfp4"))
+    c = load_file(tmp_path / "nf4" / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(a[key], b[key]) and not torch.equal(a[key], c[key])
+
+
+@pytest.mark.parametrize("limit", ["-1", "0"])
+def test_save_total_limit_below_one_is_refused(cli, tmp_path, limit, no_model_load):
+    rc, _, err = cli("train", "--save_total_limit", limit, "--output_dir", tmp_path / "run")
+    assert rc == 2 and "'save_total_limit'" in err and "delete every checkpoint" in err
+
+
+def test_the_offline_alias_is_written_as_a_base_peft_can_load(tmp_path, monkeypatch, base, adapter):
+    """base_model_name_or_path 'smollm2' is no model PEFT knows: the converted folder (when present) or
+    the hub id is written; AutoPeftModelForCausalLM then loads base + adapter."""
+    from peft import AutoPeftModelForCausalLM
+
+    from qerl.checkpoint.peft_adapter import peft_base_name
+
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+    assert peft_base_name("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert peft_base_name("/some/folder") == "/some/folder"
+    import shutil
+
+    shutil.copytree(base, tmp_path / "cache" / "SmolLM2-135M-Instruct")  # stands in for the converted model
+    from qerl.checkpoint import load_adapter, save_adapter
+    from qerl.model import load_policy
+
+    pol = load_policy(str(base), "nvfp4", lora_rank=4, device="cpu", dtype=torch.float32, progress=False)
+    load_adapter(pol, adapter)
+    save_adapter(pol.model, tmp_path / "a", base_model_name_or_path="smollm2")  # as the trainer saves
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str((tmp_path / "cache" / "SmolLM2-135M-Instruct").resolve())
+    m = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "a"))
+    assert m.peft_config["default"].r == 4
