@@ -98,3 +98,16 @@ def test_a_handler_error_in_a_worker_reaches_the_caller():
     m, tok, prompts, p, stop = _setup()
     with pytest.raises(RuntimeError, match="tool handler broke"):
         _run(m, tok, prompts, p, Calc(stop, tok, concurrent=True, fail_on=3), slots=12)
+
+
+def test_the_schedule_not_the_tools_speed_decides_when_answers_join():
+    """Unseeded sampling draws from one stream in step order (as a GPU's graphs do): tools that answer
+    fast or slow, in any order, must still give the same rollout."""
+    m, tok, prompts, _, stop = _setup()
+    p = SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True)  # no seed: the global stream
+    outs = []
+    for delay in (0.0, 0.03):
+        torch.manual_seed(11)
+        outs.append(_run(m, tok, prompts, p, Calc(stop, tok, concurrent=True, delay=delay), slots=12))
+    assert sum(len(c.tool_spans) for c in outs[0]) >= 4
+    _same(outs[1], outs[0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -323,9 +323,10 @@ class Engine:
         All the answers of one sync go through the model in one forward (`ModelRunner.continue_with`).
         Where the handler takes concurrent calls (`concurrent = True`), each call runs on a worker
         thread while the other samples keep decoding: its sample is held out of decoding and resumes at
-        the first sync after its answer (the engine waits only when nothing else is left to decode)."""
+        the next sync (at once when nothing else is left to decode)."""
         h = call.turns
         answered = []  # (slot, sequence, call end, tokens to append or None)
+        due = list(call.pending.items())  # submitted at an earlier sync: answered now, whatever the timing
         for s, c in calls.items():
             seq = sched.slots[s]
             if id(seq) in call.pending:  # found again in the scan's overlap: already running
@@ -342,15 +343,15 @@ class Engine:
             else:
                 call.pending[id(seq)] = _Pending(seq, c, call.pool.submit(h.respond, *args))
                 self.runner.pause(s)
-        if call.pending:
+        if call.pending and all(id(sched.slots[s]) in call.pending for s in sched.live(hi)) and not sched.waiting:
+            due = list(call.pending.items())  # nothing else to decode meanwhile: answer them all now
+        if due:
+            # Answers join at a sync fixed by the schedule alone (the one after the call was found), never by
+            # how fast a tool ran: the same rollout gives the same tokens, on a GPU's shared sampling stream too.
             slot_of = {id(sched.slots[s]): s for s in sched.live(hi)}
-            running = [q.future for q in call.pending.values()]
-            if all(id(sched.slots[s]) in call.pending for s in sched.live(hi)) and not sched.waiting:
-                wait(running, return_when=FIRST_COMPLETED)  # nothing else to decode meanwhile
-            for key, q in list(call.pending.items()):
-                if q.future.done():
-                    del call.pending[key]
-                    answered.append((slot_of[key], q.seq, q.call_end, q.future.result()))  # a handler error: raised
+            for key, q in due:
+                del call.pending[key]
+                answered.append((slot_of[key], q.seq, q.call_end, q.future.result()))  # a handler error: raised
         items = []
         for s, seq, c, out in answered:
             room = min(self._limit(call, seq), self.max_len - seq.length) - c - 1  # keep room for one model token

@@ -10,7 +10,8 @@ in `Completion.tool_spans`, so the loss can leave them out while rewards see the
 
 The answers found at one sync are appended in one forward. A handler whose `respond` may run
 on several threads at once says so with `concurrent = True`: each call then runs on a worker
-while the other samples decode, and its sample resumes at the first sync after the answer.
+while the other samples decode, and its sample resumes at the next sync (a point fixed by the
+schedule, not by the tool's speed, so a rollout stays reproducible).
 """
 
 from __future__ import annotations

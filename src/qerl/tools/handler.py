@@ -13,6 +13,7 @@ model. An environment that timed out or failed to start answers nothing more: it
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from .calls import HERMES, ToolCallFormat, tool_call_stop_strings
@@ -22,6 +23,11 @@ from .runner import ToolLimits, call_with_deadline, safe_text
 
 
 class ToolTurnHandler:
+    # The engine may run respond() for different samples on worker threads at once (rollout/turns.py):
+    # each sample's state is its own; the shared counters and the tokenizer go under a lock (a fast
+    # tokenizer used from two threads at once can fail), the tool calls themselves do not.
+    concurrent = True
+
     def __init__(self, tokenizer, rows: list[dict], tools=(), *,
                  env_factory: Callable[[], ToolEnvironment] | None = None, limits: ToolLimits = ToolLimits(),
                  max_turns: int = 4, fmt: ToolCallFormat = HERMES):
@@ -38,6 +44,7 @@ class ToolTurnHandler:
         self.envs: dict[tuple[int, int], ToolEnvironment] = {}
         self.turn_start: dict[tuple[int, int], int] = {}
         self.calls = 0  # tool calls answered (for the rollout's tool-call metrics)
+        self._lock = threading.Lock()
 
     def env(self, prompt_index: int, sample_index: int) -> ToolEnvironment:
         key = (prompt_index, sample_index)
@@ -50,7 +57,8 @@ class ToolTurnHandler:
     def _guarded(self, what: str, func):
         ok, res = call_with_deadline(func, self.limits.timeout_s, what)
         if not ok:
-            self.env_errors += 1
+            with self._lock:
+                self.env_errors += 1
         return ok, res
 
     def _messages(self, key, turn: str) -> tuple[list[dict], bool]:
@@ -76,7 +84,8 @@ class ToolTurnHandler:
         if isinstance(res, str):  # one answer as plain text: a tool message
             res = [tool_message(res)]
         if not isinstance(res, list) or not all(isinstance(m, dict) and "content" in m for m in res):
-            self.env_errors += 1
+            with self._lock:
+                self.env_errors += 1
             return [tool_message(f"Error: the environment answered {type(res).__name__} {safe_text(res, 100)!r}, "
                                  "not a list of messages")], False
         cap = self.limits.max_output_chars
@@ -86,13 +95,15 @@ class ToolTurnHandler:
         key = (prompt_index, sample_index)
         if key in self.broken:
             return None
-        turn = self.tokenizer.decode(token_ids[self.turn_start.get(key, 0):], skip_special_tokens=True)
+        with self._lock:
+            turn = self.tokenizer.decode(token_ids[self.turn_start.get(key, 0):], skip_special_tokens=True)
         msgs, works = self._messages(key, turn)
         if not works:
             self.broken.add(key)
         if not msgs:  # a closing marker without a complete call: the sample ends here
             return None
-        ids = tool_response_ids(self.tokenizer, msgs)
+        with self._lock:
+            ids = tool_response_ids(self.tokenizer, msgs)
+            self.calls += len(msgs)
         self.turn_start[key] = len(token_ids) + len(ids)
-        self.calls += len(msgs)
         return ids
