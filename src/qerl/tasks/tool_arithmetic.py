@@ -6,13 +6,18 @@ correctness of the final answer (reasoning-gym's scorer on the last <answer> tag
 model's own text only: tool responses are cut out first, so a trajectory that ends on a
 calculator result, or a call that echoes "<answer>..." back, earns nothing by itself.
 `task.tools` holds the tools a multi-turn rollout should run.
+
+`transcripts(task.train)` writes the supervised warm start (`qerl sft`): for each training row the
+conversation a correct tool user has, the question, one well-formed calculator call in the form the
+prompt's tool offer asks for, the tool's answer, the final answer in <answer> tags.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
-from qerl.tools import calculator, has_tool_call, with_tools_prompt
+from qerl.tools import calculator, has_tool_call, tool_message, with_tools_prompt
 from qerl.tools.tool import Tool
 
 from . import Task
@@ -72,3 +77,29 @@ def task(size: int = 2000, eval_size: int = 200, seed: int = 0, dataset: str = "
     t = Task(f"tool_arithmetic/{dataset}", base.train, base.eval, funcs, base.reward_weights, base.notes)
     t.tools = tools  # not a Task field (yet): what the rollout's ToolEnvironment should be built with
     return t
+
+
+def call_text(expression: str) -> str:
+    """A well-formed calculator call as the tool offer (tools_system_prompt) asks for it."""
+    return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
+
+
+def transcripts(rows: list[dict]) -> list[dict]:
+    """Supervised conversations (TRL's `messages` rows) for `rows`, a task's training split: the row's
+    prompt, a calculator call on the generator's expression, the calculator's own answer and the final
+    answer. Rows whose calculator answer differs from the reference answer are left out (none in the
+    integer generators this task uses)."""
+    out = []
+    for i, row in enumerate(rows):
+        expression = (row.get("metadata") or {}).get("expression")
+        if not isinstance(expression, str):
+            raise ValueError(f"tool_arithmetic transcripts: row {i} has no metadata.expression (a reasoning-gym "
+                             "arithmetic generator writes one)")
+        result = calculator(expression)
+        if result != str(row["answer"]).strip():
+            continue
+        out.append({"messages": [dict(m) for m in row["prompt"]] + [
+            {"role": "assistant", "content": call_text(expression)},
+            tool_message(result, "calculator"),
+            {"role": "assistant", "content": f"<answer>{result}</answer>"}]})
+    return out

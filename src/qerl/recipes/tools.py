@@ -1,0 +1,207 @@
+"""The tool-use recipe: a supervised warm start that teaches the calculator call, then GRPO with tools.
+
+    python -m qerl.recipes.tools [--seed 0] [--output_dir runs/tool_recipe] [--overwrite_output_dir]
+
+On the offline SmolLM2-135M (NVFP4 + LoRA) the base model never writes a tool call, so RL alone
+gets no reward to learn from. Here the tool task writes its own transcripts from its training
+split (question, calculator call, the tool's answer, final answer: tasks/tool_arithmetic.py),
+`qerl sft` trains the LoRA on them (assistant turns only), and GRPO with multi-turn tool
+rollouts (max_turns) continues from that adapter on the same prompts. Held-out accuracy and the
+tool-call rate are measured three times, on the same problems and sampling settings: the base,
+after SFT, after RL; RL's gain over the SFT-only adapter comes with a paired 95% interval over the
+problems. Everything lands in OUTPUT_DIR: sft/ and rl/ (run folders: metrics, checkpoints, adapter,
+curves), eval_{base,sft,rl}.json and summary.json.
+
+The settings fit 2 CPU cores (benchmarks/results/tool_recipe.jsonl has the measured figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# the task: 2-3 terms of at most 3 digits (tool_arithmetic's default), a fixed draw; the seed varies training
+TASK = {"size": 1000, "eval_size": 200, "seed": 0}
+MODEL = dict(model_name_or_path="smollm2", quant="nvfp4", lora_r=32, lora_alpha=64.0)
+SFT = dict(max_steps=20, per_device_train_batch_size=8, learning_rate=4e-4, lr_scheduler_type="constant",
+           assistant_only_loss=True, packing=True, max_length=512, logging_steps=4, save_steps=1000,
+           save_total_limit=1, report_to="none")
+# 4 prompts x 8 completions a step, one optimizer update of two micro-batches of 16 (small enough that the
+# update needs no gradient checkpointing on the CPU)
+RL = dict(dataset_name="tool_arithmetic", max_turns=2, num_generations=8, per_device_train_batch_size=16,
+          gradient_accumulation_steps=2, steps_per_generation=2, max_steps=12, max_prompt_length=320,
+          max_completion_length=96, learning_rate=1e-4,
+          temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1, aqn=True, aqn_stages=3,
+          optim="adamw_torch", parity_check_steps=0, save_steps=1000, save_total_limit=1, report_to="none")
+EVAL = dict(limit=200, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=96)
+
+
+@dataclass
+class Point:
+    """One evaluation of the recipe: held-out accuracy and how often the model called the tool."""
+    name: str
+    pass_at_1: float
+    stderr: float
+    tool_call_rate: float
+    per_problem: list[float] = field(default_factory=list)  # correct fraction of each problem's samples
+    seconds: float = 0.0
+
+
+@dataclass
+class Paired:
+    """Mean per-problem difference (b - a) with its 95% interval (normal approximation)."""
+    mean: float
+    low: float
+    high: float
+    problems: int
+
+    @classmethod
+    def of(cls, a: list[float], b: list[float]) -> "Paired":
+        d = [y - x for x, y in zip(a, b)]
+        n = len(d)
+        m = sum(d) / n
+        sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
+        half = 1.96 * sd / math.sqrt(n)
+        return cls(m, m - half, m + half, n)
+
+
+@dataclass
+class RecipeResult:
+    seed: int
+    points: list[Point]
+    rl_over_sft: Paired
+    wall_s: float
+    phase_s: dict
+
+    def table(self) -> str:
+        lines = ["| point | held-out pass@1 (%) | ± s.e. | tool-call rate (%) |", "|---|---|---|---|"]
+        for p in self.points:
+            lines.append(f"| {p.name} | {100 * p.pass_at_1:.1f} | {100 * p.stderr:.1f} | {100 * p.tool_call_rate:.1f} |")
+        d = self.rl_over_sft
+        lines.append(f"RL over SFT-only: {100 * d.mean:+.1f} points, paired 95% interval [{100 * d.low:+.1f}, "
+                     f"{100 * d.high:+.1f}] over {d.problems} problems")
+        lines.append(f"wall time: {self.wall_s / 60:.1f} min (" +
+                     ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items()) + ")")
+        return "\n".join(lines)
+
+
+def _precision() -> dict:
+    """bf16 compute with fp32 LoRA factors where the CPU multiplies bf16 natively (as the default run), else fp32."""
+    from ..rl.default_run import cpu_has_fast_bf16
+
+    return dict(dtype="bfloat16", lora_dtype="float32") if cpu_has_fast_bf16() else dict(dtype="auto", lora_dtype="auto")
+
+
+def _point(name: str, trainer, rows, out: Path, seed: int, progress: bool) -> Point:
+    """Held-out evaluation on the RL trainer's engine and tools (its multi-turn handler)."""
+    from ..rl.evaluate import evaluate
+
+    e = EVAL
+    rep = evaluate(trainer.engine, trainer.tok, rows, trainer.task.accuracy_func(), samples=e["samples"],
+                   temperature=e["temperature"], top_p=e["top_p"], max_new_tokens=e["max_new_tokens"], seed=seed,
+                   max_prompt_length=trainer.cfg.max_prompt_length, dataset=f"tool_arithmetic ({name})",
+                   progress=progress, turns_for=trainer.turns_for)
+    rep.write(out / f"eval_{name}.json")
+    return Point(name, rep.pass_at_1, rep.stderr, rep.tool_call_rate or 0.0, [p["correct"] for p in rep.per_problem],
+                 rep.seconds)
+
+
+def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool = False, policy=None,
+        model: dict | None = None, sft: dict | None = None, rl: dict | None = None, task: dict | None = None,
+        eval_limit: int | None = None, progress: bool = True) -> RecipeResult:
+    """The whole recipe. policy / model / sft / rl / task / eval_limit override the settings above (tests)."""
+    from ..kernels import dispatch
+    from ..model import load_policy
+    from ..rl import GRPOConfig, GRPOTrainer
+    from ..sft import SFTConfig, SFTTrainer
+    from ..tasks import get_task
+    from ..tasks.tool_arithmetic import transcripts
+
+    t0 = time.perf_counter()
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out} already holds a recipe run; pass --overwrite_output_dir or another --output_dir")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mcfg = {**MODEL, **_precision(), **(model or {})}
+    task_opts = {**TASK, **(task or {})}
+    rl_cfg = GRPOConfig(**{**mcfg, **RL, **(rl or {}), "seed": seed, "dataset_config": task_opts,
+                           "output_dir": str(out / "rl")})
+    sft_cfg = SFTConfig(**{**mcfg, **SFT, **(sft or {}), "seed": seed, "dataset_name": "tool_arithmetic",
+                           "dataset_config": task_opts, "output_dir": str(out / "sft")})
+    phases = {}
+    t = time.perf_counter()
+    the_task = get_task("tool_arithmetic", **task_opts)
+    if policy is None:
+        from ..rl.trainer import _resolve_device_dtype
+
+        device, dtype = _resolve_device_dtype(rl_cfg)
+        policy = load_policy(rl_cfg.model_name_or_path, rl_cfg.quant, lora_rank=rl_cfg.lora_r,
+                             lora_alpha=rl_cfg.lora_alpha, target_modules=rl_cfg.lora_target_modules, device=device,
+                             dtype=dtype, progress=progress)
+    # one policy: SFT trains its LoRA in place, GRPO continues from it (its optimizer starts afresh)
+    grpo = GRPOTrainer(rl_cfg, policy=policy, task=the_task, progress=progress)
+    rows = the_task.eval[:eval_limit or EVAL["limit"]]
+    phases["load"] = time.perf_counter() - t
+    cpu = grpo.device.type == "cpu"
+    points = []
+    with dispatch.dequantized_cache() if cpu else contextlib.nullcontext():
+        t = time.perf_counter()
+        points.append(_point("base", grpo, rows, out, seed, progress))
+        phases["eval_base"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sft_tr = SFTTrainer(sft_cfg, policy=policy, train_dataset=transcripts(the_task.train), progress=progress)
+        sft_tr.train()
+        phases["sft"] = time.perf_counter() - t
+        t = time.perf_counter()
+        points.append(_point("sft", grpo, rows, out, seed, progress))
+        phases["eval_sft"] = time.perf_counter() - t
+        t = time.perf_counter()
+        grpo.train()
+        phases["rl"] = time.perf_counter() - t
+        t = time.perf_counter()
+        points.append(_point("rl", grpo, rows, out, seed, progress))
+        phases["eval_rl"] = time.perf_counter() - t
+    for run_dir in (out / "sft", out / "rl"):
+        from ..cli.plot import plot
+
+        try:
+            plot(run_dir)
+        except (ValueError, FileNotFoundError):
+            pass
+    res = RecipeResult(seed, points, Paired.of(points[1].per_problem, points[2].per_problem),
+                       time.perf_counter() - t0, phases)
+    (out / "summary.json").write_text(json.dumps(asdict(res), indent=1))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qerl.recipes.tools", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=0, help="training seed (data order, rollouts, noise); the task is fixed")
+    p.add_argument("--output_dir", default="runs/tool_recipe")
+    p.add_argument("--overwrite_output_dir", action="store_true", help="delete an earlier recipe run in output_dir")
+    p.add_argument("--sft_steps", type=int, default=SFT["max_steps"], help="SFT optimizer updates")
+    p.add_argument("--rl_steps", type=int, default=RL["max_steps"], help="GRPO steps")
+    p.add_argument("--no_progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft={"max_steps": a.sft_steps},
+                  rl={"max_steps": a.rl_steps}, progress=not a.no_progress)
+    except (ValueError, OSError) as e:
+        print(f"qerl tool recipe: error: {e}", file=sys.stderr)
+        return 2
+    print(res.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
