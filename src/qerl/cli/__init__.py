@@ -6,11 +6,11 @@ import argparse
 import os
 import sys
 
-from . import bench, evaluate, export, generate, inspect, plot, quantize, study, train
+from . import bench, evaluate, export, generate, inspect, plot, quantize, sft, study, train
 from .examples import epilog
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
-            "train": train, "eval": evaluate, "plot": plot, "study": study}
+            "train": train, "sft": sft, "eval": evaluate, "plot": plot, "study": study}
 
 
 def _is_number(text: str) -> bool:

@@ -10,6 +10,8 @@ EXAMPLES = {
               "  qerl train --print_config > my.yaml   # every field, documented\n"
               "  qerl train my.yaml --model Qwen/Qwen2.5-0.5B-Instruct --dataset_name gsm8k --max_steps 200\n"
               "  qerl train --resume runs/qerl --max_steps 300"),
+    "sft": ("qerl sft --max_steps 20 --assistant_only_loss   # the tool task's transcripts\n"
+            "  qerl train --model_name_or_path runs/sft/adapter --dataset_name tool_arithmetic --max_turns 2"),
     "eval": ("qerl eval runs/default                # a run's adapter on its own task and evaluation settings\n"
              "  qerl eval smollm2 --adapter runs/default/adapter --dataset gsm8k-offline --limit 50 --samples 4"),
     "plot": "qerl plot runs/default",

@@ -191,6 +191,13 @@ def load_policy(
     """
     from transformers import AutoConfig
 
+    from .adapter_start import adapter_folder, load_adapter_start
+
+    if (adapter := adapter_folder(name_or_path)) is not None:  # a PEFT adapter folder: its base, then it
+        return load_adapter_start(adapter, load_policy, quant, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                  lora_dropout=lora_dropout, target_modules=target_modules, device=device,
+                                  dtype=dtype, nf4_double_quant=nf4_double_quant, revision=revision,
+                                  trust_remote_code=trust_remote_code, progress=progress, fuse_groups=fuse_groups)
     folder = resolve_model(name_or_path, revision=revision)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     check_architecture(config, str(folder))

@@ -255,5 +255,7 @@ class SFTTrainer:
 
         if main:
             save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+            # with the tokenizer, as TRL saves it: the folder is then a model to start `qerl train` from
+            self.tok.save_pretrained(self.out / "adapter")
         self.dist.barrier()
         return rows

@@ -1,0 +1,99 @@
+"""qerl sft [CONFIG.yaml] [--field value ...] | qerl sft --resume DIR: supervised LoRA fine-tuning on the 4-bit base.
+
+Every SFTConfig field (TRL's SFTConfig names) is a flag, with its type, default and help in
+`qerl sft --help`; values apply on top of CONFIG.yaml, whose missing fields take the defaults.
+The run folder is `qerl train`'s: metrics.jsonl, checkpoints (atomic, exact resume), curves.png
+and adapter/, which `qerl train --model_name_or_path DIR/adapter` and PEFT start from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+USAGE = "qerl sft [CONFIG.yaml] [--field value ...] | qerl sft --resume DIR [--field value ...]"
+HELP = "supervised fine-tuning of the LoRA on the 4-bit base (TRL's SFTConfig names; every config field is a --flag)"
+DESCRIPTION = (HELP + ". Rows are conversations (messages), plain text or prompt + completion; the default dataset is "
+               "the tool task's own transcripts (tool_arithmetic). The adapter in OUTPUT_DIR/adapter starts "
+               "`qerl train --model_name_or_path OUTPUT_DIR/adapter` or PEFT.")
+GROUPS = {
+    "model": ("model_name_or_path", "quant", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "dtype",
+              "lora_dtype", "device", "trust_remote_code"),
+    "data": ("dataset_name", "dataset_config", "dataset_text_field", "max_length", "packing", "assistant_only_loss",
+             "completion_only_loss"),
+    "optimization": ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
+                     "adam_epsilon", "max_grad_norm", "optim", "num_train_epochs", "max_steps",
+                     "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                     "logprob_chunk_size", "seed"),
+    "run": ("output_dir", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit", "report_to"),
+}
+PREFIX = "sft__"
+
+
+def add_arguments(p):
+    from ..sft import SFTConfig
+    from .config_help import type_name
+
+    p.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="a YAML file of SFTConfig fields")
+    p.add_argument("--resume", metavar="DIR", help="continue the SFT run in DIR from its latest checkpoint")
+    p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
+    hints = typing.get_type_hints(SFTConfig)
+    fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    for group, names in GROUPS.items():
+        g = p.add_argument_group(f"{group} (config fields)")
+        for name in names:
+            f = fields[name]
+            d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            t = type_name(hints[name])
+            kw = dict(nargs="?", const="true") if t == "bool" else {}
+            g.add_argument(f"--{name}", dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
+                           help=f"{f.metadata.get('help', '')} [{t}; default: {'null' if d is None else repr(d)}]"
+                           .replace("%", "%%"), **kw)
+
+
+def build_config(args):
+    from pathlib import Path
+
+    from ..sft import SFTConfig
+
+    ov = {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
+    if args.resume:
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.exists():
+            raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl sft run directory?)")
+        return SFTConfig.from_yaml(saved).with_overrides({"output_dir": args.resume, **ov})
+    if args.config:
+        if not Path(args.config).is_file():
+            raise FileNotFoundError(f"config file {args.config} not found")
+        return SFTConfig.from_yaml(args.config).with_overrides(ov)
+    return SFTConfig().with_overrides(ov)
+
+
+def run(args):
+    cfg = build_config(args)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from ..rl.run_folder import earlier_run, refuse_or_clear
+    from ..sft import SFTTrainer
+
+    if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
+        refuse_or_clear(cfg.output_dir, overwrite=False)  # before minutes of model loading
+    trainer = SFTTrainer(cfg)
+    if args.resume:
+        step = trainer.resume()
+        print(f"qerl sft: resuming {args.resume} at step {step}/{trainer.max_steps}")
+    rows = trainer.train()
+    if not trainer.dist.is_main:
+        return 0
+    if rows:
+        print(f"qerl sft: {len(rows)} steps to step {trainer.step} ({len(trainer.examples)} examples); last loss "
+              f"{rows[-1].get('loss', float('nan')):.4f}; adapter in {cfg.output_dir}/adapter")
+    from .plot import plot
+
+    try:
+        print(f"curves: {plot(cfg.output_dir)}")
+    except ValueError as e:
+        print(f"qerl sft: no curves ({e})")
+    return 0

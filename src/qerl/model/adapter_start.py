@@ -1,0 +1,38 @@
+"""A PEFT adapter folder as the model to load: its base with the adapter on it.
+
+transformers' `from_pretrained` and TRL's `model_name_or_path` take an adapter folder (an
+adapter_config.json, no config.json) as "the base named in it, plus this adapter", so `qerl train
+--model_name_or_path runs/sft/adapter` continues from a `qerl sft` (or PEFT, or TRL) adapter. The
+LoRA takes the adapter's rank and alpha; the base comes from base_model_name_or_path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def adapter_folder(name_or_path) -> Path | None:
+    """The folder when `name_or_path` is a PEFT adapter folder (and not a model folder), else None."""
+    p = Path(name_or_path).expanduser()
+    return p if p.is_dir() and (p / "adapter_config.json").is_file() and not (p / "config.json").exists() else None
+
+
+def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
+    """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it."""
+    from ..checkpoint.peft_adapter import _read_config, load_adapter
+
+    cfg = _read_config(folder)
+    base = cfg.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{folder}/adapter_config.json: no base_model_name_or_path, so the base to load it on is "
+                         "unknown (load the base and pass the adapter separately)")
+    if adapter_folder(base) is not None:
+        raise ValueError(f"{folder}/adapter_config.json: base_model_name_or_path {base} is itself an adapter folder")
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
+    asked = (kw.get("lora_rank"), kw.get("lora_alpha"))
+    if asked != (r, alpha) and kw.get("progress", True):
+        print(f"qerl: {folder}: starting from the adapter (r={r}, lora_alpha={alpha:g}) on {base}; its rank and "
+              f"alpha replace the requested {asked[0]} / {asked[1]}")
+    policy = load_policy(base, quant, **{**kw, "lora_rank": r, "lora_alpha": alpha})
+    load_adapter(policy, folder)
+    return policy
