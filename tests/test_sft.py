@@ -253,8 +253,13 @@ def test_cli_help_lists_every_field_and_print_config_round_trips(tmp_path, capsy
     f = tmp_path / "c.yaml"
     f.write_text(capsys.readouterr().out)
     assert SFTConfig.from_yaml(f) == SFTConfig(max_steps=7, packing=False)
+    assert main(["sft", str(f), "--seed", "3", "--print_config"]) == 0  # CONFIG.yaml, then flags on top
+    out = capsys.readouterr().out.splitlines()
+    assert "max_steps: 7" in out and "packing: false" in out and "seed: 3" in out
     with pytest.raises(SystemExit):
         main(["sft", "--help"])
     assert "--assistant_only_loss" in capsys.readouterr().out
     assert main(["sft", "--max_steps", "0"]) == 2
     assert "config field 'max_steps'" in capsys.readouterr().err
+    assert main(["sft", "--learning_rat", "1e-5", "--print_config"]) == 2
+    assert "did you mean '--learning_rate'" in capsys.readouterr().err

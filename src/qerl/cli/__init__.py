@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                                          usage=getattr(mod, "USAGE", None), epilog=epilog(name),
                                          formatter_class=argparse.RawDescriptionHelpFormatter,
-                                         allow_abbrev=name != "train"))
+                                         allow_abbrev=name not in ("train", "sft")))
     args, extra = parser.parse_known_args(argv)
     if extra:  # only `train` (and `study run`, for its runs) take free --field value pairs (any config field)
-        if args.command == "train":
+        if args.command in ("train", "sft"):
             args.overrides = extra
         elif args.command == "study":
             args.train_args = [a for a in extra if a != "--"]

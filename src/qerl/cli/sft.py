@@ -35,7 +35,8 @@ def add_arguments(p):
     from ..sft import SFTConfig
     from .config_help import type_name
 
-    p.add_argument("config", nargs="?", metavar="CONFIG.yaml", help="a YAML file of SFTConfig fields")
+    # CONFIG.yaml (optional, first) and unknown --field pairs arrive as free arguments (see cli.main)
+    p.set_defaults(overrides=[])
     p.add_argument("--resume", metavar="DIR", help="continue the SFT run in DIR from its latest checkpoint")
     p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
     hints = typing.get_type_hints(SFTConfig)
@@ -57,16 +58,21 @@ def build_config(args):
 
     from ..sft import SFTConfig
 
-    ov = {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
+    from .train import parse_overrides
+
+    # flags, then --field pairs argparse did not take (a misspelt field: SFTConfig says "did you mean")
+    tokens = list(args.overrides or [])
+    config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
+    ov = {**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}, **parse_overrides(tokens)}
     if args.resume:
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl sft run directory?)")
         return SFTConfig.from_yaml(saved).with_overrides({"output_dir": args.resume, **ov})
-    if args.config:
-        if not Path(args.config).is_file():
-            raise FileNotFoundError(f"config file {args.config} not found")
-        return SFTConfig.from_yaml(args.config).with_overrides(ov)
+    if config:
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"config file {config} not found")
+        return SFTConfig.from_yaml(config).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
 
 
