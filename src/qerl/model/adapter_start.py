@@ -3,7 +3,8 @@
 transformers' `from_pretrained` and TRL's `model_name_or_path` take an adapter folder (an
 adapter_config.json, no config.json) as "the base named in it, plus this adapter", so `qerl train
 --model_name_or_path runs/sft/adapter` continues from a `qerl sft` (or PEFT, or TRL) adapter. The
-LoRA takes the adapter's rank and alpha; the base comes from base_model_name_or_path.
+LoRA takes the adapter's rank and alpha; the base comes from base_model_name_or_path (followed
+through adapter folders: an RL adapter started from an SFT adapter names that one).
 """
 
 from __future__ import annotations
@@ -26,8 +27,17 @@ def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
     if not base:
         raise ValueError(f"{folder}/adapter_config.json: no base_model_name_or_path, so the base to load it on is "
                          "unknown (load the base and pass the adapter separately)")
-    if adapter_folder(base) is not None:
-        raise ValueError(f"{folder}/adapter_config.json: base_model_name_or_path {base} is itself an adapter folder")
+    seen = [folder]
+    while (inner := adapter_folder(base)) is not None:
+        # an adapter trained from another adapter (qerl train from `qerl sft`'s) names that one as its base: it
+        # holds the whole LoRA, so the base is the first non-adapter up the chain
+        if inner.resolve() in {p.resolve() for p in seen} or len(seen) > 8:
+            raise ValueError(f"{folder}/adapter_config.json: base_model_name_or_path leads through adapter folders "
+                             f"in a loop ({' -> '.join(map(str, seen + [inner]))})")
+        seen.append(inner)
+        base = _read_config(inner).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{inner}/adapter_config.json: no base_model_name_or_path")
     r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
     asked = (kw.get("lora_rank"), kw.get("lora_alpha"))
     if asked != (r, alpha) and kw.get("progress", True):
