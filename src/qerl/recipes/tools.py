@@ -40,7 +40,7 @@ RL = dict(dataset_name="tool_arithmetic", max_turns=2, num_generations=8, per_de
           max_completion_length=96, learning_rate=1e-4,
           temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1, aqn=True, aqn_stages=3,
           optim="adamw_torch", parity_check_steps=0, save_steps=1000, save_total_limit=1, report_to="none")
-EVAL = dict(limit=200, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=96)
+EVAL = dict(limit=100, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=96)
 
 
 @dataclass
@@ -99,18 +99,21 @@ def _precision() -> dict:
     return dict(dtype="bfloat16", lora_dtype="float32") if cpu_has_fast_bf16() else dict(dtype="auto", lora_dtype="auto")
 
 
-def _point(name: str, trainer, rows, out: Path, seed: int, progress: bool) -> Point:
-    """Held-out evaluation on the RL trainer's engine and tools (its multi-turn handler)."""
+def _point(name: str, engine, trainer, rows, out: Path, seed: int, progress: bool) -> Point:
+    """Held-out evaluation on `engine` with the RL trainer's tools (its multi-turn handler)."""
     from ..rl.evaluate import evaluate
 
     e = EVAL
-    rep = evaluate(trainer.engine, trainer.tok, rows, trainer.task.accuracy_func(), samples=e["samples"],
+    rep = evaluate(engine, trainer.tok, rows, trainer.task.accuracy_func(), samples=e["samples"],
                    temperature=e["temperature"], top_p=e["top_p"], max_new_tokens=e["max_new_tokens"], seed=seed,
                    max_prompt_length=trainer.cfg.max_prompt_length, dataset=f"tool_arithmetic ({name})",
                    progress=progress, turns_for=trainer.turns_for)
     rep.write(out / f"eval_{name}.json")
-    return Point(name, rep.pass_at_1, rep.stderr, rep.tool_call_rate or 0.0, [p["correct"] for p in rep.per_problem],
-                 rep.seconds)
+    point = Point(name, rep.pass_at_1, rep.stderr, rep.tool_call_rate or 0.0, [p["correct"] for p in rep.per_problem],
+                  rep.seconds)
+    print(f"tool recipe: {name}: held-out pass@1 {100 * point.pass_at_1:.1f} %, tool-call rate "
+          f"{100 * point.tool_call_rate:.1f} % ({rep.problems} problems x {rep.samples}, {rep.seconds:.0f} s)", flush=True)
+    return point
 
 
 def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool = False, policy=None,
@@ -120,6 +123,7 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
     from ..kernels import dispatch
     from ..model import load_policy
     from ..rl import GRPOConfig, GRPOTrainer
+    from ..rollout import Engine
     from ..sft import SFTConfig, SFTTrainer
     from ..tasks import get_task
     from ..tasks.tool_arithmetic import transcripts
@@ -150,25 +154,30 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
     # one policy: SFT trains its LoRA in place, GRPO continues from it (its optimizer starts afresh)
     grpo = GRPOTrainer(rl_cfg, policy=policy, task=the_task, progress=progress)
     rows = the_task.eval[:eval_limit or EVAL["limit"]]
-    phases["load"] = time.perf_counter() - t
     cpu = grpo.device.type == "cpu"
+    # evaluation gets its own engine with a slot for every sample: one wave of decoding (the training engine
+    # has the step's completions' worth of slots)
+    engine = Engine(policy.model, policy.tokenizer, max_len=rl_cfg.max_prompt_length + 1 + EVAL["max_new_tokens"],
+                    max_slots=len(rows) * EVAL["samples"], kv_cache_gb=2.0 if cpu else None)
+    phases["load"] = time.perf_counter() - t
     points = []
     with dispatch.dequantized_cache() if cpu else contextlib.nullcontext():
         t = time.perf_counter()
-        points.append(_point("base", grpo, rows, out, seed, progress))
+        points.append(_point("base", engine, grpo, rows, out, seed, progress))
         phases["eval_base"] = time.perf_counter() - t
         t = time.perf_counter()
         sft_tr = SFTTrainer(sft_cfg, policy=policy, train_dataset=transcripts(the_task.train), progress=progress)
         sft_tr.train()
         phases["sft"] = time.perf_counter() - t
         t = time.perf_counter()
-        points.append(_point("sft", grpo, rows, out, seed, progress))
+        points.append(_point("sft", engine, grpo, rows, out, seed, progress))
         phases["eval_sft"] = time.perf_counter() - t
         t = time.perf_counter()
         grpo.train()
+        print(f"tool recipe: sft {phases['sft']:.0f} s, rl {time.perf_counter() - t:.0f} s", flush=True)
         phases["rl"] = time.perf_counter() - t
         t = time.perf_counter()
-        points.append(_point("rl", grpo, rows, out, seed, progress))
+        points.append(_point("rl", engine, grpo, rows, out, seed, progress))
         phases["eval_rl"] = time.perf_counter() - t
     for run_dir in (out / "sft", out / "rl"):
         from ..cli.plot import plot
