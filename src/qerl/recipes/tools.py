@@ -80,6 +80,12 @@ class RecipeResult:
     wall_s: float
     phase_s: dict
 
+    @classmethod
+    def load(cls, path) -> "RecipeResult":
+        """A run's summary.json, read back."""
+        d = json.loads(Path(path).read_text())
+        return cls(d["seed"], [Point(**p) for p in d["points"]], Paired(**d["rl_over_sft"]), d["wall_s"], d["phase_s"])
+
     def table(self) -> str:
         lines = ["| point | held-out pass@1 (%) | ± s.e. | tool-call rate (%) |", "|---|---|---|---|"]
         for p in self.points:
@@ -192,6 +198,26 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
     return res
 
 
+TARGETS = {"wall_time": "<=15", "tool_call_rate_sft": ">=90", "heldout_rl": ">=50", "rl_over_sft": ">=5"}
+
+
+def figures(res: RecipeResult) -> list[tuple[str, float, str]]:
+    """(metric, value, unit) of one run, as the benchmark record keeps them (TARGETS: the issue's targets)."""
+    out = [("wall_time", res.wall_s / 60, "min")]
+    for p in res.points:
+        out += [(f"heldout_{p.name}", 100 * p.pass_at_1, "%"), (f"tool_call_rate_{p.name}", 100 * p.tool_call_rate, "%")]
+    d = res.rl_over_sft
+    return out + [("rl_over_sft", 100 * d.mean, "points"), ("rl_over_sft_ci_low", 100 * d.low, "points"),
+                  ("rl_over_sft_ci_high", 100 * d.high, "points")]
+
+
+def record(res: RecipeResult, case: str, command: str) -> None:
+    from ..bench.record import record as append
+
+    for metric, value, unit in figures(res):
+        append("tool_recipe", case, metric, round(value, 2), unit, TARGETS.get(metric), command=command)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qerl.recipes.tools", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft_steps", type=int, default=SFT["max_steps"], help="SFT optimizer updates")
     p.add_argument("--rl_steps", type=int, default=RL["max_steps"], help="GRPO steps")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/tool_recipe.jsonl")
     a = p.parse_args(argv)
     try:
         res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft={"max_steps": a.sft_steps},
@@ -209,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl tool recipe: error: {e}", file=sys.stderr)
         return 2
     print(res.table())
+    if a.record:
+        from ..bench.record import device_name
+
+        problems = len(res.points[0].per_problem)
+        record(res, f"tool_arithmetic smollm2-135m nvfp4, SFT {a.sft_steps} + GRPO {a.rl_steps} steps, {problems} "
+               f"held-out x {EVAL['samples']}, {device_name()} seed {a.seed}",
+               "python -m qerl.recipes.tools " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
 
