@@ -226,12 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite_output_dir", action="store_true", help="delete an earlier recipe run in output_dir")
     p.add_argument("--sft_steps", type=int, default=SFT["max_steps"], help="SFT optimizer updates")
     p.add_argument("--rl_steps", type=int, default=RL["max_steps"], help="GRPO steps")
+    p.add_argument("--eval_limit", type=int, default=EVAL["limit"], help="held-out problems at each of the three points")
     p.add_argument("--no_progress", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/tool_recipe.jsonl")
     a = p.parse_args(argv)
     try:
         res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft={"max_steps": a.sft_steps},
-                  rl={"max_steps": a.rl_steps}, progress=not a.no_progress)
+                  rl={"max_steps": a.rl_steps}, eval_limit=a.eval_limit, progress=not a.no_progress)
     except (ValueError, OSError) as e:
         print(f"qerl tool recipe: error: {e}", file=sys.stderr)
         return 2
