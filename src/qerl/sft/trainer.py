@@ -28,8 +28,8 @@ from ..rl.metrics import MetricsLog
 from ..rl.optim import lr_lambda, make_optimizer
 from ..rl.profiling import Profiler
 from ..rl.sampler import PromptSampler
-from ..rl.trainer import _resolve_device_dtype, set_lora_dtype
-from ..rl.update import PolicyUpdate
+from ..rl.trainer import resolve_device_dtype, set_lora_dtype
+from ..rl.update import PolicyUpdate, TrainingError, UpdateInputs
 from .batch import sft_batch
 from .config import SFTConfig
 from .data import Tokenizer, load_rows
@@ -54,16 +54,6 @@ def update_settings(cfg: SFTConfig) -> GRPOConfig:
                       parity_check_steps=0)
 
 
-class _UpdateHost:
-    """The trainer as rl/update.py's PolicyUpdate sees it: everything the SFT trainer's, `cfg` the update settings."""
-
-    def __init__(self, trainer: "SFTTrainer", cfg: GRPOConfig):
-        self._trainer, self.cfg = trainer, cfg
-
-    def __getattr__(self, name):
-        return getattr(self._trainer, name)
-
-
 class SFTTrainer:
     """`SFTTrainer(config).train()`; or pass a built `policy` (its LoRA is trained in place) and
     `train_dataset` rows (TRL's formats: messages, text, prompt + completion) instead of dataset_name."""
@@ -72,7 +62,7 @@ class SFTTrainer:
         self.cfg = cfg = config or SFTConfig()
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.device, self.dtype = _resolve_device_dtype(cfg)
+        self.device, self.dtype = resolve_device_dtype(cfg)
         self.dist = Dist.from_env(self.device.type)
         if self.dist.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
@@ -132,11 +122,26 @@ class SFTTrainer:
         self._resumed_from = None
         self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
         self.profiler = Profiler()
-        self.update = PolicyUpdate(_UpdateHost(self, ucfg))
+        self.update = PolicyUpdate(UpdateInputs(self.model, ucfg, self.device, self.dtype, self.tok.pad_token_id or 0,
+                                                self.dist, self.profiler, None, self.optimizer_step))
 
     # ---- what PolicyUpdate asks of a trainer ----------------------------------------------------
-    def noise(self, sigma: float, seed: int):
-        return contextlib.nullcontext()
+    def optimizer_step(self, bad: str | None) -> float:
+        """Apply one update's gradients: average over the ranks, clip, step the optimizer and the
+        schedule (as GRPOTrainer.optimizer_step); a non-finite loss or gradient norm raises TrainingError."""
+        cfg, D = self.cfg, self.dist
+        if D.max(1.0 if bad else 0.0, self.device):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(self.bad_step(bad or "the loss is not finite on another rank"))
+        D.mean_grads_(self.params)
+        gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+        if not torch.isfinite(gn):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(self.bad_step(f"gradient norm is {float(gn)}"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(gn)
 
     def bad_step(self, what: str) -> str:
         last = ckpt.checkpoints(self.out)
