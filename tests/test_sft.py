@@ -5,6 +5,7 @@ and PEFT, and the config / command line."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,9 +220,13 @@ def test_the_adapter_starts_grpo_and_loads_in_peft(tmp_path):
                                   output_dir=str(tmp_path / "rl"), report_to="none", max_completion_length=4),
                        task=get_task("arithmetic", size=8, eval_size=2), progress=False)
     assert all(torch.equal(dict(grpo.model.named_parameters())[n], t) for n, t in trained.items())
-    grpo.train()  # its adapter names the SFT adapter as its base: loading follows that to the model folder
+    grpo.train()  # its adapter names the real base (not the SFT adapter it started from), so PEFT loads it too
     rl = load_policy(str(tmp_path / "rl" / "adapter"), "nvfp4", device="cpu", dtype=torch.float32, progress=False)
     assert rl.source == base and rl.lora_rank == 4
+    rl_cfg = json.loads((tmp_path / "rl" / "adapter" / "adapter_config.json").read_text())
+    assert Path(rl_cfg["base_model_name_or_path"]).resolve() == base.resolve()
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(rl_cfg["base_model_name_or_path"]),
+                              tmp_path / "rl" / "adapter")
     pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
     peft_b = {k: v for k, v in pm.state_dict().items() if "lora_B" in k}
     assert len(peft_b) == len(trained)

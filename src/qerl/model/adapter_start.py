@@ -18,6 +18,18 @@ def adapter_folder(name_or_path) -> Path | None:
     return p if p.is_dir() and (p / "adapter_config.json").is_file() and not (p / "config.json").exists() else None
 
 
+def base_of(name_or_path) -> str:
+    """The base model an adapter folder (or a chain of them) sits on; any other name unchanged. What a
+    new adapter trained from it names as its base_model_name_or_path, so PEFT can load it."""
+    folder, seen = adapter_folder(name_or_path), 0
+    while folder is not None and seen < 8:
+        from ..checkpoint.peft_adapter import _read_config
+
+        name_or_path = _read_config(folder).get("base_model_name_or_path") or str(folder)
+        folder, seen = adapter_folder(name_or_path), seen + 1
+    return str(name_or_path)
+
+
 def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
     """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it."""
     from ..checkpoint.peft_adapter import _read_config, load_adapter

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import settings
 from ..kernels.settings import KernelSettings
+from ..model.adapter_start import base_of
 from ..rollout import Engine
 from . import levers, run_folder
 from . import state as ckpt
@@ -496,7 +497,7 @@ class GRPOTrainer:
             if self.adaptive is not None:
                 extra["aqn_adaptive"] = self.adaptive.state_dict()
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                        base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit,
+                                        base_name=base_of(self.cfg.model_name_or_path), keep=self.cfg.save_total_limit,
                                         tensors=tensors)
         self.dist.barrier()
         return path
@@ -664,7 +665,7 @@ class GRPOTrainer:
         from ..checkpoint.peft_adapter import save_adapter
 
         if main:
-            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=base_of(cfg.model_name_or_path))
         self.dist.barrier()
         return rows
 
