@@ -130,19 +130,18 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(q):
     assert abs(kept / int(mask.sum()) - q) <= 1 / int(mask.sum()) + 1e-9  # the top q fraction of the tokens
 
 
-def test_entropy_bonus_subtracts_coeff_times_the_aggregated_entropy_and_pushes_entropy_up():
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_entropy_bonus_is_coef_times_the_mean_token_entropy_for_every_loss_and_pushes_entropy_up(loss_type):
+    """TRL's entropy_coef: the bonus is the mean over all masked tokens, not aggregated as the loss."""
     logp, old, adv, mask, ent = batch(5)
-    base, _ = policy_loss(logp, old, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.28)
+    base, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, accumulation=2.0)
     e = ent.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
-                          entropies=e, entropy_coeff=0.01)
-    per_seq = [sum(float(ent[i, t]) for t in tokens(mask, i)) / len(tokens(mask, i)) for i in range(ent.shape[0])]
-    assert float(loss) == pytest.approx(float(base) - 0.01 * sum(per_seq) / len(per_seq), rel=1e-9)
+    loss, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28,
+                          entropies=e, entropy_coef=0.01, accumulation=2.0)
+    flat = [float(ent[i, t]) for i in range(ent.shape[0]) for t in tokens(mask, i)]
+    assert float(loss) == pytest.approx(float(base) - 0.01 * sum(flat) / len(flat) / 2.0, rel=1e-9)
     loss.backward()
-    want = torch.zeros_like(ent)
-    for i in range(ent.shape[0]):
-        for t in tokens(mask, i):
-            want[i, t] = -0.01 / len(tokens(mask, i)) / ent.shape[0]
+    want = torch.where(mask, torch.full_like(ent, -0.01 / len(flat) / 2.0), torch.zeros_like(ent))
     assert torch.allclose(e.grad, want, atol=1e-15)  # descending the loss raises the entropy
 
 
@@ -151,7 +150,7 @@ def test_options_that_need_entropies_say_so():
     with pytest.raises(ValueError, match="entropies"):
         policy_loss(logp, old, adv, mask, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, top_entropy_quantile=0.2)
     with pytest.raises(ValueError, match="entropies"):
-        policy_loss(logp, old, adv, mask, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, entropy_coeff=0.1)
+        policy_loss(logp, old, adv, mask, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, entropy_coef=0.1)
     with pytest.raises(ValueError, match="importance_sampling_level"):
         policy_loss(logp, old, adv, mask, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
                     importance_sampling_level="seq")

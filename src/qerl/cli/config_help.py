@@ -12,16 +12,18 @@ import typing
 
 GROUPS = {
     "model": ("model_name_or_path", "quant", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-              "train_norms", "dtype", "lora_dtype", "device", "trust_remote_code"),
+              "train_norms", "dtype", "lora_dtype", "device", "trust_remote_code", "modules_to_not_convert"),
     "data": ("dataset_name", "dataset_config", "system_prompt", "prompt_suffix", "max_prompt_length"),
     "generation": ("num_generations", "generation_batch_size", "max_completion_length", "temperature", "top_p", "top_k",
                    "dynamic_sampling", "max_resample_rounds", "rollout_kv_cache_gb", "rollout_kv_cache_dtype",
                    "steps_per_generation", "max_staleness"),
     "tools": ("max_turns", "tool_timeout_s", "tool_max_output_chars"),
     "loss": ("loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "top_entropy_quantile",
-             "entropy_coeff", "beta", "scale_rewards", "num_iterations",
+             "entropy_coef", "beta", "use_bias_correction_kl", "scale_rewards", "num_iterations", "token_normalizer",
+             "delta", "sapo_temperature_pos", "sapo_temperature_neg",
              "mask_truncated_completions", "overlong_buffer_len", "overlong_penalty_factor",
-             "importance_sampling_correction", "importance_sampling_cap", "reward_weights"),
+             "importance_sampling_correction", "importance_sampling_mode", "importance_sampling_cap",
+             "importance_sampling_cap_min", "off_policy_mask_threshold", "reward_weights"),
     "optimization": ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
                      "adam_epsilon", "max_grad_norm", "optim", "max_steps", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "gradient_checkpointing", "logprob_chunk_size", "packed_update", "seed"),
@@ -46,7 +48,11 @@ def type_name(hint) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     from ..rl import GRPOConfig
+    from ..rl.config import FIELD_ALIASES
 
+    aliases = dict(ALIASES)
+    for other, name in FIELD_ALIASES.items():  # TRL's names and qerl's older ones
+        aliases[name] = aliases.get(name, ()) + (f"--{other}",)
     hints = typing.get_type_hints(GRPOConfig)
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     defaults = GRPOConfig.__new__(GRPOConfig)  # defaults without running validation
@@ -58,7 +64,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if name not in fields:
                 continue  # a field removed from GRPOConfig: tests/test_bad_inputs.py says which
             t = type_name(hints[name])
-            flags = [f"--{name}"] + list(ALIASES.get(name, ()))  # --lora-r still works (cli.train.parse_overrides)
+            flags = [f"--{name}"] + list(aliases.get(name, ()))  # --lora-r still works (cli.train.parse_overrides)
             d = getattr(defaults, name)
             text = f"{fields[name].metadata.get('help', '')} [{t}; default: {'null' if d is None else repr(d)}]"
             kw = dict(nargs="?", const="true") if t == "bool" else {}  # a bare --aqn means true

@@ -22,9 +22,28 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TOKEN_NORMALIZERS = ("generation", "update")
+
+# TRL's names for qerl's fields (the vllm_ prefix is TRL's history: its engine was vLLM), and qerl's
+# own older names. A file, a flag or GRPOConfig(...) may use either; the config keeps qerl's.
+FIELD_ALIASES = {
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_mode": "importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "importance_sampling_cap",
+    "vllm_importance_sampling_cap": "importance_sampling_cap",  # TRL's deprecated name of clip_max
+    "vllm_importance_sampling_clip_min": "importance_sampling_cap_min",
+    "entropy_coeff": "entropy_coef",  # qerl's name before TRL's aggregation (verl's name)
+}
+# values TRL (or transformers) accepts for a field, as qerl's: scale_rewards true/false as TRL's __post_init__
+VALUE_ALIASES = {
+    "scale_rewards": {True: "group", False: "none", "true": "group", "false": "none"},
+    "optim": {"adamw_torch_fused": "adamw_torch", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit"},
+    "lr_scheduler_type": {"constant_with_warmup": "constant"},  # qerl's constant has its warm-up
+}
 AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
@@ -46,6 +65,11 @@ class GRPOConfig:
                          "weight rounds away; on a GPU the factors stay in the compute dtype, which the kernels read, "
                          "and the optimizer steps fp32 master copies of them) | bfloat16 | float16.")
     trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
+    modules_to_not_convert: list | None = _f(None, "Linears kept in bf16 (not quantized; still LoRA-trained), as "
+                                             "transformers' quantization configs name them: a name matches a module "
+                                             "path or its end (lm_head, layers.27.mlp.down_proj), 're:' starts a "
+                                             "regex (llm-compressor's ignore). A compressed-tensors checkpoint's "
+                                             "own ignore list is always kept. null: none.", item=str)
     # --- data --------------------------------------------------------------------------------
     dataset_name: str = _f("arithmetic", "A task name (see `qerl.tasks`), a local .jsonl/.parquet file, or a hub dataset.")
     dataset_config: dict = _f({}, "Task / dataset options (e.g. size, seed, column mapping).")
@@ -84,22 +108,53 @@ class GRPOConfig:
     temperature: float = _f(1.0, "Rollout temperature (the loss uses the same temperature).")
     top_p: float = _f(1.0, "Rollout nucleus sampling.")
     top_k: int = _f(0, "Rollout top-k (0: off).")
-    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean per update) | dr_grpo (sum / max length) | cispo (clipped IS weight without gradient x logp, MiniMax-M1; token mean per update).")
+    loss_type: str = _f("dapo", "grpo (sequence mean) | bnpo (token mean per micro-batch) | dapo (token mean, see "
+                        "token_normalizer) | dr_grpo (sum / max length) | cispo (clipped IS weight without gradient x "
+                        "logp, MiniMax-M1; token mean as dapo) | sapo (soft sigmoid gate instead of the clip, SAPO "
+                        "arXiv 2511.20347; sequence mean) | luspo (sum over each completion's tokens, mean over "
+                        "completions: GSPO scaled by length, LUSPO arXiv 2602.05261; use importance_sampling_level "
+                        "sequence). Formulas: qerl.rl.loss.policy_loss.")
+    token_normalizer: str = _f("generation", "dapo/cispo's token count when a generation feeds several optimizer "
+                               "updates: generation (the generation batch's tokens / its updates, TRL >= 1.9.2: every "
+                               "update weighs a token alike) | update (each update's own tokens). Same with one update.",
+                               choices=TOKEN_NORMALIZERS)
     importance_sampling_level: str = _f("token", "token (a ratio per token) | sequence (GSPO: exp of the completion's mean log-ratio, one per completion).")
     epsilon: float = _f(0.2, "Lower clip range of the ratio (unused by cispo).")
+    delta: float | None = _f(None, "Two-sided clipping (INTELLECT-2, TRL's delta): also cap the unclipped ratio at "
+                             "this value (null: off; > 1 + epsilon_high).")
+    sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for positive advantages (TRL's default).")
+    sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for negative advantages (TRL's default).")
     epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon). cispo: the cap of the IS weight itself (TRL recommends 5.0).")
     top_entropy_quantile: float = _f(1.0, "Train only on this fraction of tokens, those of highest entropy (TRL; 0.2 in the 80/20 paper; 1.0: all).")
-    entropy_coeff: float = _f(0.0, "Entropy bonus: subtract coeff x the per-token entropy, aggregated as the loss (verl's entropy_coeff; 0: off).")
+    entropy_coef: float = _f(0.0, "Entropy bonus (TRL's): subtract coef x the mean per-token entropy over the tokens "
+                             "the policy term trains on, the same for every loss_type (0: off; old name "
+                             "entropy_coeff).")
     beta: float = _f(0.0, "KL coefficient against the base policy (adapters off); 0 as in DAPO.")
-    scale_rewards: str = _f("group", "Advantage scaling: group (std per group) | batch (std of the batch) | none.")
+    use_bias_correction_kl: bool = _f(True, "Multiply the k3 KL term by the importance ratio (TRL's default, "
+                                      "DeepSeek-V3.2: the unbiased reverse-KL gradient). Only with beta > 0.")
+    scale_rewards: str = _f("group", "Advantage scaling: group (std per group; TRL's true) | batch (std of the batch) | "
+                            "none (TRL's false).", choices=SCALE_REWARDS)
     num_iterations: int = _f(1, "Policy updates per rollout batch (mu: 4 on GSM8K, 1 on BigMath in the paper).")
     mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss.")
     dynamic_sampling: bool = _f(True, "DAPO: drop groups whose rewards are all equal and sample more prompts.")
     max_resample_rounds: int = _f(3, "Extra rollout rounds dynamic sampling may use to fill a step.")
     overlong_buffer_len: int = _f(0, "DAPO soft overlong penalty: length of the penalty ramp before the limit (0: off).")
     overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong penalty at the limit.")
-    importance_sampling_correction: bool = _f(False, "Truncated importance sampling between rollout and trainer logprobs.")
-    importance_sampling_cap: float = _f(2.0, "Cap of the truncated importance weights.")
+    importance_sampling_correction: bool = _f(False, "Weight the loss by pi_trainer / pi_rollout of the sampled "
+                                              "tokens, for the rollout engine's mismatch (TRL's "
+                                              "vllm_importance_sampling_correction; see importance_sampling_mode).")
+    importance_sampling_mode: str = _f("sequence_mask", "token_truncate (per-token weights clipped to [cap_min, cap]) | "
+                                       "token_mask (per-token weights outside it set to 0) | sequence_truncate (one "
+                                       "weight a completion, exp of its summed log-ratio, clipped) | sequence_mask "
+                                       "(completions whose weight is outside it dropped). TRL's "
+                                       "vllm_importance_sampling_mode.", choices=IMPORTANCE_SAMPLING_MODES)
+    importance_sampling_cap: float | None = _f(3.0, "Upper bound of the importance weights (TRL's "
+                                               "vllm_importance_sampling_clip_max; null: none).")
+    importance_sampling_cap_min: float | None = _f(None, "Lower bound of the importance weights (TRL's "
+                                                   "vllm_importance_sampling_clip_min; null: none).")
+    off_policy_mask_threshold: float | None = _f(None, "DeepSeek-V3.2's off-policy sequence mask: drop completions with "
+                                                 "a negative advantage whose mean KL(rollout || trainer) per token "
+                                                 "exceeds this (e.g. 0.5; null: off).")
     reward_weights: list | None = _f(None, "Weights of the task's reward functions (null: all 1).", item=float)
     # --- AQN ---------------------------------------------------------------------------------
     aqn: bool = _f(True, "Adaptive Quantization Noise on the RMSNorm weights feeding q/k/v and gate/up.")
@@ -156,6 +211,11 @@ class GRPOConfig:
     # --- several GPUs / processes (torchrun) -------------------------------------------------
     ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
     ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
+
+    @property
+    def entropy_coeff(self) -> float:
+        """qerl's older name of entropy_coef (read-only)."""
+        return self.entropy_coef
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # GRPOConfig(max_steps="6") as well as files and flags
@@ -238,6 +298,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "GRPOConfig":
+        d = resolve_aliases(d, source)
         names = {f.name for f in dataclasses.fields(cls)}
         for k in d:
             if k not in names:
@@ -261,6 +322,7 @@ class GRPOConfig:
     def with_overrides(self, pairs: dict[str, str]) -> "GRPOConfig":
         """CLI overrides by field name; values parse as YAML scalars (1e-5, true, null, [q, v])."""
         d = self.to_dict()
+        pairs = {FIELD_ALIASES.get(k, k): v for k, v in pairs.items()}
         for k, v in pairs.items():
             d[k] = _parse(k, v, type(self))
         # both size a step (TRL: set one): one given here replaces a base config's setting of the other
@@ -279,8 +341,31 @@ class GRPOConfig:
         return "\n".join(lines) + "\n"
 
 
+def resolve_aliases(d: dict, source: str) -> dict:
+    """`d` with TRL's (and qerl's older) field names replaced by qerl's; both names of one field is an error."""
+    out = {}
+    for k, v in d.items():
+        name = FIELD_ALIASES.get(k, k)
+        if name in out:
+            raise ValueError(f"{source}: field '{name}' is given twice (also as '{k}', its alias)")
+        out[name] = v
+    return out
+
+
+_dataclass_init = GRPOConfig.__init__
+
+
+def _init_with_aliases(self, *args, **kw):
+    _dataclass_init(self, *args, **resolve_aliases(kw, "GRPOConfig"))
+
+
+_init_with_aliases.__wrapped__ = _dataclass_init  # GRPOConfig(vllm_importance_sampling_mode=...) as in TRL
+GRPOConfig.__init__ = _init_with_aliases
+
+
 def _parse(name: str, text: str, cls):
     """A command-line value as YAML would read it (from_dict then types it by the field)."""
+    name = FIELD_ALIASES.get(name, name)
     hints = typing.get_type_hints(cls)
     if name not in hints:
         near = difflib.get_close_matches(name, hints, n=1)
@@ -318,10 +403,16 @@ def coerce(f: dataclasses.Field, value, source: str):
         return None
     label = f"--{f.name}" if source == "command line" else f"field '{f.name}'"
     want = next(t for t in types if t is not type(None))
+    aliases = VALUE_ALIASES.get(f.name, {})
+    if isinstance(value, (bool, str)) and value in aliases:
+        value = aliases[value]
     try:
         out = _as(want, value)
         if want is list and f.metadata.get("item") is not None:
             out = [_as(f.metadata["item"], x) for x in out]
+        choices = f.metadata.get("choices")
+        if choices and out not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
         return out
     except (TypeError, ValueError) as e:
         null = " or null" if type(None) in types else ""

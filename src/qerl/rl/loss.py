@@ -1,55 +1,104 @@
-"""The policy-gradient losses of GRPO / DAPO / Dr. GRPO / GSPO / CISPO, with TRL's names and meanings.
+"""The policy-gradient losses of GRPO / DAPO / Dr. GRPO / GSPO / CISPO / SAPO / LUSPO, with TRL 1.16's
+names and meanings (trl/trainer/grpo_trainer.py, `_compute_loss`; tests/test_trl_parity.py runs it).
 
-Optional: KL to a reference, truncated importance weights (rollout vs trainer), training only on the
-highest-entropy tokens (TRL's top_entropy_quantile) and an entropy bonus (verl's entropy_coeff).
+Optional: KL to a reference (TRL's bias-corrected k3), importance weights for the rollout-vs-trainer
+mismatch (TRL's four modes), DeepSeek-V3.2's off-policy sequence mask, training only on the
+highest-entropy tokens (top_entropy_quantile) and an entropy bonus (TRL's entropy_coef).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TOKEN_SUM_LOSSES = ("dapo", "cispo")  # sum over tokens / norm_tokens (the update's share of the tokens)
 
 
-def high_entropy_mask(entropies, mask, quantile: float):
+def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, cap: float | None, cap_min: float | None = None):
+    """TRL's vllm_importance_sampling_mode: weights pi_trainer / pi_rollout of the sampled tokens,
+    [B, L] for token_* and [B, 1] for sequence_* (exp of the completion's summed log-ratio);
+    *_truncate clips them to [cap_min, cap], *_mask zeroes those outside it. Detached."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"importance_sampling_mode: unknown {mode!r} (one of {IMPORTANCE_SAMPLING_MODES})")
+    d = ((old_logp - rollout_logp) * mask).detach()
+    if mode.startswith("sequence"):
+        d = d.sum(-1, keepdim=True)
+    w = torch.exp(d)
+    if mode.endswith("truncate"):
+        return w.clamp(min=cap_min, max=cap)
+    lo = -math.inf if cap_min is None else cap_min
+    hi = math.inf if cap is None else cap
+    return w.masked_fill((w < lo) | (w > hi), 0.0)
+
+
+def off_policy_mask(adv, logp, rollout_logp, mask, threshold: float):
+    """DeepSeek-V3.2's off-policy sequence mask (eq. 9; TRL's off_policy_mask_threshold): [B, 1],
+    0 for a completion with a negative advantage whose mean KL(rollout || trainer) over its tokens,
+    estimated as the mean of log pi_rollout - log pi_theta, exceeds `threshold`; else 1."""
+    m = mask.to(logp.dtype)
+    kl = ((rollout_logp - logp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    return ((adv[:, None] >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
+def high_entropy_mask(entropies, mask, quantile: float, pool=None):
     """TRL's top_entropy_quantile: True on the tokens whose entropy is at or above the (1 - quantile)
-    quantile of the masked tokens' entropies (quantile 1.0 keeps every token, 0.2 the top fifth)."""
+    quantile of `pool` (the masked tokens' entropies of this micro-batch on every rank, as TRL
+    gathers them; None: this micro-batch's). quantile 1.0 keeps every token, 0.2 the top fifth."""
     if quantile >= 1.0:
         return mask.bool()
-    values = entropies.detach()[mask.bool()]
+    values = entropies.detach()[mask.bool()] if pool is None else pool.detach()
     values = values if values.dtype == torch.float64 else values.float()  # never round the threshold down a dtype
     if values.numel() == 0:
-        return mask.bool()
-    threshold = torch.quantile(values, 1.0 - quantile)
+        return torch.zeros_like(mask, dtype=torch.bool)  # TRL: nothing to rank, nothing trains
+    threshold = torch.quantile(values.to(entropies.device), 1.0 - quantile)
     return (entropies.detach() >= threshold) & mask.bool()
 
 
 def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, epsilon_high: float | None,
                 beta: float = 0.0, ref_logp=None, is_weights=None, norm_tokens: float | None = None,
                 max_completion_length: int | None = None, importance_sampling_level: str = "token",
-                entropies=None, top_entropy_quantile: float = 1.0, entropy_coeff: float = 0.0):
+                entropies=None, top_entropy_quantile: float = 1.0, entropy_pool=None, entropy_coef: float = 0.0,
+                accumulation: float = 1.0, use_bias_correction_kl: bool = True, delta: float | None = None,
+                sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, rollout_logp=None,
+                off_policy_mask_threshold: float | None = None):
     """Loss of one micro-batch (already divided for its share of the update) and its statistics.
 
     logp, old_logp [B, L] (old is the policy that sampled, detached), adv [B] (one advantage a
     completion), mask [B, L] bool. The importance ratio is, per importance_sampling_level,
       token     exp(logp - old_logp) per token
       sequence  exp(mean over the completion's tokens of (logp - old_logp)), one per completion (GSPO)
-    loss_type gives the per-token term and its aggregation:
+    loss_type gives the per-token term and its aggregation (TRL 1.16's list):
       grpo     clipped surrogate; mean over each completion's tokens, then over completions
       bnpo     clipped surrogate; mean over the micro-batch's tokens
-      dapo     clipped surrogate; sum over tokens / norm_tokens (the tokens of the whole update)
+      dapo     clipped surrogate; sum over tokens / norm_tokens (the update's tokens, see rl/update.py)
       dr_grpo  clipped surrogate; sum over tokens / (completions x max_completion_length)
-      cispo    -sg(min(ratio, epsilon_high)) * adv * logp (MiniMax-M1: the IS weight is clipped and
-               carries no gradient, so no token's gradient is dropped); aggregated as dapo
+      cispo    -sg(min(ratio, epsilon_high)) * adv * logp (MiniMax-M1, arXiv 2506.13585: the IS weight
+               is clipped and carries no gradient, so no token's gradient is dropped); aggregated as dapo
+      sapo     -(4 / tau) sigmoid(tau (ratio - 1)) * adv, tau = sapo_temperature_pos if adv > 0 else _neg
+               (SAPO, arXiv 2511.20347: a soft, temperature-controlled gate instead of the hard clip);
+               aggregated as grpo
+      luspo    clipped surrogate summed over each completion's tokens, then the mean over completions
+               (LUSPO, arXiv 2602.05261: GSPO scaled by each sequence's length; meant for the sequence level)
     epsilon / epsilon_high: the surrogate clips the ratio to [1 - epsilon, 1 + epsilon_high]; for
     cispo epsilon_high is the cap of the weight itself (TRL: 5.0 recommended) and epsilon is unused.
-    entropies [B, L] (the policy's per-token entropy, with gradient when entropy_coeff is used):
-    top_entropy_quantile < 1 zeroes the policy term of all but the highest-entropy tokens (the
-    normaliser still counts every token, as TRL); entropy_coeff subtracts coeff x entropy per token.
+    delta (INTELLECT-2's two-sided clipping, TRL's delta): the unclipped ratio is also capped at delta.
+    beta: + beta x k3(ref || pi) per token, times the ratio when use_bias_correction_kl (TRL's default:
+    DeepSeek-V3.2's unbiased reverse-KL gradient; the ratio carries gradient even where it is 1).
+    is_weights ([B, L] or [B, 1], rollout_is_weights) multiply the policy term; off_policy_mask_threshold
+    (with rollout_logp) drops negative-advantage completions that drifted (off_policy_mask).
+    entropies [B, L] (the policy's per-token entropy, with gradient when entropy_coef is used):
+    top_entropy_quantile < 1 zeroes the policy term of all but the highest-entropy tokens (threshold
+    over entropy_pool, all ranks' tokens; the normaliser still counts every token, as TRL);
+    entropy_coef subtracts coef x the mean entropy over the (entropy-selected) tokens, the same for
+    every loss_type (TRL's). accumulation: the micro-batches of the update (all ranks' / world size);
+    every loss but dapo/cispo and the entropy bonus are divided by it.
     """
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level: unknown {importance_sampling_level!r}")
-    m = mask.float()
+    m = mask.to(logp.dtype)
     log_ratio = logp - old_logp
     if importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * m).sum(1) / m.sum(1).clamp(min=1))[:, None]  # [B, 1]
@@ -57,45 +106,59 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
     hi = epsilon if epsilon_high is None else epsilon_high
     a = adv[:, None]
     if loss_type == "cispo":
-        weight = torch.clamp(ratio, max=hi).detach()
-        per_tok = -weight * a * logp
+        per_tok = -torch.clamp(ratio, max=hi).detach() * a * logp
         clipped = (ratio > hi).expand_as(m)
-    else:
-        un, cl = ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + hi) * a
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_tok = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+        clipped = (((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))).expand_as(m)
+    elif loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo"):
+        cl = torch.clamp(ratio, 1 - epsilon, 1 + hi) * a
+        un = (ratio if delta is None else torch.clamp(ratio, max=delta)) * a
         per_tok = -torch.min(un, cl)
         clipped = (((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))).expand_as(m)
+    else:
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
+    if off_policy_mask_threshold is not None:
+        if rollout_logp is None:
+            raise ValueError("off_policy_mask_threshold needs the rollout's logprobs")
+        per_tok = per_tok * off_policy_mask(adv, logp, rollout_logp, mask, off_policy_mask_threshold)
+    emask = None
     if top_entropy_quantile < 1.0:
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
-        per_tok = per_tok * high_entropy_mask(entropies, mask, top_entropy_quantile).float()
+        emask = high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_pool)
+        per_tok = per_tok * emask.to(per_tok.dtype)
     if is_weights is not None:
         per_tok = per_tok * is_weights
     kl = None
     if beta:
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_tok = per_tok + beta * kl
-    if entropy_coeff:
-        if entropies is None:
-            raise ValueError("entropy_coeff needs the per-token entropies")
-        per_tok = per_tok - entropy_coeff * entropies
-    if loss_type == "grpo":
-        loss = ((per_tok * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per_tok * m).sum(1) / m.sum(1).clamp(min=1)).mean() / accumulation
     elif loss_type == "bnpo":
-        loss = (per_tok * m).sum() / m.sum().clamp(min=1)
-    elif loss_type in ("dapo", "cispo"):
+        loss = (per_tok * m).sum() / m.sum().clamp(min=1) / accumulation
+    elif loss_type in TOKEN_SUM_LOSSES:
         loss = (per_tok * m).sum() / (norm_tokens if norm_tokens else m.sum().clamp(min=1))
     elif loss_type == "dr_grpo":
-        loss = (per_tok * m).sum() / (m.shape[0] * (max_completion_length or m.shape[1]))
-    else:
-        raise ValueError(f"loss_type: unknown {loss_type!r}")
+        loss = (per_tok * m).sum() / (m.shape[0] * (max_completion_length or m.shape[1])) / accumulation
+    else:  # luspo
+        loss = (per_tok * m).sum(1).mean() / accumulation
+    if entropy_coef:
+        if entropies is None:
+            raise ValueError("entropy_coef needs the per-token entropies")
+        em = m if emask is None else m * emask.to(m.dtype)
+        loss = loss - entropy_coef * (entropies * em).sum() / em.sum().clamp(min=1) / accumulation
     with torch.no_grad():
         n = m.sum().clamp(min=1)
-        stats = {"clip_fraction": float((clipped.float() * m).sum() / n),
+        stats = {"clip_fraction": float((clipped.to(m.dtype) * m).sum() / n),
                  "ratio_mean": float((ratio.expand_as(m) * m).sum() / n)}
         if kl is not None:
-            stats["kl"] = float((kl * m).sum() / n)
-        if top_entropy_quantile < 1.0:
-            stats["entropy_mask_fraction"] = float((high_entropy_mask(entropies, mask, top_entropy_quantile).float()
-                                                    ).sum() / n)
+            stats["kl"] = float((kl.expand_as(m) * m).sum() / n)
+        if emask is not None:
+            stats["entropy_mask_fraction"] = float(emask.to(m.dtype).sum() / n)
     return loss, stats

@@ -23,10 +23,8 @@ import torch
 from ..layers import adapters_disabled, unfused_lora
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
-from .loss import policy_loss
+from .loss import policy_loss, rollout_is_weights
 from .packing import FLEX, PackedBatch, attention_kind, has_sliding_window, packed_micro_batches, use_flex_attention
-
-TOKEN_MEAN_OVER_UPDATE = ("dapo", "cispo")  # losses normalised by the whole update's tokens (norm_tokens)
 
 
 class TrainingError(RuntimeError):
@@ -85,7 +83,7 @@ class PolicyUpdate:
             # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
             # top-entropy token selection's input), detached
             return completion_logprobs(self.inp.model, **mb.model_inputs(), temperature=cfg.temperature,
-                                       chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coeff > 0)
+                                       chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coef > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
         """Train on `batch`, sampled under AQN noise (sigma, seed): metrics of the update."""
@@ -115,6 +113,16 @@ class PolicyUpdate:
                 with adapters_disabled(model):
                     ref = [self.logprobs(b, grad=False)[0] for b in batches]
 
+        def loss_mask(b):  # the tokens the loss counts: mask_truncated_completions drops the cut completions
+            mask = b.mask.to(dev)
+            return mask & ~b.truncated.to(dev)[:, None] if cfg.mask_truncated_completions else mask
+
+        # dapo's (and cispo's) token normaliser, all ranks: gradients are averaged over the ranks, so each
+        # rank divides its token sum by (tokens / world size). "generation": the generation batch's tokens
+        # / its updates (TRL >= 1.9.2, every update of a generation weighs its tokens alike); "update":
+        # each update's own tokens. Both count only the loss mask's tokens (TRL 1.9.0's fix).
+        gen_tokens = D.sum(sum(int(loss_mask(b).sum()) for b in batches), dev) / D.world
+
         with prof.phase("update"):
             model.train()
             stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": []}
@@ -123,13 +131,17 @@ class PolicyUpdate:
                 for u in range(n_updates):
                     group = list(range(len(batches)))[u * cfg.gradient_accumulation_steps:
                                                       (u + 1) * cfg.gradient_accumulation_steps]
-                    # dapo's (and cispo's) token mean over the whole update, all ranks: gradients are averaged over the
-                    # ranks below, so each rank divides its token sum by (all tokens / world size)
-                    norm_tokens = D.sum(sum(int(batches[k].mask.sum()) for k in group), dev) / D.world
-                    # the other losses average over the update's micro-batches, all ranks' (a rank with
-                    # fewer or none must not weigh its own more): divide by their count / world size
-                    n_micro = D.sum(len(group), dev) / D.world if cfg.loss_type not in TOKEN_MEAN_OVER_UPDATE else 1.0
+                    if cfg.token_normalizer == "generation":
+                        norm_tokens = gen_tokens / n_updates
+                    else:
+                        norm_tokens = D.sum(sum(int(loss_mask(batches[k]).sum()) for k in group), dev) / D.world
+                    # the other losses (and the entropy bonus) average over the update's micro-batches, all
+                    # ranks' (a rank with fewer or none must not weigh its own more): their count / world size
+                    n_micro = D.sum(len(group), dev) / D.world
                     upd_loss, bad = 0.0, None
+                    # top_entropy_quantile takes its threshold over every rank's micro-batch at the same place
+                    # (TRL); a rank with fewer micro-batches joins the rest of the gathers with none
+                    slots = int(D.max(len(group), dev)) if cfg.top_entropy_quantile < 1.0 and D.world > 1 else 0
                     for k in group:
                         b = batches[k]
                         mask = b.mask.to(dev)
@@ -145,22 +157,29 @@ class PolicyUpdate:
                                     ratios.append(diff.detach().float().exp())  # policy / behaviour, a token
                                 if single:
                                     ent.append(en[mask].detach())
+                            lmask = loss_mask(b)
                             isw = None
                             if cfg.importance_sampling_correction:
-                                isw = torch.exp(old_k - b.rollout_logprobs).clamp(max=cfg.importance_sampling_cap)
-                                isw = isw.detach()
-                                is_mean.append(float(isw[mask].mean()) if mask.any() else 1.0)
-                            lmask = mask & ~b.truncated.to(dev)[:, None] if cfg.mask_truncated_completions else mask
+                                isw = rollout_is_weights(old_k, b.rollout_logprobs, lmask,
+                                                         cfg.importance_sampling_mode, cfg.importance_sampling_cap,
+                                                         cfg.importance_sampling_cap_min)
+                                is_mean.append(float(isw.expand_as(lmask)[lmask].mean()) if lmask.any() else 1.0)
+                            pool = None  # None: this micro-batch's tokens, all there are on one rank
+                            if slots:
+                                pool = torch.cat([t.to(dev) for t in D.gather(en.detach()[lmask].cpu())])
                             loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, loss_type=cfg.loss_type,
                                                    epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                                    ref_logp=ref[k] if ref is not None else None, is_weights=isw,
-                                                   norm_tokens=norm_tokens,
+                                                   norm_tokens=norm_tokens, accumulation=n_micro,
                                                    max_completion_length=cfg.max_completion_length,
                                                    importance_sampling_level=cfg.importance_sampling_level,
                                                    entropies=en, top_entropy_quantile=cfg.top_entropy_quantile,
-                                                   entropy_coeff=cfg.entropy_coeff)
-                            if cfg.loss_type not in TOKEN_MEAN_OVER_UPDATE:
-                                loss = loss / n_micro
+                                                   entropy_pool=pool, entropy_coef=cfg.entropy_coef,
+                                                   use_bias_correction_kl=cfg.use_bias_correction_kl, delta=cfg.delta,
+                                                   sapo_temperature_pos=cfg.sapo_temperature_pos,
+                                                   sapo_temperature_neg=cfg.sapo_temperature_neg,
+                                                   rollout_logp=b.rollout_logprobs,
+                                                   off_policy_mask_threshold=cfg.off_policy_mask_threshold)
                             if not torch.isfinite(loss.detach()):
                                 bad = f"loss is {float(loss.detach())}"
                                 continue  # no backward; all ranks learn of it below and stop together
@@ -171,6 +190,8 @@ class PolicyUpdate:
                             stats["entropy_mask_fraction"].append(st["entropy_mask_fraction"])
                         if "kl" in st:
                             stats["kl"].append(st["kl"])
+                    for _ in range(slots - len(group)):
+                        D.gather(torch.zeros(0))
                     stats["grad_norm"].append(inp.optimizer_step(bad))
                     stats["loss"].append(upd_loss)
             model.eval()
