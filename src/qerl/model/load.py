@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,7 @@ def load_policy(
     trust_remote_code: bool = False,
     progress: bool = True,
     fuse_groups: bool = True,
+    modules_to_not_convert=None,
 ) -> Policy:
     """Load a Llama / Qwen2 / Qwen3 causal LM with its targeted linears quantized + LoRA.
 
@@ -188,6 +190,8 @@ def load_policy(
     nvfp4 for a dense checkpoint). lora_rank 0 gives a frozen quantized model.
     lora_alpha defaults to 2·rank. Embeddings, lm_head and norms stay in `dtype`.
     fuse_groups: store q|k|v and gate|up as fused groups where exact (False: separate layers).
+    modules_to_not_convert: linears kept in bf16 (still LoRA-trained; keep_in_bf16 says how names match).
+    A compressed-tensors checkpoint keeps its own ignore list; a packed layer there cannot be un-quantized.
     """
     from transformers import AutoConfig
 
@@ -216,6 +220,8 @@ def load_policy(
     label = f"{folder}/config.json says {'/'.join(config.architectures or [config.model_type])}"
     _check_projection_biases(model, ckpt, cfg.num_hidden_layers, targets, label)
 
+    keep = keep_in_bf16(modules_to_not_convert)
+    _check_keep_patterns(modules_to_not_convert or [], keep, [n for n, _ in model.named_modules()])
     done: set[str] = set()
     fallback: list[str] = []
     lora = dict(r=lora_rank, lora_alpha=alpha, lora_dropout=lora_dropout, dtype=dtype) if lora_rank else dict(dtype=dtype)
@@ -229,9 +235,13 @@ def load_policy(
             names = [f"model.layers.{i}.{TARGET_MODULES[t]}" for t in members]
             fuse = fuse_groups and len(group) > 1 and len(members) == len(group)
             if ckpt_fmt:
+                packed = [n for n in names if keep(n) and f"{n}.weight_packed" in ckpt]
+                if packed:
+                    raise ValueError(f"modules_to_not_convert: {packed[0]} is quantized in {folder} (a compressed-"
+                                     "tensors checkpoint); only its own ignore list keeps layers in bf16 there")
                 layers, qgroup = _load_compressed(ckpt, names, fmt, ignore, lora, device, fuse)
             else:
-                layers, qgroup = _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse)
+                layers, qgroup = _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse, keep)
             for name, layer in zip(names, layers):
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, layer)
@@ -331,11 +341,35 @@ def install_group(model: nn.Module, names: list[str], group: QuantGroup) -> None
     register(model.get_submodule(parent), tuple(n.rpartition(".")[2] for n in names), group)
 
 
-def _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse):
+def keep_in_bf16(patterns) -> Callable[[str], bool]:
+    """Whether a linear's module path is in `patterns` (transformers' modules_to_not_convert; llm-compressor's
+    ignore): a pattern matches the path or its end at a dot ('lm_head', 'layers.27.mlp.down_proj',
+    'down_proj'); 're:<regex>' matches the path from its start (llm-compressor's re.match)."""
+    pats = list(patterns or [])
+    regexes = [re.compile(p[3:]) for p in pats if p.startswith("re:")]
+    plain = [p for p in pats if not p.startswith("re:")]
+
+    def keep(name: str) -> bool:
+        return any(name == p or name.endswith("." + p) for p in plain) or any(r.match(name) for r in regexes)
+    return keep
+
+
+def _check_keep_patterns(patterns, keep, module_names) -> None:
+    """A pattern that names no module of the model is a typo, not a choice."""
+    for p in patterns:
+        if not any(keep_in_bf16([p])(n) for n in module_names):
+            raise ValueError(f"modules_to_not_convert: {p!r} matches no module of the model (e.g. "
+                             f"{module_names[-2] if len(module_names) > 1 else 'lm_head'})")
+
+
+def _quantize_group(ckpt, names, fmt, lora, device, fallback, fuse, keep=lambda name: False):
     ws = [ckpt.get(f"{n}.weight", device) for n in names]
     biases = [ckpt.get(f"{n}.bias", device) if f"{n}.bias" in ckpt else None for n in names]
     ok = []
     for n, w in zip(names, ws):
+        if keep(n):  # the user's choice: no warning, not a fallback
+            ok.append(False)
+            continue
         try:
             fmt.validate(w, n)
             ok.append(True)

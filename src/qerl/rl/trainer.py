@@ -162,7 +162,7 @@ class GRPOTrainer:
             policy = load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules,
                                  device=self.device, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code,
-                                 progress=progress)
+                                 progress=progress, modules_to_not_convert=cfg.modules_to_not_convert)
         self.policy, self.model, self.tok = policy, policy.model, policy.tokenizer
         self.master_weights = False  # the optimizer steps fp32 copies of low-precision LoRA factors
         if cfg.lora_dtype != "auto":
