@@ -1,0 +1,136 @@
+"""TRL's GRPO API over qerl: a script written for TRL runs with only its import line changed,
+
+    from trl import GRPOConfig, GRPOTrainer        ->        from qerl.trl import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward,
+                          args=GRPOConfig(output_dir="out", learning_rate=1e-5), train_dataset=rows)
+    trainer.train()
+
+`GRPOConfig(...)` takes TRL's field names (qerl's aliases: rl/config.py FIELD_ALIASES) and TRL's
+fields that steer only TRL's engines or logging (ignored, with a notice); like TRL, a config without
+max_steps (or max_steps=-1) trains num_train_epochs (3.0) passes over the training prompts. Defaults
+are qerl's: README.md, "Coming from TRL", lists where they differ from TRL's and why.
+`GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., eval_dataset=..., peft_config=...)`:
+model is a hub id or folder (or a transformers model, saved to a temporary folder and quantized
+from there); reward_funcs one callable or a list; datasets an iterable of rows or a .jsonl path;
+peft_config a peft LoraConfig (its r, alpha, dropout and target modules). With conversational
+prompts the reward functions receive each completion as [{"role": "assistant", "content": text}],
+as TRL passes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from .rl import GRPOConfig as _Config
+from .rl import GRPOTrainer as _Trainer
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]
+
+TRL_EPOCHS = 3.0  # TrainingArguments' num_train_epochs default
+
+
+def GRPOConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
+    """qerl's GRPOConfig from TRL's keyword arguments (see the module's doc)."""
+    epochs = kw.pop("num_train_epochs", TRL_EPOCHS)
+    steps = kw.pop("max_steps", -1)
+    cfg = _Config(**kw, **({"max_steps": steps} if steps not in (-1, None) else {}))
+    cfg.trl_num_train_epochs = None if steps not in (-1, None) else float(epochs)  # read by GRPOTrainer
+    return cfg
+
+
+def _read_rows(data, what: str) -> list | None:
+    if data is None:
+        return None
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if path.suffix != ".jsonl" or not path.is_file():
+            raise ValueError(f"{what}: {data} is not a .jsonl file (pass rows, a datasets.Dataset or a .jsonl path)")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [dict(r) for r in data]
+    for i, r in enumerate(rows[:1]):
+        if "prompt" not in r:
+            raise ValueError(f"{what}: row {i} has no 'prompt' column (columns: {sorted(r)})")
+    return rows
+
+
+def _as_messages(f):
+    """TRL hands conversational completions to reward functions as one assistant message each."""
+    @functools.wraps(f)
+    def wrapped(completions, **kw):
+        return f([[{"role": "assistant", "content": c}] for c in completions], **kw)
+    return wrapped
+
+
+def _model_folder(model, processing_class) -> str:
+    """A hub id or folder as is; a transformers model (and its tokenizer) saved to a temporary folder,
+    which qerl quantizes like any checkpoint."""
+    if isinstance(model, (str, Path)):
+        return str(model)
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"model: {type(model).__name__} is neither a hub id, a folder nor a transformers model")
+    folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = processing_class
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+class GRPOTrainer(_Trainer):
+    """qerl's trainer with TRL's constructor (see the module's doc)."""
+
+    def __init__(self, model, reward_funcs, args: _Config | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, tools=None, environment_factory=None, **kw):
+        if reward_processing_classes is not None or any(o is not None for o in optimizers):
+            raise NotImplementedError("qerl.trl.GRPOTrainer: reward_processing_classes and optimizers are not "
+                                      "supported (qerl builds its optimizer from the config: optim, learning_rate...)")
+        if callbacks:
+            print("qerl: GRPOTrainer(callbacks=...) is ignored: qerl writes metrics.jsonl (and TensorBoard)", flush=True)
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        for f in funcs:
+            if not callable(f):
+                raise TypeError(f"reward_funcs: {f!r} is not callable (reward models by name are not supported; "
+                                "pass a function of the completions)")
+        args = args if args is not None else GRPOConfig()
+        epochs = getattr(args, "trl_num_train_epochs", None)
+        rows = _read_rows(train_dataset, "train_dataset")
+        if rows is None:
+            raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
+        change = {"model_name_or_path": _model_folder(model, processing_class)}
+        if peft_config is not None:
+            change.update(lora_r=peft_config.r, lora_alpha=float(peft_config.lora_alpha),
+                          lora_dropout=float(peft_config.lora_dropout))
+            if peft_config.target_modules not in (None, "all-linear"):
+                change["lora_target_modules"] = sorted(peft_config.target_modules)
+        cfg = dataclasses.replace(args, **change)
+        if epochs is not None:  # TRL's max_steps=-1: whole passes over the prompts
+            from .rl.batching import batch_plan
+
+            world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, as the trainer's Dist reads it
+            per_step = batch_plan(cfg, world).generation_batch_size // cfg.num_generations
+            cfg = dataclasses.replace(cfg, max_steps=max(1, math.ceil(epochs * len(rows) / per_step)))
+        if rows and isinstance(rows[0]["prompt"], list):
+            funcs = [_as_messages(f) for f in funcs]
+        super().__init__(cfg, reward_funcs=funcs, train_dataset=rows,
+                         eval_dataset=_read_rows(eval_dataset, "eval_dataset"), tools=tools,
+                         environment_factory=environment_factory, **kw)
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """TRL's save_model: the trained LoRA adapter in PEFT's format (adapter_config.json +
+        adapter_model.safetensors), loadable on the original base model."""
+        from .checkpoint.peft_adapter import save_adapter
+
+        out = Path(output_dir or self.cfg.output_dir)
+        save_adapter(self.model, out, base_model_name_or_path=self.cfg.model_name_or_path)
+        return out
