@@ -12,10 +12,12 @@ from test_distributed import _metrics, _run
 
 
 def test_generation_batch_follows_trl_on_any_world_size():
-    c = GRPOConfig()  # per_device 8, steps_per_generation unset (4)
+    c = GRPOConfig()  # per_device 8, steps_per_generation unset (TRL: gradient_accumulation_steps, 1)
     for w in (1, 2, 4, 8):
         p = batch_plan(c, w)
-        assert p.generation_batch_size == 8 * w * 4 and p.prompts_per_rank == 4 and p.updates_per_rank == 4
+        assert p.generation_batch_size == 8 * w and p.prompts_per_rank == 1 and p.updates_per_rank == 1
+    p = batch_plan(GRPOConfig(gradient_accumulation_steps=4), 2)  # TRL: generation_batch_size 8 x 2 x 4
+    assert p.generation_batch_size == 64 and p.updates_per_rank == 1
     run = default_run_config("cpu")  # the embedded run: one update a step of its per-device batch per rank
     b = run.per_device_train_batch_size
     assert [batch_plan(run, w).generation_batch_size for w in (1, 2, 4, 8)] == [b, 2 * b, 4 * b, 8 * b]
@@ -54,14 +56,14 @@ def test_both_sizes_set_must_agree():
 
 
 def test_two_gloo_ranks_run_the_default_batch_settings(tmp_path):
-    # no batch field set: 8 completions per micro-batch, 4 micro-batches per rank, so 2 ranks sample 64
+    # no batch field set: 8 completions per micro-batch, one micro-batch per rank (TRL), so 2 ranks sample 16
     cfg = dict(max_steps=1, max_completion_length=8, max_prompt_length=64, aqn_stages=1, save_steps=1,
                optim="adamw_torch", ddp_timeout=120, dynamic_sampling=False)
     p, _ = _run(tmp_path, cfg, nproc=2)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (m,) = _metrics(tmp_path)
-    assert m["world_size"] == 2 and m["updates"] == 4
-    assert m["completions"] == 8 * 2 * 4
+    assert m["world_size"] == 2 and m["updates"] == 1  # TRL's default: one update a generation
+    assert m["completions"] == 8 * 2
     a, b = (load_file(str(tmp_path / f"adapter_rank{r}.safetensors")) for r in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_STEPS_PER_GENERATION = 4  # qerl's default (TRL's: gradient_accumulation_steps): 4 updates per step
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ def batch_plan(cfg, world: int = 1) -> BatchPlan:
     mb, ga, G = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.num_generations
     gbs, spg = cfg.generation_batch_size, cfg.steps_per_generation
     if gbs is None:
-        spg = spg or DEFAULT_STEPS_PER_GENERATION
+        spg = spg or ga  # TRL's default: one optimizer update per generation
         gbs = mb * world * spg
     elif spg is not None and gbs != mb * world * spg:
         raise ValueError(f"config fields 'generation_batch_size' and 'steps_per_generation' disagree on {world} "

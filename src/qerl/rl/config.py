@@ -123,7 +123,8 @@ class GRPOConfig:
                                            "num_generations; null: per_device_train_batch_size x world size x "
                                            "steps_per_generation, as TRL).")
     steps_per_generation: int | None = _f(None, "Micro-batches each rank trains on per step (TRL's meaning; null: "
-                                          "4, or what generation_batch_size implies when set).")
+                                          "gradient_accumulation_steps, one update a generation, as TRL; or what "
+                                          "generation_batch_size implies when set).")
     gradient_checkpointing: bool | None = _f(None, "Recompute activations in backward (less memory, ~30% more time; "
                                              "null: on only when the update's activations would not fit in the "
                                              "free memory, chosen and printed at start).")
@@ -135,7 +136,7 @@ class GRPOConfig:
     # --- GRPO / DAPO -------------------------------------------------------------------------
     num_generations: int = _f(8, "Completions per prompt (G).")
     max_prompt_length: int = _f(512, "Prompts longer than this (in tokens) are left-truncated.")
-    max_completion_length: int = _f(256, "New tokens per completion.")
+    max_completion_length: int = _f(512, "New tokens per completion.")
     temperature: float = _f(1.0, "Rollout temperature (the loss uses the same temperature).")
     top_p: float = _f(1.0, "Rollout nucleus sampling.")
     top_k: int = _f(0, "Rollout top-k (0: off).")
@@ -215,10 +216,11 @@ class GRPOConfig:
                                     "checkpoints, metrics, evaluations and adapter (without it, or --resume, such a "
                                     "folder is refused).")
     seed: int = _f(42, "Seed of data order, rollouts and noise.")
-    logging_steps: int = _f(1, "Print a metrics line every N steps (metrics.jsonl gets every step).")
-    save_steps: int = _f(50, "Checkpoint every N steps (and at the end).")
-    save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
-    report_to: str = _f("auto", "auto (TensorBoard when installed) | tensorboard | none.")
+    logging_steps: int = _f(10, "Print a metrics line every N steps (metrics.jsonl gets every step).")
+    save_steps: int = _f(500, "Checkpoint every N steps (and at the end).")
+    save_total_limit: int | None = _f(None, "Keep this many checkpoints (null: all).")
+    report_to: str = _f("none", "none (metrics.jsonl only, TRL's default) | tensorboard | auto (TensorBoard when "
+                        "installed). metrics.jsonl is always written.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
     rollout_kv_cache_dtype: str = _f("auto", "KV cache of the rollout engine: auto (the model's dtype) | fp8 (E4M3 with "
                                      "per-slot, per-KV-head scales: half the bytes at long context; the engine-vs-"
