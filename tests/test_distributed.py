@@ -197,3 +197,16 @@ def test_a_draw_at_the_top_of_the_unit_interval_stays_in_the_distribution(monkey
     tok, lp = sampling.sample(logits, p, keyed=(0, torch.arange(2), torch.zeros(2, dtype=torch.long)))
     assert torch.isfinite(lp).all()
     assert tok.tolist()[0] in (1, 2)
+
+
+def test_top_entropy_quantile_takes_one_threshold_over_the_ranks_and_they_stay_in_step(tmp_path):
+    """TRL gathers every rank's entropies for the threshold (issue 33): two ranks train in step
+    with it, the gathers matched even when dynamic sampling leaves them different micro-batch counts."""
+    cfg = {**BASE, "max_steps": 1, "num_iterations": 1, "top_entropy_quantile": 0.5, "dynamic_sampling": True,
+           "max_resample_rounds": 0}
+    p, _ = _run(tmp_path, cfg, nproc=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (m,) = _metrics(tmp_path)
+    assert 0.3 < m["entropy_mask_fraction"] < 0.7
+    a, b = (load_file(str(tmp_path / f"adapter_rank{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
