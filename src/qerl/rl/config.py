@@ -22,7 +22,7 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -145,7 +145,8 @@ class GRPOConfig:
                         "logp, MiniMax-M1; token mean as dapo) | sapo (soft sigmoid gate instead of the clip, SAPO "
                         "arXiv 2511.20347; sequence mean) | luspo (sum over each completion's tokens, mean over "
                         "completions: GSPO scaled by length, LUSPO arXiv 2602.05261; use importance_sampling_level "
-                        "sequence). Formulas: qerl.rl.loss.policy_loss.")
+                        "sequence) | vespo (a smooth gamma weight of the completion's ratio x logp, VESPO arXiv "
+                        "2602.10693; token level; token mean as dapo). Formulas: qerl.rl.loss.policy_loss.")
     token_normalizer: str = _f("generation", "dapo/cispo's token count when a generation feeds several optimizer "
                                "updates: generation (the generation batch's tokens / its updates, TRL >= 1.9.2: every "
                                "update weighs a token alike) | update (each update's own tokens). Same with one update.",
@@ -156,6 +157,10 @@ class GRPOConfig:
                              "this value (null: off; > 1 + epsilon_high).")
     sapo_temperature_pos: float = _f(1.0, "sapo: gate temperature for positive advantages (TRL's default).")
     sapo_temperature_neg: float = _f(1.05, "sapo: gate temperature for negative advantages (TRL's default).")
+    vespo_k_pos: float = _f(2.0, "vespo: power k of the gamma weight for advantages >= 0 (TRL's default).")
+    vespo_lambda_pos: float = _f(3.0, "vespo: decay lambda of the gamma weight for advantages >= 0 (TRL's default).")
+    vespo_k_neg: float = _f(3.0, "vespo: power k for negative advantages (TRL's default).")
+    vespo_lambda_neg: float = _f(2.0, "vespo: decay lambda for negative advantages (TRL's default).")
     epsilon_high: float | None = _f(0.28, "Upper clip range (DAPO clip-higher; null: same as epsilon). cispo: the cap of the IS weight itself (TRL recommends 5.0).")
     top_entropy_quantile: float = _f(1.0, "Train only on this fraction of tokens, those of highest entropy (TRL; 0.2 in the 80/20 paper; 1.0: all).")
     entropy_coef: float = _f(0.0, "Entropy bonus (TRL's): subtract coef x the mean per-token entropy over the tokens "

@@ -14,7 +14,7 @@ import torch
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-TOKEN_SUM_LOSSES = ("dapo", "cispo")  # sum over tokens / norm_tokens (the update's share of the tokens)
+TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # sum over tokens / norm_tokens (the update's share of the tokens)
 
 
 def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, cap: float | None, cap_min: float | None = None):
@@ -43,6 +43,24 @@ def off_policy_mask(adv, logp, rollout_logp, mask, threshold: float):
     return ((adv[:, None] >= 0) | (kl <= threshold)).to(logp.dtype)
 
 
+@torch.no_grad()
+def vespo_weights(adv, log_ratio, mask, is_weights, k_pos: float, lam_pos: float, k_neg: float, lam_neg: float):
+    """VESPO's gamma weight of each completion (arXiv 2602.10693; TRL's vespo): [B, 1], detached,
+    phi(w) = exp(lam + k log w - lam w) (so phi(1) = 1), w = prod over the completion's tokens of
+    pi_theta / pi_old, times the rollout correction's token weights when given; k and lam by the sign
+    of the advantage. In log space, with TRL's bounds: token log-ratios within [-20, 20], log w and the
+    correction's log-weights within [log 1e-8, 20]."""
+    lo = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_weights is not None:
+        log_w = log_w + torch.log(is_weights).clamp(lo, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(lo, 20.0)
+    pos = adv[:, None] >= 0
+    k = torch.where(pos, k_pos, k_neg)
+    lam = torch.where(pos, lam_pos, lam_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def high_entropy_mask(entropies, mask, quantile: float, pool=None):
     """TRL's top_entropy_quantile: True on the tokens whose entropy is at or above the (1 - quantile)
     quantile of `pool` (the masked tokens' entropies of this micro-batch on every rank, as TRL
@@ -63,7 +81,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
                 entropies=None, top_entropy_quantile: float = 1.0, entropy_pool=None, entropy_coef: float = 0.0,
                 accumulation: float = 1.0, use_bias_correction_kl: bool = True, delta: float | None = None,
                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, rollout_logp=None,
-                off_policy_mask_threshold: float | None = None):
+                off_policy_mask_threshold: float | None = None, vespo=(2.0, 3.0, 3.0, 2.0)):
     """Loss of one micro-batch (already divided for its share of the update) and its statistics.
 
     logp, old_logp [B, L] (old is the policy that sampled, detached), adv [B] (one advantage a
@@ -82,6 +100,10 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
                aggregated as grpo
       luspo    clipped surrogate summed over each completion's tokens, then the mean over completions
                (LUSPO, arXiv 2602.05261: GSPO scaled by each sequence's length; meant for the sequence level)
+      vespo    -phi(w) * adv * logp, phi the completion's gamma weight (vespo_weights; VESPO, arXiv
+               2602.10693: a smooth, asymmetric weighting instead of the clip; vespo = (k_pos, lam_pos,
+               k_neg, lam_neg)); aggregated as dapo. Token level only; it takes the rollout correction's
+               token weights inside phi instead of multiplying the loss by them
     epsilon / epsilon_high: the surrogate clips the ratio to [1 - epsilon, 1 + epsilon_high]; for
     cispo epsilon_high is the cap of the weight itself (TRL: 5.0 recommended) and epsilon is unused.
     delta (INTELLECT-2's two-sided clipping, TRL's delta): the unclipped ratio is also capped at delta.
@@ -112,6 +134,12 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
         tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_tok = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
         clipped = (((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))).expand_as(m)
+    elif loss_type == "vespo":
+        if importance_sampling_level != "token" or (is_weights is not None and is_weights.shape[-1] != m.shape[-1]):
+            raise ValueError("loss_type vespo: needs importance_sampling_level token (and a token_* "
+                             "importance_sampling_mode): its weight is built from per-token ratios")
+        per_tok = -vespo_weights(adv, log_ratio, m, is_weights, *vespo) * a * logp
+        clipped = torch.zeros_like(m, dtype=torch.bool)
     elif loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo"):
         cl = torch.clamp(ratio, 1 - epsilon, 1 + hi) * a
         un = (ratio if delta is None else torch.clamp(ratio, max=delta)) * a
@@ -129,7 +157,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
         emask = high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_pool)
         per_tok = per_tok * emask.to(per_tok.dtype)
-    if is_weights is not None:
+    if is_weights is not None and loss_type != "vespo":
         per_tok = per_tok * is_weights
     kl = None
     if beta:

@@ -179,6 +179,8 @@ class PolicyUpdate:
                                                    sapo_temperature_pos=cfg.sapo_temperature_pos,
                                                    sapo_temperature_neg=cfg.sapo_temperature_neg,
                                                    rollout_logp=b.rollout_logprobs,
+                                                   vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
+                                                          cfg.vespo_lambda_neg),
                                                    off_policy_mask_threshold=cfg.off_policy_mask_threshold)
                             if not torch.isfinite(loss.detach()):
                                 bad = f"loss is {float(loss.detach())}"
