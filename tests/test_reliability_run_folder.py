@@ -31,7 +31,7 @@ def _trainer(out, **kw):
     pol.tokenizer = tiny_tokenizer()
     cfg = GRPOConfig(**{**dict(max_steps=2, generation_batch_size=8, num_generations=4, per_device_train_batch_size=8,
                                 max_completion_length=6, max_prompt_length=48, aqn_stages=2, output_dir=str(out),
-                                save_steps=1, report_to="none", dynamic_sampling=False), **kw})
+                                save_steps=1, save_total_limit=2, report_to="none", dynamic_sampling=False), **kw})
     return GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=20), reward_funcs=[sevens], progress=False)
 
 
