@@ -54,6 +54,8 @@ def main(argv=None):
     out = Path(args.out)
     log = tee_log(out / "bench.log")
     extra = [a for a in args.extra if a != "--"]
+    if extra:  # a variant of the default run is its own case, never mixed with the default's rows
+        case += " " + " ".join(extra)
     rows = []
     cmd_text = "python -m qerl.bench.default_run " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:]))
     rd = Path(args.results_dir)
