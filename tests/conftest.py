@@ -17,3 +17,29 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference_ct.py, tiny_mo
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run `qerl ...` through the CLI's entry point: (exit code, stdout, stderr); never a traceback."""
+    from qerl.cli import main
+
+    def run(*args):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        return rc, out.out, out.err
+    return run
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a model loads (bad input must be reported before any loading)."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr("qerl.model.load_policy", refuse)
+    monkeypatch.setattr("qerl.rl.trainer.load_policy", refuse, raising=False)

@@ -21,28 +21,6 @@ from qerl.cli import main
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-@pytest.fixture
-def cli(capsys):
-    def run(*args):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-        out = capsys.readouterr()
-        assert "Traceback" not in out.err
-        return rc, out.out, out.err
-    return run
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the bad input was reported")
-
-    monkeypatch.setattr("qerl.model.load_policy", refuse)
-    monkeypatch.setattr("qerl.rl.trainer.load_policy", refuse, raising=False)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("m") / "m"

@@ -11,20 +11,6 @@ import pytest
 import torch
 from tiny_models import save_tiny, tiny_tokenizer
 
-from qerl.cli import main
-
-
-@pytest.fixture
-def cli(capsys):
-    def run(*args):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-        out = capsys.readouterr()
-        assert "Traceback" not in out.err
-        return rc, out.out, out.err
-    return run
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from .rollout_phase import RolloutInputs, StepRollouts, collect
 from .sampler import PromptSampler
 from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
 from .step_context import StepContext, step_seed
-from .update import PolicyUpdate, TrainingError, UpdateInputs
+from .update import PolicyUpdate, TrainingError, UpdateInputs, step_optimizer
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
@@ -364,23 +364,9 @@ class GRPOTrainer:
         return m
 
     def optimizer_step(self, bad: str | None) -> float:
-        """Apply one update's gradients (the update phase computed them): average over the ranks, clip,
-        step the optimizer and the schedule. A non-finite loss on any rank (`bad`) or gradient norm
-        discards them and raises TrainingError. Returns the gradient norm."""
-        cfg, D = self.cfg, self.dist
-        if D.max(1.0 if bad else 0.0, self.device):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(self.bad_step(bad or "the loss is not finite on another rank"))
-        D.mean_grads_(self.params)
-        clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        if not torch.isfinite(gn):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(self.bad_step(f"gradient norm is {float(gn)}"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(gn)
+        """Apply one update's gradients (update.step_optimizer); raises TrainingError on a bad step."""
+        return step_optimizer(self.params, self.optimizer, self.scheduler, self.dist, self.device,
+                              self.cfg.max_grad_norm, bad, self.bad_step)
 
     def _relaunch_or_launch(self, step: int) -> InFlight:
         if self._relaunch is None:

@@ -29,7 +29,7 @@ from ..rl.optim import lr_lambda, make_optimizer
 from ..rl.profiling import Profiler
 from ..rl.sampler import PromptSampler
 from ..rl.trainer import resolve_device_dtype, set_lora_dtype
-from ..rl.update import PolicyUpdate, TrainingError, UpdateInputs
+from ..rl.update import PolicyUpdate, UpdateInputs, step_optimizer
 from .batch import sft_batch
 from .config import SFTConfig
 from .data import Tokenizer, load_rows
@@ -127,21 +127,9 @@ class SFTTrainer:
 
     # ---- what PolicyUpdate asks of a trainer ----------------------------------------------------
     def optimizer_step(self, bad: str | None) -> float:
-        """Apply one update's gradients: average over the ranks, clip, step the optimizer and the
-        schedule (as GRPOTrainer.optimizer_step); a non-finite loss or gradient norm raises TrainingError."""
-        cfg, D = self.cfg, self.dist
-        if D.max(1.0 if bad else 0.0, self.device):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(self.bad_step(bad or "the loss is not finite on another rank"))
-        D.mean_grads_(self.params)
-        gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-        if not torch.isfinite(gn):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(self.bad_step(f"gradient norm is {float(gn)}"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(gn)
+        """Apply one update's gradients, as GRPOTrainer does (update.step_optimizer)."""
+        return step_optimizer(self.params, self.optimizer, self.scheduler, self.dist, self.device,
+                              self.cfg.max_grad_norm, bad, self.bad_step)
 
     def bad_step(self, what: str) -> str:
         last = ckpt.checkpoints(self.out)
