@@ -336,26 +336,11 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "GRPOConfig":
-        d = resolve_aliases(d, source)
-        names = {f.name for f in dataclasses.fields(cls)}
-        for k in d:
-            if k not in names:
-                near = difflib.get_close_matches(k, names, n=1)
-                raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        # typed here, before any model loads, so the error can name the file
-        return cls(**{k: coerce(fields[k], v, source) for k, v in d.items()})
+        return typed(cls, resolve_aliases(d, source), source)
 
     @classmethod
     def from_yaml(cls, path) -> "GRPOConfig":
-        path = Path(path)
-        try:
-            d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(yaml_mapping(path), source=str(path))
 
     def with_overrides(self, pairs: dict[str, str]) -> "GRPOConfig":
         """CLI overrides by field name; values parse as YAML scalars (1e-5, true, null, [q, v])."""
@@ -411,6 +396,30 @@ def _init_with_aliases(self, *args, **kw):
 
 _init_with_aliases.__wrapped__ = _dataclass_init  # GRPOConfig(vllm_importance_sampling_mode=...) as in TRL
 GRPOConfig.__init__ = _init_with_aliases
+
+
+def typed(cls, d: dict, source: str, convert=None):
+    """cls(**d) with every value coerced to its field's type; an unknown field is an error naming `source`
+    (typed here, before any model loads, so the error can name the file). GRPOConfig's and SFTConfig's."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in d:
+        if k not in fields:
+            near = difflib.get_close_matches(k, fields, n=1)
+            raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    convert = convert or coerce  # a config's own coercion where its fields need one (SFTConfig)
+    return cls(**{k: convert(fields[k], v, source) for k, v in d.items()})
+
+
+def yaml_mapping(path) -> dict:
+    """A config file's field: value mapping; a file that is not one is an error naming it."""
+    path = Path(path)
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
+    return d
 
 
 def _parse(name: str, text: str, cls):

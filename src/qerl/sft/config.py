@@ -8,14 +8,12 @@ so `qerl sft --print_config` writes a documented YAML file and every field is a 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
-from ..rl.config import _as, _f, _parse, _types
+from ..rl.config import _as, _f, _parse, _types, typed, yaml_mapping
 
 
 @dataclass
@@ -123,23 +121,11 @@ class SFTConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "SFTConfig":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for k in d:
-            if k not in fields:
-                near = difflib.get_close_matches(k, fields, n=1)
-                raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
-        return cls(**{k: coerce(fields[k], v, source) for k, v in d.items()})
+        return typed(cls, d, source, coerce)
 
     @classmethod
     def from_yaml(cls, path) -> "SFTConfig":
-        path = Path(path)
-        try:
-            d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(yaml_mapping(path), source=str(path))
 
     def with_overrides(self, pairs: dict[str, str]) -> "SFTConfig":
         """CLI overrides by field name; values parse as YAML scalars."""
