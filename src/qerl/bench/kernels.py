@@ -27,6 +27,7 @@ from ..formats.nvfp4_mma import NVFP4Mma
 from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
+MODES = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -331,6 +332,7 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen2.5-7b,qwen2.5-32b")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default="runs/bench_kernels", help="folder for the full json and the log")
+    ap.add_argument("--modes", default=",".join(MODES), help="paths to time (bf16 and nvfp4 always)")
     ap.add_argument("--from-log", default=None, help="record the figures of a run's bench_kernels.log (a run cut off "
                     "before it wrote them); --command names the command that ran")
     ap.add_argument("--command", default=None)
@@ -360,11 +362,11 @@ def main(argv=None):
         results["wgmma_sweep"] = {str(k): v for k, v in wgmma_sweep(log).items()}
     ms = [int(v) for v in a.ms.split(",")]
     rows, final = [], []
-    modes = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "triton", "tinygemm"]
+    modes = ["bf16", "nvfp4"] + [m for m in a.modes.split(",") if m and m not in ("bf16", "nvfp4")]
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
-            sets = Sets(n, k, seed=n + k)
+            sets = Sets(n, k, seed=n + k, tinygemm="tinygemm" in modes)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 r = {}
