@@ -19,6 +19,8 @@ from torch import nn
 
 from ..layers import QLoRALinear
 from .atomic import SHARD_BYTES, TensorEntry, atomic_folder, write_sharded
+from .guard import OutputFolderError as ExportTargetError  # noqa: F401 - the old name, for callers
+from .guard import check_output_folder
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
@@ -90,38 +92,9 @@ def _copy_side_files(policy, model: nn.Module, folder: Path) -> None:
         tok.save_pretrained(folder)
 
 
-class ExportTargetError(ValueError):  # the CLI reports ValueErrors as one line, no traceback
-    pass
-
-
 def check_export_target(out_dir, *, overwrite: bool, protected: dict[str, str | os.PathLike | None]) -> None:
-    """Refuse an export that would destroy something: `out_dir` replaced whole, so a folder that holds
-    anything needs `overwrite`, and a run folder (checkpoints, metrics) or one of `protected` (the base
-    model, the adapter: {what: path}), or a folder holding one, is refused even with it."""
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ExportTargetError(f"{out}: exists and is a file; the export writes a folder there")
-    o = out.resolve()
-    for what, path in protected.items():
-        if path is None or not Path(path).expanduser().exists():
-            continue
-        p = Path(path).expanduser().resolve()
-        if o == p or o in p.parents:
-            raise ExportTargetError(f"{out}: is {'' if o == p else 'a folder holding '}the {what} ({path}); exporting "
-                                    f"there would delete it: choose another output folder")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    from ..rl.run_folder import LOCK, earlier_run
-
-    run = earlier_run(out) + [n for n in ("config.yaml", LOCK) if (out / n).exists()]
-    if run:
-        raise ExportTargetError(f"{out}: holds a training run ({', '.join(run[:4])}); exporting there would delete "
-                                f"it: choose another output folder")
-    if not overwrite:
-        names = sorted(p.name for p in out.iterdir())
-        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-        raise ExportTargetError(f"{out}: not empty ({shown}); the export replaces the whole folder: pass --overwrite "
-                                f"to replace it, or choose another output folder")
+    """`qerl export`'s output folder checked by the guard every folder-writing command uses (checkpoint/guard.py)."""
+    check_output_folder(out_dir, overwrite=overwrite, protected=protected, command="the export")
 
 
 def export_merged(policy, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, *,

@@ -8,6 +8,7 @@ import sys
 
 from . import bench, evaluate, export, generate, inspect, plot, quantize, sft, study, train
 from .examples import epilog
+from .spelling import both_spellings
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
             "train": train, "sft": sft, "eval": evaluate, "plot": plot, "study": study}
@@ -39,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in COMMANDS.items():
         # train: no prefix matching, so a misspelt field reaches the config's "did you mean"
-        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                                         usage=getattr(mod, "USAGE", None), epilog=epilog(name),
-                                         formatter_class=argparse.RawDescriptionHelpFormatter,
-                                         allow_abbrev=name not in ("train", "sft")))
+        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                           usage=getattr(mod, "USAGE", None), epilog=epilog(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=name not in ("train", "sft"))
+        mod.add_arguments(p)
+        both_spellings(p, skip_dest_prefixes=("config__", "sft__"))  # --max_new_tokens and --max-new-tokens
     args, extra = parser.parse_known_args(argv)
     if extra:  # only `train` (and `study run`, for its runs) take free --field value pairs (any config field)
         if args.command in ("train", "sft"):
