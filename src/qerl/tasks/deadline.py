@@ -4,9 +4,15 @@ Threads cannot be stopped and signal.alarm works only in the main thread, so eac
 small pool of worker processes: a call past its deadline has its worker killed (and replaced) and
 comes back as a failure; the caller never waits longer than the deadline.
 
-Workers are fresh interpreters (`python -m qerl.tasks.deadline`), not forks or multiprocessing
-children: nothing of the trainer's threads or CUDA state is inherited, and the user's main script
-is never re-imported. Jobs and results cross a pipe as JSON (nothing is unpickled).
+Workers are fresh interpreters, not forks or multiprocessing children: nothing of the trainer's
+threads or CUDA state is inherited, and the user's main script is never re-imported. Jobs and
+results cross a pipe as JSON (nothing is unpickled).
+
+The current folder is never on a worker's import path (`python -m` would put it first, and a
+`math_verify.py` in the folder a run starts from was executed): a worker runs `python -P -c BOOT`
+with this process's import path minus the current folder and the main script's folder. A module
+the workers must import that this process itself loaded from one of those folders (qerl run from
+its source folder, a user's tool module) has that folder appended last, after every installed package.
 """
 
 from __future__ import annotations
@@ -47,17 +53,65 @@ def _serve(rd: Connection, wr: Connection, warm: list[str]) -> None:
             msg = [True, getattr(importlib.import_module(mod), fn)(*args)]
         except Exception as e:  # noqa: BLE001 - reported to the caller as that job's failure
             msg = [False, f"{type(e).__name__}: {e}"[:300]]
-        wr.send_bytes(json.dumps(msg).encode())
+        try:
+            data = json.dumps(msg).encode()
+        except (TypeError, ValueError):  # a result JSON cannot carry: that job's failure, not the worker's end
+            data = json.dumps([False, f"TypeError: {target} returned a {type(msg[1]).__name__}, not JSON"]).encode()
+        wr.send_bytes(data)
+
+
+def _unsafe_folders() -> set[str]:
+    """The folders no worker imports from first: the current one, and the main script's."""
+    out = {os.path.realpath(os.getcwd())}
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main:
+        out.add(os.path.realpath(os.path.dirname(os.path.abspath(main))))
+    return out
+
+
+def _root_of(name: str) -> str | None:
+    """The folder a loaded module's top package was imported from (None if it is not loaded from a file)."""
+    top = sys.modules.get(name.partition(".")[0])
+    f = getattr(top, "__file__", None)
+    if not f:
+        return None
+    f = os.path.realpath(f)
+    return os.path.dirname(os.path.dirname(f)) if os.path.basename(f) == "__init__.py" else os.path.dirname(f)
+
+
+def worker_path(warm: tuple[str, ...] = ()) -> list[str]:
+    """A worker's sys.path: this process's without '' and the unsafe folders (the current folder, the
+    main script's), then the unsafe folders that qerl or a `warm` module was loaded from, last."""
+    unsafe = _unsafe_folders()
+    path = [p for p in sys.path if p and os.path.realpath(p) not in unsafe]
+    for name in ("qerl", *warm):
+        root = _root_of(name)
+        if root and root in unsafe and root not in path:
+            path.append(root)  # after site-packages: an installed module of the same name wins
+    return path
+
+
+# runs with -P (nothing prepended to sys.path), sets the import path, then serves
+_BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[4]); from qerl.tasks.deadline import _main; "
+         "_main(sys.argv[1:4])")
+
+
+def _main(argv: list[str]) -> None:
+    from multiprocessing.connection import Connection as C
+
+    _serve(C(int(argv[0]), writable=False), C(int(argv[1]), readable=False), json.loads(argv[2]))
 
 
 class _Worker:
     def __init__(self, warm: tuple[str, ...]):
         child_rd, parent_wr = os.pipe()  # (read end, write end)
         parent_rd, child_wr = os.pipe()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this qerl, from any cwd
-        self.proc = subprocess.Popen([sys.executable, "-m", "qerl.tasks.deadline", str(child_rd), str(child_wr),
-                                      json.dumps(list(warm))], pass_fds=(child_rd, child_wr), env=env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        path = worker_path(warm)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # site customisation sees no unsafe folder either
+        env.pop("PYTHONSTARTUP", None)
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, str(child_rd), str(child_wr),
+                                      json.dumps(list(warm)), json.dumps(path)], pass_fds=(child_rd, child_wr),
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         os.close(child_rd)
         os.close(child_wr)
         self.send, self.conn = Connection(parent_wr, readable=False), Connection(parent_rd, writable=False)
@@ -67,7 +121,7 @@ class _Worker:
             ok = False
         if not ok:
             self.kill()
-            raise RuntimeError(f"a reward worker process (python -m qerl.tasks.deadline) did not start within "
+            raise RuntimeError(f"a reward worker process (qerl.tasks.deadline) did not start within "
                                f"{STARTUP_S:.0f} s")
 
     def kill(self):
@@ -140,6 +194,5 @@ def shared_pool(warm: tuple[str, ...] = ()) -> DeadlinePool:
     return _SHARED[warm]
 
 
-if __name__ == "__main__":  # a worker: python -m qerl.tasks.deadline READ_FD WRITE_FD WARM_JSON
-    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False),
-           json.loads(sys.argv[3]))
+if __name__ == "__main__":  # a worker started by hand: python -P -m qerl.tasks.deadline READ_FD WRITE_FD WARM_JSON
+    _main(sys.argv[1:4])
