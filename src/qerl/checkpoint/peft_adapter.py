@@ -116,11 +116,13 @@ def resolve_quant(adapter_dir, quant: str | None, flag: str = "--quant") -> str:
     return quant
 
 
-def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
+def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None,
+                 checksums: bool = False) -> Path:
     """Write the model's LoRA factors as a PEFT adapter folder; returns the folder.
 
     The folder is written as a whole and swapped in (checkpoint/atomic.py): a failed save leaves
-    the previous adapter intact; other files already in `out_dir` are kept.
+    the previous adapter intact; other files already in `out_dir` are kept. checksums: also write
+    checksums.json (a run's final adapter), which load_adapter verifies.
     """
     model, policy = _split(policy_or_model)
     layers = _lora_layers(model)
@@ -175,6 +177,10 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
         quant = _base_quant(layers)
         if quant:
             (tmp / INFO_NAME).write_text(json.dumps({"base_quant": quant}) + "\n")
+        if checksums:
+            from .checksums import write_checksums
+
+            write_checksums(tmp)
     return Path(out_dir)
 
 
@@ -286,6 +292,12 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
         raise AdapterError(f"{folder}: adapter folder not found")
     cfg = _read_config(folder)
     cfg_path = folder / CONFIG_NAME
+    from .checksums import ChecksumError, verify_checksums
+
+    try:  # bytes changed since the save (an adapter written with checksums.json)
+        verify_checksums(folder)
+    except ChecksumError as e:
+        raise AdapterError(str(e)) from None
     path, tensors = _read_tensors(folder)
     r = cfg["r"]
     alpha = float(cfg.get("lora_alpha", 8))

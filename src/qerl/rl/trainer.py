@@ -651,7 +651,8 @@ class GRPOTrainer:
         from ..checkpoint.peft_adapter import save_adapter
 
         if main:
-            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=base_of(cfg.model_name_or_path))
+            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=base_of(cfg.model_name_or_path),
+                         checksums=True)
         self.dist.barrier()
         return rows
 

@@ -247,8 +247,12 @@ class SFTTrainer:
         from ..checkpoint.peft_adapter import save_adapter
 
         if main:
-            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path)
+            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path,
+                         checksums=True)
             # with the tokenizer, as TRL saves it: the folder is then a model to start `qerl train` from
             self.tok.save_pretrained(self.out / "adapter")
+            from ..checkpoint.checksums import write_checksums
+
+            write_checksums(self.out / "adapter")  # last, over every file (load_adapter verifies them)
         self.dist.barrier()
         return rows

@@ -1,0 +1,95 @@
+"""Issue 40, silent: a checkpoint whose checksums.json was deleted, lists no files, or leaves a file
+out resumed unverified although the run's other checkpoints have checksums; the final adapter/ had
+no checksums at all. Now such a checkpoint is skipped (set aside, the resume falls back), and the
+final adapter is verified wherever it is loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tiny_models import save_tiny, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("m") / "m"
+    save_tiny(d, "llama")
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def train_args(model, out, *extra):
+    return ["train", "--model", model, "--dataset_name", "arithmetic", "--dataset_config", "{size: 16, eval_size: 4}",
+            "--max_steps", "2", "--generation_batch_size", "4", "--num_generations", "2",
+            "--per_device_train_batch_size", "4", "--max_completion_length", "4", "--max_prompt_length", "64",
+            "--aqn_stages", "2", "--save_steps", "1", "--report_to", "none", "--parity_check_steps", "0",
+            "--optim", "adamw_torch", "--save_total_limit", "2", "--eval_on_start", "false", "--eval_on_end", "false",
+            "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished(model, tmp_path_factory):
+    from qerl.cli import main
+
+    run = tmp_path_factory.mktemp("f") / "run"
+    assert main([str(a) for a in train_args(model, run)]) == 0
+    return run
+
+
+@pytest.fixture
+def run(finished, tmp_path):
+    shutil.copytree(finished, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _flip(f, at=-200):
+    data = bytearray(f.read_bytes())
+    data[at:at + 64] = bytes(b ^ 0x5A for b in data[at:at + 64])
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "lists_nothing", "leaves_a_file_out"])
+def test_a_checkpoint_without_usable_checksums_is_skipped_at_resume(cli, run, damage):
+    c2 = run / "checkpoint-2"
+    sums = c2 / "checksums.json"
+    table = json.loads(sums.read_text())
+    _flip(c2 / "trainable.safetensors")  # what the missing checksums would have caught
+    if damage == "deleted":
+        sums.unlink()
+        said = "checksums.json: missing"
+    elif damage == "lists_nothing":
+        sums.write_text(json.dumps({"algorithm": "sha256", "files": {}}))
+        said = "lists no files"
+    else:
+        del table["files"]["trainable.safetensors"]
+        sums.write_text(json.dumps(table))
+        said = "trainable.safetensors: not listed"
+    rc, out, err = cli("train", "--resume", run, "--max_steps", "2")
+    assert rc == 0, err
+    assert "skipping checkpoint-2" in out and said in out and "at step 1/2" in out, out
+    assert (run / "checkpoint-2.corrupt").is_dir()
+
+
+def test_the_first_checkpoint_of_a_run_has_no_sibling_to_require_checksums(tmp_path):
+    """Checksums are required where the run's other checkpoints have them, not in a lone old checkpoint."""
+    from qerl.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
+
+    for n in (1, 2):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+        (tmp_path / f"checkpoint-{n}" / "x.bin").write_bytes(b"x")
+    assert verify_checksums(tmp_path / "checkpoint-1") is False  # no checkpoint has checksums: an old run
+    write_checksums(tmp_path / "checkpoint-2")
+    assert verify_checksums(tmp_path / "checkpoint-2") is True
+    with pytest.raises(ChecksumError, match="checkpoint-1/checksums.json: missing"):
+        verify_checksums(tmp_path / "checkpoint-1")
+
+
+def test_the_final_adapter_has_checksums_verified_where_it_is_loaded(cli, run, model, tmp_path):
+    sums = json.loads((run / "adapter" / "checksums.json").read_text())["files"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(sums)
+    _flip(run / "adapter" / "adapter_model.safetensors")
+    rc, _, err = cli("export", model, tmp_path / "merged", "--adapter", run / "adapter")
+    assert rc == 2 and "adapter_model.safetensors" in err and "bytes changed" in err, err
+    assert not (tmp_path / "merged").exists()
