@@ -13,7 +13,9 @@ are qerl's: README.md, "Coming from TRL", lists where they differ from TRL's and
 `GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., eval_dataset=..., peft_config=...)`:
 model is a hub id or folder (or a transformers model, saved to a temporary folder and quantized
 from there); reward_funcs one callable or a list; datasets an iterable of rows or a .jsonl path;
-peft_config a peft LoraConfig (its r, alpha, dropout and target modules). With conversational
+peft_config a peft LoraConfig or a mapping of its fields (its r, alpha, dropout and target modules,
+a list of names or PEFT's regex string; a field qerl does not implement, such as use_rslora, use_dora,
+modules_to_save or bias, is refused rather than dropped); args a GRPOConfig or a mapping of its fields. With conversational
 prompts the reward functions receive each completion as [{"role": "assistant", "content": text}],
 as TRL passes them.
 """
@@ -86,6 +88,80 @@ def _model_folder(model, processing_class) -> str:
     return str(folder)
 
 
+# LoraConfig fields qerl takes (r, alpha, dropout, targets) or that do not change training; every other
+# field must be at PEFT's default, or the trainer would train something else than asked (use_rslora,
+# use_dora, modules_to_save, bias... were dropped silently)
+_LORA_TAKEN = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "peft_type", "auto_mapping",
+               "peft_version", "base_model_name_or_path", "revision", "inference_mode", "runtime_config",
+               "megatron_core", "qalora_group_size"}
+
+
+def _lora_config(peft_config):
+    """A LoraConfig (a mapping of its fields becomes one); anything else named in a ValueError."""
+    if isinstance(peft_config, dict):
+        try:
+            from peft import LoraConfig
+        except ImportError:
+            raise ValueError("peft_config: a mapping needs peft installed (pip install peft)") from None
+        try:
+            return LoraConfig(**peft_config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"peft_config {peft_config!r}: not LoraConfig fields ({e})"[:400]) from None
+    if not hasattr(peft_config, "r") or not hasattr(peft_config, "lora_alpha"):
+        raise ValueError(f"peft_config: {type(peft_config).__name__} is not a peft LoraConfig (qerl trains LoRA)")
+    return peft_config
+
+
+def _targets(value) -> list[str] | None:
+    """PEFT's target_modules as qerl's names: a list of names as is; a string is PEFT's regex, matched in
+    full against each projection's module name (and its bare name); None for PEFT's all-linear default."""
+    if value in (None, "all-linear"):
+        return None
+    if not isinstance(value, str):
+        return sorted(value)
+    import re
+
+    from .model.architectures import TARGET_MODULES
+
+    try:
+        rx = re.compile(value)
+    except re.error as e:
+        raise ValueError(f"peft_config.target_modules {value!r}: not a regular expression ({e})") from None
+    chosen, per_layer = [], set()
+    for short, path in TARGET_MODULES.items():
+        hits = [bool(rx.fullmatch(f"model.layers.{i}.{path}")) for i in (0, 1)]
+        if len(set(hits)) > 1:
+            per_layer.add(short)
+        if any(hits) or rx.fullmatch(path.rpartition(".")[2]):
+            chosen.append(short)
+    if per_layer:
+        raise ValueError(f"peft_config.target_modules {value!r} selects some layers only; qerl puts LoRA on the same "
+                         f"projections of every layer (give their names, e.g. ['q_proj', 'v_proj'])")
+    if not chosen:
+        raise ValueError(f"peft_config.target_modules {value!r} matches none of the projections "
+                         f"({', '.join(p.rpartition('.')[2] for p in TARGET_MODULES.values())})")
+    return chosen
+
+
+def _lora_change(peft_config) -> dict:
+    """The config fields a LoraConfig sets; a field qerl would otherwise drop is refused, naming it."""
+    lc = _lora_config(peft_config)
+    if dataclasses.is_dataclass(lc):
+        default = type(lc)()
+        for f in dataclasses.fields(lc):
+            if f.name in _LORA_TAKEN:
+                continue
+            v, d = getattr(lc, f.name), getattr(default, f.name, None)
+            if v != d and not (not v and not d):
+                raise ValueError(f"peft_config.{f.name}={v!r} is not supported by qerl (it would be dropped: qerl "
+                                 f"trains plain LoRA on every layer's projections); leave it at {d!r}")
+    change = dict(lora_r=lc.r, lora_alpha=float(lc.lora_alpha), lora_dropout=float(lc.lora_dropout))
+    targets = _targets(lc.target_modules)
+    if targets is not None:
+        change["lora_target_modules"] = targets
+    return change
+
+
 class GRPOTrainer(_Trainer):
     """qerl's trainer with TRL's constructor (see the module's doc)."""
 
@@ -102,6 +178,14 @@ class GRPOTrainer(_Trainer):
             if not callable(f):
                 raise TypeError(f"reward_funcs: {f!r} is not callable (reward models by name are not supported; "
                                 "pass a function of the completions)")
+        if isinstance(args, dict):  # TRL's GRPOConfig(**args)
+            try:
+                args = GRPOConfig(**args)
+            except TypeError as e:
+                raise ValueError(f"args: {e}") from None
+        elif args is not None and not isinstance(args, _Config):
+            raise ValueError(f"args: {type(args).__name__} is not a GRPOConfig (pass qerl.trl.GRPOConfig(...) or a "
+                             "mapping of its fields)")
         args = args if args is not None else GRPOConfig()
         epochs = getattr(args, "trl_num_train_epochs", None)
         rows = _read_rows(train_dataset, "train_dataset")
@@ -109,10 +193,7 @@ class GRPOTrainer(_Trainer):
             raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
         change = {"model_name_or_path": _model_folder(model, processing_class)}
         if peft_config is not None:
-            change.update(lora_r=peft_config.r, lora_alpha=float(peft_config.lora_alpha),
-                          lora_dropout=float(peft_config.lora_dropout))
-            if peft_config.target_modules not in (None, "all-linear"):
-                change["lora_target_modules"] = sorted(peft_config.target_modules)
+            change.update(_lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)
         if epochs is not None:  # TRL's max_steps=-1: whole passes over the prompts
             from .rl.batching import batch_plan

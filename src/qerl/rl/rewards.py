@@ -5,6 +5,11 @@ MAX_REWARD in size (1e308 ended as "loss is nan" in the advantages' std), or a l
 length (one value for four completions was retried one by one and scored every completion 1.0):
 each is scored 0, counted in `reward_errors`, and the first one's message kept.
 
+A function that fails on every completion of FAILING_CALLS calls in a row (returns None, a scalar,
+text, a short or nested list, or needs a column the data lacks) is broken, not unlucky: `score`
+raises RewardFunctionError naming it and what it returned, as TRL does at once (it trained on
+zeros with exit 0). Time limits passed are not counted toward that (a slow machine is not a bug).
+
 A reward function follows TRL's convention: `f(completions: list[str], **columns) -> list[float]`
 where each dataset column (e.g. `answer`) and `prompts` arrive as lists aligned with
 `completions`. A function may set `f.metric = "accuracy"` or `"format"` to be reported as the
@@ -30,6 +35,50 @@ def func_name(f) -> str:
 
 
 MAX_REWARD = 1e6  # |reward| beyond it is a broken function: its square overflows the advantages' std
+FAILING_CALLS = 3  # calls in a row on which a function failed on every completion: then it is an error
+
+
+class RewardFunctionError(ValueError):
+    """A reward function that fails on every completion, call after call; the message names it."""
+
+
+_failing: dict[int, tuple[object, int]] = {}  # id(function) -> (function, calls in a row failed on everything)
+
+
+def _track(f, name: str, n: int, failed: int, first: str | None) -> None:
+    """Count calls on which `f` failed on all n completions; raise at FAILING_CALLS in a row."""
+    key = id(f)
+    if n == 0 or failed < n:
+        _failing.pop(key, None)
+        return
+    prev = _failing.get(key)
+    count = (prev[1] if prev is not None and prev[0] is f else 0) + 1
+    if count < FAILING_CALLS:
+        _failing[key] = (f, count)
+        return
+    _failing.pop(key, None)
+    raise RewardFunctionError(f"reward function {name!r} failed on every completion of {count} calls in a row "
+                              f"({first}); a reward function takes (completions, **columns) and returns one number "
+                              f"per completion (TRL's convention)"[:600])
+
+
+class _NotAList(TypeError):
+    pass
+
+
+def _one_value(got):
+    """The one value of a call on one completion; an error saying what came back otherwise."""
+    try:
+        one = list(got)
+    except TypeError:
+        raise _NotAList(f"returned {type(got).__name__} {str(got)[:40]!r}, not a list") from None
+    if len(one) != 1:
+        raise ValueError(f"returned {len(one)} values for 1 completion")
+    return one[0]
+
+
+def _timeout(e: BaseException) -> bool:
+    return isinstance(e, TimeoutError) or type(e).__name__ == "RewardTimeout"
 
 
 def _bad_value(v) -> str | None:
@@ -53,25 +102,27 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> S
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
     out = Scores(total=[0.0] * n)
+    mine = {"failed": 0, "first": None}  # the current function's failures (time limits not counted)
 
-    def error(name, msg, count=1):
+    def error(name, msg, count=1, timeout=False):
         out.errors += count
         out.first_error = out.first_error or f"{name}: {msg}"[:300]
+        if not timeout:
+            mine["failed"] += count
+            mine["first"] = mine["first"] or msg[:300]
 
     for f, w in zip(funcs, weights):
         name = func_name(f)
+        mine.update(failed=0, first=None)
         try:
             vals = list(f(completions, **columns))
         except Exception:  # noqa: BLE001 - retry one by one so one bad completion costs only itself
             vals = []
             for i in range(n):
                 try:
-                    one = list(f([completions[i]], **{k: [v[i]] for k, v in columns.items()}))
-                    if len(one) != 1:
-                        raise ValueError(f"returned {len(one)} values for 1 completion")
-                    vals.append(one[0])
+                    vals.append(_one_value(f([completions[i]], **{k: [v[i]] for k, v in columns.items()})))
                 except Exception as e:  # noqa: BLE001
-                    error(name, f"{type(e).__name__}: {e}")
+                    error(name, str(e) if isinstance(e, _NotAList) else f"{type(e).__name__}: {e}", timeout=_timeout(e))
                     vals.append(0.0)
         if len(vals) != n:  # which value belongs to which completion is unknown: none is used
             error(name, f"returned {len(vals)} values for {n} completions", n)
@@ -82,6 +133,7 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> S
             if why:
                 error(name, why)
             clean.append(0.0 if why else float(v))
+        _track(f, name, n, mine["failed"], mine["first"])
         out.per_func[name] = clean
         out.total = [t + w * v for t, v in zip(out.total, clean)]
     return out
