@@ -40,7 +40,8 @@ class ToolEnvironment:
             lim = self.runner.limits
             answers = []
             for c in calls:
-                ok, res = call_with_deadline(lambda c=c: self.step(c), lim.timeout_s,
+                # its answer's conversion to text too: a slow __str__ is under the limit
+                ok, res = call_with_deadline(lambda c=c: safe_text(self.step(c), lim.max_output_chars), lim.timeout_s,
                                              f"the environment's step ({c.name})")
-                answers.append(safe_text(res, lim.max_output_chars) if ok else str(res))
+                answers.append(str(res))
         return [tool_message(a, c.name or None) for c, a in zip(calls, answers)]

@@ -6,9 +6,12 @@ the tokens since the end of what this handler appended last time, so text a tool
 earlier (an error quoting a call, say) is never taken for a new call.
 
 A user's environment (`environment_factory`) runs under the tools' limits: building it, `reset` and
-`respond` each get `limits.timeout_s` of wall time, what it answers is cut to `limits.max_output_chars`
-a message, and its exceptions (or an answer that is not a list of messages) become error text for the
-model. An environment that timed out or failed to start answers nothing more: its sample ends.
+`respond` each get `limits.timeout_s` of wall time, and so does turning its answer into text (a
+message whose `__str__` is slow held the rollout past the limit); a turn's answer is at most
+MAX_MESSAGES messages and `limits.max_output_chars` characters in all (10,000 messages of 35
+characters each were 350k characters under a limit of 100), and its exceptions (or an answer that is
+not a list of messages) become error text for the model. An environment that timed out or failed to
+start answers nothing more: its sample ends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,36 @@ from .calls import HERMES, ToolCallFormat, tool_call_stop_strings
 from .chat import tool_message, tool_response_ids
 from .env import ToolEnvironment
 from .runner import ToolLimits, call_with_deadline, safe_text
+
+MAX_MESSAGES = 16  # messages in one turn's answer; more are dropped, with a note saying how many
+
+
+class _NotMessages(ValueError):
+    pass
+
+
+def as_messages(res, max_chars: int) -> list[dict]:
+    """An environment's answer as tool messages: text, None, or a list of {"content": ...} dicts, bounded
+    to MAX_MESSAGES messages and `max_chars` characters in all. _NotMessages for anything else."""
+    if res is None:
+        return []
+    if isinstance(res, str):  # one answer as plain text: a tool message
+        res = [tool_message(res)]
+    if not isinstance(res, list) or not all(isinstance(m, dict) and "content" in m for m in res[:MAX_MESSAGES + 1]):
+        raise _NotMessages(f"Error: the environment answered {type(res).__name__} {safe_text(res, 100)!r}, "
+                           "not a list of messages")
+    out, left = [], max_chars
+    for m in res[:MAX_MESSAGES]:
+        if left <= 0:
+            break
+        role = m.get("role", "tool")
+        text = safe_text(m["content"], left)
+        left -= min(len(text), left)
+        out.append({**m, "role": role if isinstance(role, str) else "tool", "content": text})
+    if len(out) < len(res):
+        out.append(tool_message(f"[{len(res) - len(out)} more messages not shown: at most {MAX_MESSAGES} messages "
+                                f"and {max_chars} characters a turn]"))
+    return out
 
 
 class ToolTurnHandler:
@@ -75,21 +108,23 @@ class ToolTurnHandler:
         env = self.envs[key]
         if isinstance(env, ToolEnvironment) and type(env).respond is ToolEnvironment.respond:
             return env.respond(turn), True  # its tools' and steps' calls run under the limits already
-        else:
-            ok, res = self._guarded("the environment's respond", lambda: env.respond(turn))
+        cap = self.limits.max_output_chars
+
+        def answer():  # the answer and its conversion to text, both under the time limit
+            try:
+                return True, as_messages(env.respond(turn), cap)
+            except _NotMessages as e:
+                return False, str(e)
+
+        ok, res = self._guarded("the environment's respond", answer)
+        if ok:
+            ok, res = res
+            if not ok:
+                with self._lock:
+                    self.env_errors += 1
         if not ok:
             return [tool_message(str(res))], False
-        if res is None or res == []:
-            return [], True
-        if isinstance(res, str):  # one answer as plain text: a tool message
-            res = [tool_message(res)]
-        if not isinstance(res, list) or not all(isinstance(m, dict) and "content" in m for m in res):
-            with self._lock:
-                self.env_errors += 1
-            return [tool_message(f"Error: the environment answered {type(res).__name__} {safe_text(res, 100)!r}, "
-                                 "not a list of messages")], False
-        cap = self.limits.max_output_chars
-        return [{**m, "role": m.get("role", "tool"), "content": safe_text(m["content"], cap)} for m in res], True
+        return res, True
 
     def respond(self, prompt_index: int, sample_index: int, token_ids: list[int], text: str) -> list[int] | None:
         key = (prompt_index, sample_index)

@@ -89,8 +89,9 @@ def call_with_deadline(func, timeout_s: float, what: str) -> tuple[bool, object]
     return box[0] if box else (False, f"Error: {what} took longer than {timeout_s:g} s")
 
 
-def _thread_call(name: str, func, arguments: dict, timeout_s: float) -> tuple[bool, object]:
-    return call_with_deadline(lambda: func(**arguments), timeout_s, name)
+def _thread_call(name: str, func, arguments: dict, timeout_s: float, max_chars: int) -> tuple[bool, str]:
+    """The call and its result's conversion to text, both under the deadline (a slow __str__ counts)."""
+    return call_with_deadline(lambda: safe_text(func(**arguments), max_chars), timeout_s, name)
 
 
 def safe_text(result, max_chars: int) -> str:
@@ -149,6 +150,7 @@ class ToolRunner:
                     out[i] = f"Error: {name} failed: its worker process died"
         for i, c in enumerate(calls):
             if out[i] is None:  # not importable by name: run here, on a thread we can stop waiting for
-                ok, res = _thread_call(c.name, self.tools[c.name].func, c.arguments, lim.timeout_s)
-                out[i] = safe_text(res, lim.max_output_chars) if ok else str(res)
+                ok, res = _thread_call(c.name, self.tools[c.name].func, c.arguments, lim.timeout_s,
+                                       lim.max_output_chars)
+                out[i] = str(res)
         return out
