@@ -32,11 +32,11 @@ for bn, tune in sorted(w4_wgmma.TUNING.items()):
             assert lib.cuFuncGetAttribute(ctypes.byref(v), a, fn.func) == 0
             got[name] = v.value
         per_sm = ctypes.c_int()
-        assert lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn.func, 128 * cfg.wg,
+        assert lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn.func, cfg.threads,
                                                                cfg.smem_bytes()) == 0
         ok = got["local"] == 0 and per_sm.value >= tune.get("ctas_per_sm", 1)
         bad += not ok
-        print(f"BN {bn:3d} wg {cfg.wg} st {cfg.stages} lora {int(lora)} fuse {int(fuse)}: {got['regs']} regs, "
+        print(f"BN {bn:3d} wg {cfg.wg} pw {cfg.pw} st {cfg.stages} lora {int(lora)} fuse {int(fuse)}: {got['regs']} regs, "
               f"{got['local']} B local, smem {cfg.smem_bytes()} B, {per_sm.value} CTAs/SM (plan "
               f"{tune.get('ctas_per_sm', 1)}) {'ok' if ok else 'BAD'}")
 sys.exit(1 if bad else 0)

@@ -38,9 +38,9 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
     if w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
-        # The shrink inside the launch where the term allows (stacked A, no xa), else its own GEMM first;
-        # the expand runs in the epilogue.
-        fuse = lora is not None and w4_mma.lora_fusable(lora, k)
+        # The shrink inside the launch only where the measured policy says it finishes in time
+        # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
+        fuse = lora is not None and w4_mma.lora_fusable(lora, k) and w4_mma.shrink_in_launch(m, n, k)
         if lora is not None and not fuse:
             lora = _shrunk(lora, x2d)
             fuse = w4_mma.lora_fusable(lora, k)

@@ -23,24 +23,45 @@ from pathlib import Path
 
 import torch
 
-from ..formats.nvfp4_mma import BITS, SCALE_BIAS
+from ..formats.nvfp4_mma import BITS, RECIPE, SCALE_BIAS
 
 _DIR = Path(__file__).parent
 _COMMON = "w4_common.cuh"
 _FUNCS: dict = {}
 
 
+_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.M)
+
+
+def _inline_includes(text: str) -> str:
+    """`#include "x.cuh"` of a file beside the kernels, inlined: torch's NVRTC call passes no headers."""
+    return _INCLUDE.sub(lambda m: (_DIR / m.group(1)).read_text(), text)
+
+
+def decode_v2_source() -> str:
+    """decode_word's BITS 2 body, generated from formats/nvfp4_mma.RECIPE: the masks and rotations exist
+    once, in Python, where the CPU tests decode with them."""
+    lines = []
+    for i, terms in enumerate(RECIPE[2]):
+        parts = [("v" if r == 0 else f"rotl(v, {r})") + f" & 0x{mask:08X}u" for r, mask in terms]
+        expr = " | ".join(f"({p})" for p in parts) if len(parts) > 1 else parts[0]
+        lines.append(f"  a{i} = bmul2({expr}, {'sl' if i % 2 == 0 else 'sh'});")
+    return "\n".join(lines)
+
+
 def source(file: str, defines: dict, generated: dict | None = None) -> str:
-    """The text NVRTC compiles: the #defines, the shared helpers, then the kernel file, with each
-    placeholder line in `generated` replaced by its code (e.g. an MMA whose operand list depends on a tile)."""
+    """The text NVRTC compiles: the #defines, the shared helpers, then the kernel file (its local includes
+    inlined), with each placeholder line in `generated` replaced by its code (e.g. an MMA whose operand
+    list depends on a tile)."""
     base = {"SCALE_BIAS": SCALE_BIAS, "BITS": BITS}
     head = "".join(f"#define {n} {v}\n" for n, v in {**base, **defines}.items())
-    body = (_DIR / file).read_text()
+    body = _inline_includes((_DIR / file).read_text())
     for name, code in (generated or {}).items():
         if name not in body:
             raise KeyError(f"{file} has no placeholder {name}")
         body = body.replace(name, code)
-    return head + (_DIR / _COMMON).read_text() + body
+    common = (_DIR / _COMMON).read_text().replace("DECODE_V2_BODY", decode_v2_source())
+    return head + common + body
 
 
 def arch(device: torch.device) -> str:

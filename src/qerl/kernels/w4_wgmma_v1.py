@@ -31,7 +31,7 @@ from . import counters, nvrtc, settings
 
 log = logging.getLogger(__name__)
 
-FILE, NAME = "w4_wgmma.cu", "w4_wgmma_matmul"
+FILE, NAME = "w4_wgmma_v1.cu", "w4_wgmma_matmul"  # the first design, kept for an A/B on the device
 MIN_M, MAX_M = 9, 256  # tokens this kernel takes (below: mma.sync; above: dequantize + cuBLAS)
 _COUNTERS = 1 << 14
 

@@ -1,0 +1,288 @@
+// NVFP4 x bf16 matmul for many tokens (M = 9..256) on sm_90a through wgmma. Compiled by NVRTC
+// (kernels/w4_wgmma.py) after w4_common.cuh and w4_wgmma_index.cuh (the address arithmetic, which the CPU
+// tests compile for the host), with WGMMA_STEP generated there for the token tile BN.
+//
+// The problem is transposed: weight rows are wgmma's M (64 per consumer warpgroup), tokens its N (BN per
+// CTA, up to 256), inputs its K. Weights are the register-sourced operand A, in the same bytes the mma.sync
+// kernel reads (formats/nvfp4_mma.py): warp w of a consumer warpgroup owns row tile w of the group's 64
+// rows, and each lane's 16 bytes of a 64-input chunk decode into its A registers of the chunk's 4 k-steps,
+// once per CTA. Activations are operand B, from shared memory, K-major with the 128-byte swizzle, in the
+// MMA's logical k order: the layout permutes inputs inside each 64-chunk so that a lane's 16 weights share
+// one scale, and the same permutation of the activations leaves the dot product unchanged. The permutation
+// moves whole 32-bit words, so the producer writes it directly: one 4-byte cp.async per word, straight into
+// the swizzled tile (x_dst), no staging copy and no permute pass.
+//
+// Warp-specialised: PW producer warps (after the consumer warpgroups) only issue cp.async into a ring of ST
+// stages {B tile, weights, scales}; each stage has a `full` mbarrier (the producers' cp.async completions
+// arrive on it: cp.async.mbarrier.arrive.noinc) and an `empty` one (each consumer warpgroup arrives once its
+// MMAs on the stage are done). Consumers wait for `full`, fence the generic-proxy writes for wgmma's async
+// reads (the fence runs in threads with no cp.async of their own in flight, so it cannot drain the ring),
+// decode the chunk into one of two A register sets, issue the chunk's 4 wgmmas back to back and keep one
+// chunk's group in flight (wgmma.wait_group 1) while the next chunk decodes.
+// Split K: CTAs along z keep partial sums apart; the last to arrive adds them in split order
+// (deterministic: no float atomics, no reduce kernel). Epilogue: x 2^7/gs, + bias, + LoRA expand (an
+// mma.sync per 16 of rank on the accumulator fragments: per warp, wgmma's D layout is mma.sync's C
+// layout for each 8 tokens), round to bf16 once.
+//
+// LoRA shrink: given (xa), or inside the launch (FUSE_SHRINK: extra CTAs compute xa first, by ticket).
+//
+// Compile-time: WG (consumer warpgroups), PW (producer warps), BN (tokens a CTA, a multiple of 8, <= 256),
+// ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, FUSE_SHRINK;
+// MT = BN / 8 and WARPS = 4 WG + PW for the shared shrink_cta.
+
+#include "w4_wgmma_index.cuh"
+
+#define THREADS (CTHREADS + PTHREADS)
+
+__device__ __forceinline__ void cp_async16_z(u32 dst, const void* src, int bytes) {  // bytes 0: zero fill
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4_z(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {  // when this thread's cp.asyncs so far land
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {  // the consumer warpgroups only (barrier 1)
+  asm volatile("bar.sync 1, %0;" ::"n"(CTHREADS) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// The sm_90 shared-memory matrix descriptor: start address, leading byte offset (unused by swizzled
+// K-major layouts: 1), stride byte offset (8 rows x 128 B between 8-token groups), 128-byte swizzle.
+__device__ __forceinline__ u64 b_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+WGMMA_STEP_DEFINITION
+
+// One chunk on a consumer warpgroup: wait for its stage, decode into `a`, 4 wgmmas, then free the previous
+// chunk's stage (its group is the one wait_group 1 retires).
+__device__ __forceinline__ void consume(int c, u32 ring, u32 bars, int wi, int lane, float* acc, u32* a) {
+  const int s = slot(c);
+  mbar_wait(bars + 8 * s, full_parity(c));
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async (generic proxy) -> wgmma (async proxy)
+  u32x4 w;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+               : "r"(ring + stage_w(s) + (wi * 32 + lane) * 16));
+  u16 sc;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(sc) : "r"(ring + stage_s(s) + (wi * 32 + lane) * 2));
+  u32 sl, sh;
+  scales(sc, sl, sh);
+  decode_word(w.x, sl, sh, a[0], a[1], a[2], a[3]);
+  decode_word(w.y, sl, sh, a[4], a[5], a[6], a[7]);
+  decode_word(w.z, sl, sh, a[8], a[9], a[10], a[11]);
+  decode_word(w.w, sl, sh, a[12], a[13], a[14], a[15]);
+  const u32 bt = ring + stage_b(s);
+  wgmma_fence();
+  wgmma_step(acc, a + 0, b_desc(bt));
+  wgmma_step(acc, a + 4, b_desc(bt + 32));
+  wgmma_step(acc, a + 8, b_desc(bt + 64));
+  wgmma_step(acc, a + 12, b_desc(bt + 96));
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (c > 0 && (threadIdx.x & 127) == 0) mbar_arrive(bars + 8 * (ST + slot(c - 1)));
+}
+
+__device__ __forceinline__ void matmul_cta(
+    const int bx, const int by, const int split, const int S, const int gx, const int gy,
+    const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
+    u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
+    const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_ctas) {
+  extern __shared__ unsigned char smem[];
+  __shared__ __align__(8) u64 bar_mem[2 * ST];  // full[ST], empty[ST]
+  __shared__ int is_last;
+  const u32 ring = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle atoms are 1024-byte aligned
+  const u32 bars = smem_addr(bar_mem);
+  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
+  const int KCH = K >> 6, NT = N >> 4;
+  const int rt0 = bx * WG * 4;  // the CTA's first row tile; consumer warp wi owns row tile rt0 + wi
+  const int tok0 = by * BN;
+  const int c_begin = chunk_begin(split, chunks_per_split);
+  const int nch = chunk_count(split, chunks_per_split, KCH);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; s++) {
+      mbar_init(bars + 8 * s, PTHREADS);    // full: every producer thread's cp.asyncs
+      mbar_init(bars + 8 * (ST + s), WG);   // empty: one arrival per consumer warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= CTHREADS) {  // producer warps
+    const int pt = tid - CTHREADS, w = x_word(pt);
+    for (int c = 0; c < nch; c++) {
+      const int s = slot(c), gc = c_begin + c;
+      if (c >= ST) mbar_wait(bars + 8 * (ST + s), empty_parity(c));
+      const u32 b = ring + stage_b(s);
+#pragma unroll
+      for (int i = 0; i < X_PER_THREAD; i++) {  // rows past M: zero fill, no read
+        const int n = x_row(pt, i), tok = tok0 + n;
+        cp_async4_z(b + x_dst(n, w), x + (u64)(tok < M ? tok : 0) * ldx + gc * 64 + 2 * w, tok < M ? 4 : 0);
+      }
+#pragma unroll
+      for (int i = pt; i < WG * 128; i += PTHREADS) {  // row tiles past N: zero fill
+        const int rt = rt0 + (i >> 5);
+        cp_async16_z(ring + stage_w(s) + i * 16, wq + w_src(rt < NT ? rt : 0, KCH, gc, i & 31), rt < NT ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = pt; i < WG * 16; i += PTHREADS) {
+        const int rt = rt0 + (i >> 2);
+        cp_async16_z(ring + stage_s(s) + i * 16, wsc + s_src(rt < NT ? rt : 0, KCH, gc, i & 3), rt < NT ? 16 : 0);
+      }
+      mbar_arrive_cp_async(bars + 8 * s);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;  // the producers take no part in the epilogue (consumers_sync counts consumer threads only)
+  }
+
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; i++) acc[i] = 0.f;
+  u32 a0[16], a1[16];  // two chunks' A registers: one being read by wgmma while the next decodes
+  int c = 0;
+  for (; c + 1 < nch; c += 2) {
+    consume(c, ring, bars, wi, lane, acc, a0);
+    consume(c + 1, ring, bars, wi, lane, acc, a1);
+  }
+  if (c < nch) consume(c, ring, bars, wi, lane, acc, a0);
+  wgmma_wait<0>();
+
+  const int ntile = by * gx + bx;
+  if (S > 1) {
+    // Partial sums [split][tile][thread][NACC], float4 per store; the last CTA of the tile adds them.
+    float* mine = part + part_index(split, ntile, gx * gy, tid, 0);
+#pragma unroll
+    for (int i = 0; i < NACC; i += 4) st_f32x4((f32x4*)(mine + i), acc + i);
+    __threadfence();
+    consumers_sync();
+    if (tid == 0) {
+      const int ticket = atomicAdd(&counters[ntile], 1);
+      is_last = ticket == S - 1;
+      if (is_last) counters[ntile] = 0;  // ready for the next launch (graph replays too)
+    }
+    consumers_sync();
+    if (!is_last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < NACC; i++) acc[i] = 0.f;
+    for (int s = 0; s < S; s++) {  // split order: the same bits every run
+      const float* p = part + part_index(s, ntile, gx * gy, tid, 0);
+#pragma unroll
+      for (int i = 0; i < NACC; i += 4) {
+        float v[4];
+        ld_f32x4_l2((const f32x4*)(p + i), v);
+        acc[i] += v[0]; acc[i + 1] += v[1]; acc[i + 2] += v[2]; acc[i + 3] += v[3];
+      }
+    }
+  }
+
+  // Epilogue. acc[4j + e]: row 16 wi + g (+8 for e >= 2) of the CTA, token 8j + 2q + (e & 1) (acc_row, acc_tok).
+  if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
+    if (tid == 0)
+      while (ld_acquire(xa_ready) < shrink_ctas) {
+      }
+    consumers_sync();
+  }
+  const int rt = rt0 + wi, g = lane >> 2, q = lane & 3;
+  if (rt >= NT) return;
+  const int row0 = rt * 16 + g, row1 = row0 + 8;
+  const float f = *out_factor;
+  float b0 = 0.f, b1 = 0.f;
+  if (HAS_BIAS) {
+    b0 = bf16_to_f32(bias[row0]);
+    b1 = bf16_to_f32(bias[row1]);
+  }
+  const int seg = (rt * 16 >= seg1) + (rt * 16 >= seg2);
+#pragma unroll
+  for (int j = 0; j < BN / 8; j++) {
+    const int t0 = tok0 + 8 * j + 2 * q;
+    if (tok0 + 8 * j >= M) break;
+    float o[4] = {acc[4 * j] * f + b0, acc[4 * j + 1] * f + b0, acc[4 * j + 2] * f + b1, acc[4 * j + 3] * f + b1};
+    if (HAS_LORA) {  // scaling * B[rows] @ xa[tokens, segment]^T: B's rows are mma.sync's A here
+      const u16* xr = xa + (u64)imin(tok0 + 8 * j + g, M - 1) * ldxa + seg * rank;
+      float l[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int k0 = 0; k0 < rank; k0 += 16) {
+        const int ka = k0 + 2 * q, kb = ka + 8;
+        const u32 a0 = ka < rank ? ld_u32(lb + (u64)row0 * rank + ka) : 0u;
+        const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
+        const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
+        const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
+        // xa written by this launch's shrink CTAs: read from L2, not a stale L1 line
+        const u32 x0 = ka < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
+        const u32 x1 = kb < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
+        mma_bf16(l, a0, a1, a2, a3, x0, x1);
+      }
+      const float sc = (float)lora_scaling;
+      o[0] += l[0] * sc; o[1] += l[1] * sc; o[2] += l[2] * sc; o[3] += l[3] * sc;
+    }
+    if (t0 < M) {
+      y[(u64)t0 * ldy + row0] = f32_to_bf16(o[0]);
+      y[(u64)t0 * ldy + row1] = f32_to_bf16(o[2]);
+    }
+    if (t0 + 1 < M) {
+      y[(u64)(t0 + 1) * ldy + row0] = f32_to_bf16(o[1]);
+      y[(u64)(t0 + 1) * ldy + row1] = f32_to_bf16(o[3]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB) w4_wgmma_matmul(
+    const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
+    u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, u16* __restrict__ xa,
+    const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split,
+    const u16* __restrict__ lora_a, int shrink_ctas, int gx, int gy, int splits, int sync_base) {
+  if (!FUSE_SHRINK) {
+    matmul_cta(blockIdx.x, blockIdx.y, blockIdx.z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa,
+               lb, lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, counters, 0);
+    return;
+  }
+  // Roles by ticket, in the order CTAs start: tickets 0..shrink_ctas-1 compute xa = x @ lora_a^T (16 rows
+  // of lora_a each), the rest the matmul tiles, whose epilogues wait for xa. A CTA that waits started
+  // after every shrink CTA, which therefore runs: no deadlock at any occupancy.
+  // sync: [ticket, xa ready, finished] counters at sync_base; the last CTA to finish resets them.
+  int* sync = counters + sync_base;
+  __shared__ int role;
+  if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1);
+  __syncthreads();
+  const int t = role;
+  if (t >= (int)gridDim.x) __trap();  // a ticket past the grid: another launch shares these counters
+  if (t < shrink_ctas) {
+    shrink_cta(t, x, lora_a, xa, ldxa, M, K, ldx);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[1], 1);
+  } else {
+    int bx, by, z;
+    tile_of(t - shrink_ctas, gx, gy, &bx, &by, &z);
+    matmul_cta(bx, by, z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb, lora_scaling,
+               rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1], shrink_ctas);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&sync[2], 1) == gridDim.x - 1) {
+    sync[0] = 0;  // the last CTA to finish: every other one is done with the counters
+    sync[1] = 0;
+    sync[2] = 0;
+  }
+}
