@@ -36,6 +36,49 @@ def glue_negative_numbers(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = glue_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    command = next((a for a in argv if not a.startswith("-")), "")
+    try:  # Ctrl-C while the parser is built (it imports torch): one line too, no traceback
+        return _main(argv)
+    except KeyboardInterrupt:  # `qerl train` and `qerl sft` say what was saved themselves, once training started
+        after_interrupt()
+        print(interrupted_line(command if command in COMMANDS else ""), file=sys.stderr, flush=True)
+        return 130
+
+
+def after_interrupt() -> None:
+    """Once a Ctrl-C is caught and reported: the process ends with status 130, as it says.
+
+    - CPython kills itself with SIGINT at exit when a KeyboardInterrupt last left code run through
+      PyRun_String (as pybind11's eval runs it, inside torch and transformers' start-up), even when
+      the program caught it: exit status -2 instead of 130. One trivial PyRun_String resets that flag.
+    - Cleanup (locks, worker processes) runs next; another Ctrl-C ends the process at once with 130
+      instead of a traceback from inside that cleanup."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleStringFlags(b"pass", None)
+    except (ImportError, AttributeError, OSError):  # not CPython: nothing to reset
+        pass
+    try:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    except ValueError:  # not the main thread
+        pass
+
+
+def interrupted_line(command: str) -> str:
+    """The line a command stopped by Ctrl-C before it wrote anything ends with: `qerl train`'s shape."""
+    if command in ("train", "sft"):
+        return (f"qerl {command}: stopped by SIGINT before training started; no checkpoint saved yet; start again "
+                f"with the same command (add --overwrite_output_dir if the folder holds its metrics)")
+    what = {"export": "nothing written (the output folder is unchanged)",
+            "quantize": "nothing written (the output folder is unchanged)",
+            "eval": "no report written"}.get(command, "nothing written")
+    return f"qerl{' ' + command if command else ''}: stopped by SIGINT; {what}"
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="qerl", description="RL of LLMs on 4-bit weights (QeRL).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in COMMANDS.items():
@@ -55,9 +98,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.command].run(args) or 0
-    except KeyboardInterrupt:  # `qerl train` says what was saved itself; the others have nothing to save
-        print(f"qerl {args.command}: interrupted", file=sys.stderr)
-        return 130
     except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
         if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
             raise

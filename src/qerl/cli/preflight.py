@@ -16,7 +16,7 @@ def check_run_folder(cfg, resuming: bool) -> None:
     """output_dir usable before anything loads: not a file (nor under one), not locked by a live run,
     and, for a fresh run, holding no earlier run unless overwrite_output_dir (the trainer checks again
     under its lock; these fail in a second instead of after the model's load)."""
-    from ..rl.run_folder import check_unlocked, earlier_run, refuse_or_clear
+    from ..rl.run_folder import RunFolderError, check_unlocked, earlier_run
 
     out = Path(cfg.output_dir).expanduser()
     for p in (out, *out.parents):
@@ -29,7 +29,31 @@ def check_run_folder(cfg, resuming: bool) -> None:
         return
     check_unlocked(out)
     if not resuming and not cfg.overwrite_output_dir and earlier_run(out):
-        refuse_or_clear(out, overwrite=False)
+        raise RunFolderError(earlier_run_message(out))
+    if resuming:
+        from ..rl.state import checkpoints
+
+        if not checkpoints(out):
+            raise RunFolderError(f"{out}: no checkpoint to resume from ({', '.join(earlier_run(out)[:4]) or 'empty'}"
+                                 f"); start afresh there with --overwrite_output_dir (deletes what it holds), or "
+                                 f"choose another --output_dir")
+
+
+def earlier_run_message(out: Path, command: str = "train") -> str:
+    """A fresh run into a folder holding an earlier one: continue it (only when it has a checkpoint:
+    the hint and `--resume` must agree), start afresh, or go elsewhere."""
+    from ..rl.run_folder import earlier_run
+    from ..rl.state import checkpoints
+    from .invocation import qerl_command
+
+    found = earlier_run(out)
+    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    if checkpoints(out):
+        how = f"continue it with `{qerl_command()} {command} --resume {out}`, start afresh there"
+    else:
+        how = "it has no checkpoint to continue from (save_steps was not reached); start afresh there"
+    return (f"{out} already holds a run ({shown}); {how} with --overwrite_output_dir (deletes that run), or choose "
+            f"another --output_dir")
 
 
 def check_device(cfg) -> None:
@@ -51,6 +75,21 @@ def check_device(cfg) -> None:
             raise ValueError(f"config field '{name}': float16 is not supported on the CPU (use float32, or bfloat16)")
 
 
+def model_to_check(name: str) -> str:
+    """The model folder (or hub id) behind `model_name_or_path`: an adapter folder (`qerl sft`'s
+    runs/sft/adapter) is its base, after its adapter_config.json is read (the trainer starts from the
+    adapter on that base; the folder itself has no config.json)."""
+    from ..model.adapter_start import adapter_folder, base_of
+
+    folder = adapter_folder(name)
+    if folder is None:
+        return name
+    from ..checkpoint.peft_adapter import _read_config
+
+    _read_config(folder)
+    return base_of(name)
+
+
 def preflight(cfg):
     """The run's task, after checking the model folder's tokenizer and that the task has rows to
     train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed."""
@@ -61,9 +100,10 @@ def preflight(cfg):
     from ..model.resolve import ALIASES, resolve_model
     from .policy import max_positions
 
-    model = Path(cfg.model_name_or_path).expanduser()
-    if model.is_dir() or cfg.model_name_or_path.lower() in ALIASES:  # hub ids: checked after their download
-        folder = resolve_model(cfg.model_name_or_path)
+    name = model_to_check(cfg.model_name_or_path)
+    model = Path(name).expanduser()
+    if model.is_dir() or name.lower() in ALIASES:  # hub ids: checked after their download
+        folder = resolve_model(name)
         require_tokenizer(folder)
         # a warning: the limits are upper bounds (prompts are often shorter, completions stop at EOS);
         # generate and eval, which know their prompts and lengths, refuse

@@ -72,6 +72,9 @@ def build_config(args):
     if config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
+        from ..sft.data import read_utf8
+
+        read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
         return SFTConfig.from_yaml(config).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
 
@@ -81,16 +84,34 @@ def run(args):
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from ..rl.run_folder import earlier_run, refuse_or_clear
+    from pathlib import Path
+
+    from ..rl.run_folder import RunFolderError, earlier_run
     from ..sft import SFTTrainer
+    from .preflight import earlier_run_message
 
     if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
-        refuse_or_clear(cfg.output_dir, overwrite=False)  # before minutes of model loading
-    trainer = SFTTrainer(cfg)
-    if args.resume:
-        step = trainer.resume()
-        print(f"qerl sft: resuming {args.resume} at step {step}/{trainer.max_steps}")
-    rows = trainer.train()
+        # before minutes of model loading
+        raise RunFolderError(earlier_run_message(Path(cfg.output_dir), "sft"))
+    import sys
+
+    from .train import interrupted, interruptible
+
+    with interruptible() as stop:
+        trainer = None
+        try:
+            trainer = SFTTrainer(cfg)
+            if args.resume:
+                step = trainer.resume()
+                print(f"qerl sft: resuming {args.resume} at step {step}/{trainer.max_steps}")
+            rows = trainer.train()
+        except KeyboardInterrupt:  # one line, as `qerl train` says it: the step, what is saved, how to go on
+            from . import after_interrupt
+
+            after_interrupt()
+            if trainer is None or trainer.dist.is_main:
+                print(interrupted(cfg, trainer, stop.signal, "sft"), file=sys.stderr, flush=True)
+            return 130 if stop.signal == "SIGINT" else 143
     if not trainer.dist.is_main:
         return 0
     if rows:

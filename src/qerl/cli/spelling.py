@@ -1,6 +1,7 @@
-"""One flag convention for every subcommand: the underscore spelling (TRL's field names, `qerl train`'s
-flags) is the documented one and the dash spelling is accepted too (`--max_new_tokens` and
-`--max-new-tokens` are the same flag in eval, generate, train, sft, ...)."""
+"""One flag convention for every subcommand: both spellings of a flag are the same flag
+(`--max_new_tokens` and `--max-new-tokens` in eval, generate, quantize, study...; `qerl train` and
+`qerl sft` took both for their config fields already). --help shows the flag as defined first,
+then the other spelling."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import argparse
 
 
 def _spellings(opt: str) -> list[str]:
-    """'--max-new-tokens' -> ['--max_new_tokens', '--max-new-tokens'] (underscores first); short flags as they are."""
+    """'--max-new-tokens' -> ['--max-new-tokens', '--max_new_tokens'] (as defined first); short flags as they are."""
     if not opt.startswith("--") or not any(c in opt[2:] for c in "-_"):
         return [opt]
     name = opt[2:]
-    return [f"--{name.replace('-', '_')}", f"--{name.replace('_', '-')}"]
+    return list(dict.fromkeys([opt, f"--{name.replace('-', '_')}", f"--{name.replace('_', '-')}"]))
 
 
 def both_spellings(parser: argparse.ArgumentParser, skip_dest_prefixes: tuple[str, ...] = ()) -> None:
-    """Give every long flag of `parser` both spellings, the underscore one first (shown first in --help).
+    """Give every long flag of `parser` both spellings, the defined one first (shown first in --help).
     Actions whose dest starts with one of `skip_dest_prefixes` are left alone (train's config fields
     take both spellings through their own path)."""
     for action in parser._actions:
@@ -29,7 +30,6 @@ def both_spellings(parser: argparse.ArgumentParser, skip_dest_prefixes: tuple[st
             for s in _spellings(o):
                 if s not in opts:
                     opts.append(s)
-        opts.sort(key=lambda o: (not o.startswith("--"), "-" in o[2:]))  # --under_score, --da-sh, -k
         for o in opts:
             owner = parser._option_string_actions.get(o)
             if owner is None:

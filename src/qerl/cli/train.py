@@ -69,6 +69,9 @@ def build_config(args):
     elif config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
+        from ..sft.data import read_utf8
+
+        read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
         cfg = apply(GRPOConfig.from_yaml(config), ov)
     else:
         from ..rl.default_run import default_run_config
@@ -96,6 +99,8 @@ def run(args):
     from .preflight import check_run_folder, preflight
 
     check_run_folder(cfg, resuming=bool(args.resume))  # the lock, an earlier run, a file in the way
+    if args.resume:
+        check_resume_steps(cfg)  # max_steps below the run's step: nothing to train, said before anything
     if args.resume and (done := finished_run(cfg)):
         print(done)
         return 0
@@ -122,6 +127,9 @@ def run(args):
             rows = trainer.train()
             wall = time.perf_counter() - t0
         except KeyboardInterrupt:
+            from . import after_interrupt
+
+            after_interrupt()
             if trainer is None or trainer.dist.is_main:  # one line for the job, not one per rank
                 print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
@@ -176,8 +184,10 @@ def interruptible():
             signal.signal(signal.SIGTERM, old)
 
 
-def resume_command(cfg) -> str:
-    return f"qerl train --resume {shlex.quote(str(cfg.output_dir))}"
+def resume_command(cfg, command: str = "train") -> str:
+    from .invocation import qerl_command
+
+    return f"{qerl_command()} {command} --resume {shlex.quote(str(cfg.output_dir))}"
 
 
 def saved(output_dir) -> str:
@@ -187,16 +197,17 @@ def saved(output_dir) -> str:
     return f"saved: {found[-1]}" if found else "no checkpoint saved yet"
 
 
-def interrupted(cfg, trainer, signame: str) -> str:
+def interrupted(cfg, trainer, signame: str, command: str = "train") -> str:
     """One line: where the run stopped, what is on disk, the exact command that continues it."""
     from ..rl.state import checkpoints
 
-    where = f"at step {trainer.step}/{cfg.max_steps}" if trainer is not None else "before training started"
+    total = getattr(trainer, "max_steps", None) or cfg.max_steps
+    where = f"at step {trainer.step}/{total}" if trainer is not None else "before training started"
     if checkpoints(cfg.output_dir):
-        then = f"continue with: {resume_command(cfg)}"
+        then = f"continue with: {resume_command(cfg, command)}"
     else:
         then = "start again with the same command (add --overwrite_output_dir if the folder holds its metrics)"
-    return f"qerl train: stopped by {signame} {where}; {saved(cfg.output_dir)}; {then}"
+    return f"qerl {command}: stopped by {signame} {where}; {saved(cfg.output_dir)}; {then}"
 
 
 def disk_full(e: BaseException) -> bool:
@@ -210,6 +221,7 @@ def finished_run(cfg) -> str | None:
     from pathlib import Path
 
     from ..rl.state import CorruptCheckpoint, checkpoints, read_checkpoint
+    from .invocation import qerl_command
 
     out = Path(cfg.output_dir)
     found = checkpoints(out)
@@ -224,11 +236,24 @@ def finished_run(cfg) -> str | None:
         return None  # killed after its last checkpoint: the trainer finishes it
     lines = [f"qerl train: {out} is finished (step {cfg.max_steps}/{cfg.max_steps}); its adapter is {out / 'adapter'}. "
              f"To train further: {resume_command(cfg)} --max_steps N (N > {cfg.max_steps}); to evaluate it: "
-             f"qerl eval {shlex.quote(str(out))}"]
+             f"{qerl_command()} eval {shlex.quote(str(out))}"]
     evals = run_evals(out)
     if evals:
         lines.append(summary_table(evals, None))
     return "\n".join(lines)
+
+
+def check_resume_steps(cfg) -> None:
+    """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
+    refused before the model loads, saying how to train further."""
+    from ..rl.state import checkpoints
+
+    found = checkpoints(cfg.output_dir)
+    at = int(found[-1].name.rpartition("-")[2]) if found else 0
+    if at > cfg.max_steps:
+        raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {cfg.max_steps} is below it, so there is "
+                         f"nothing to train (the run is left as it is). To train further: {resume_command(cfg)} "
+                         f"--max_steps N (N > {at})")
 
 
 def run_evals(output_dir) -> list[dict]:

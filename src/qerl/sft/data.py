@@ -59,13 +59,27 @@ def load_rows(name: str, options: dict) -> list[dict]:
     return [dict(r) for r in load_dataset(name, config, split=split)]
 
 
+def read_utf8(path, what: str = "file") -> str:
+    """A text file's content; a file that is not UTF-8 is a ValueError naming it, the line and the byte
+    (a bare codec error named neither)."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {col}); save the "
+                         f"{what} as UTF-8") from None
+
+
 def read_file(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    text = path.read_text()
+    text = read_utf8(path, "data file")
     if suffix == ".json":
         try:
             rows = json.loads(text)
