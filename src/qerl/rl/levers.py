@@ -100,4 +100,20 @@ def free_memory(device) -> int:
         from ..device_memory import free_bytes
 
         return free_bytes(device)
+    return available_ram()
+
+
+def available_ram(meminfo: str = "/proc/meminfo") -> int:
+    """The RAM a new allocation can have: MemAvailable (free pages plus the page cache the kernel gives
+    back), not MemFree, which made the same config choose gradient checkpointing off, then on, as files
+    were read. MemFree (sysconf) only where there is no /proc/meminfo."""
+    import os
+
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
