@@ -197,3 +197,31 @@ def test_the_installed_command_prints_its_own_path_in_a_resume_hint(model, finis
                        timeout=300, cwd=tmp_path)
     assert r.returncode == 2
     assert f"{os.path.relpath(script, tmp_path)} train --resume {finished}" in r.stderr, r.stderr
+
+
+# ---- a hub id that cannot be reached offline -------------------------------------------------------------
+def _offline(monkeypatch):
+    import huggingface_hub
+
+    def unreachable(*a, **k):
+        raise OSError("Name or service not known")  # as on this machine: no network
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+
+
+def test_an_unreachable_hub_id_is_one_line_naming_the_offline_choices(cli, monkeypatch, tmp_path, no_model_load):
+    _offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = cli("eval", "HuggingFaceTB/SmolLM2-135M-Instruct", "--limit", "1")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "'smollm2'" in err and "hub download failed" in err, err
+
+
+def test_qerl_trl_with_an_unreachable_hub_id_names_the_offline_choices(monkeypatch, tmp_path, no_model_load):
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    _offline(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"HuggingFaceTB/SmolLM2-135M-Instruct.*'smollm2'"):
+        GRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=lambda completions, **_: [0.0],
+                    args=GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1),
+                    train_dataset=[{"prompt": "1+1="}])

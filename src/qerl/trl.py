@@ -74,6 +74,9 @@ def _model_folder(model, processing_class) -> str:
     """A hub id or folder as is; a transformers model (and its tokenizer) saved to a temporary folder,
     which qerl quantizes like any checkpoint."""
     if isinstance(model, (str, Path)):
+        from .cli.hub import check_reachable
+
+        check_reachable(str(model))  # a hub id that cannot be reached: one message naming the offline choices
         return str(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model: {type(model).__name__} is neither a hub id, a folder nor a transformers model")

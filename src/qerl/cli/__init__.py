@@ -101,7 +101,9 @@ def _main(argv: list[str]) -> int:
     except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
         if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
             raise
-        print(f"qerl {args.command}: error: {e}", file=sys.stderr)
+        from .hub import with_offline_choices
+
+        print(f"qerl {args.command}: error: {with_offline_choices(e)}", file=sys.stderr)
         return 2
 
 
