@@ -93,3 +93,14 @@ def test_the_final_adapter_has_checksums_verified_where_it_is_loaded(cli, run, m
     rc, _, err = cli("export", model, tmp_path / "merged", "--adapter", run / "adapter")
     assert rc == 2 and "adapter_model.safetensors" in err and "bytes changed" in err, err
     assert not (tmp_path / "merged").exists()
+
+
+def test_the_train_adapter_carries_the_tokenizer_under_its_checksums(finished, model):
+    from transformers import AutoTokenizer
+
+    adapter = finished / "adapter"
+    tok, ref = AutoTokenizer.from_pretrained(adapter), AutoTokenizer.from_pretrained(model)
+    text = "12 + 30 = 42, so <answer>42</answer>"
+    assert tok(text)["input_ids"] == ref(text)["input_ids"] and tok.chat_template == ref.chat_template
+    listed = json.loads((adapter / "checksums.json").read_text())["files"]
+    assert {p.name for p in adapter.iterdir() if p.name != "checksums.json"} <= set(listed)

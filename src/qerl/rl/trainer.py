@@ -653,6 +653,11 @@ class GRPOTrainer:
         if main:
             save_adapter(self.model, self.out / "adapter", base_model_name_or_path=base_of(cfg.model_name_or_path),
                          checksums=True)
+            # with the tokenizer, as `qerl sft` (and TRL) save it: the folder is a model to start from on its own
+            from ..checkpoint.checksums import write_checksums
+
+            self.tok.save_pretrained(self.out / "adapter")
+            write_checksums(self.out / "adapter")
         self.dist.barrier()
         return rows
 
