@@ -225,3 +225,17 @@ def test_qerl_trl_with_an_unreachable_hub_id_names_the_offline_choices(monkeypat
         GRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=lambda completions, **_: [0.0],
                     args=GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1),
                     train_dataset=[{"prompt": "1+1="}])
+
+
+# ---- --help says what a bare `qerl train` runs -------------------------------------------------------------
+def test_train_help_shows_the_bare_runs_dataset(cli):
+    import re
+
+    import yaml
+
+    rc, printed, _ = cli("train", "--print_config")
+    bare = yaml.safe_load(printed)
+    rc, out, _ = cli("train", "--help")
+    entries = {e.split()[0]: " ".join(e.split()) for e in re.split(r"\n  (?=--)", out) if e.startswith("--")}
+    for field in ("dataset_name", "max_steps", "learning_rate"):
+        assert f"a bare `qerl train`: {bare[field]!r}" in entries[f"--{field}"], entries[f"--{field}"]

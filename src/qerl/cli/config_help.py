@@ -1,5 +1,6 @@
 """`qerl train --help`: every GRPOConfig field as a flag, with its type, default and help, in
-groups as TRL documents its GRPOConfig (model, data, generation, loss, ...).
+groups as TRL documents its GRPOConfig (model, data, generation, loss, ...). Where a bare
+`qerl train` (the embedded default run) trains with another value, the help shows that too.
 
 The flags only document and collect: their values reach GRPOConfig.with_overrides as text, the
 same path as `--field value` pairs always took, so typing and errors stay in one place."""
@@ -59,6 +60,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GRPOConfig.__new__(GRPOConfig)  # defaults without running validation
     for f in fields.values():
         setattr(defaults, f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    bare = bare_run_values()
     for group, names in GROUPS.items():
         g = parser.add_argument_group(f"{group} (config fields)")
         for name in names:
@@ -67,10 +69,26 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             t = type_name(hints[name])
             flags = [f"--{name}"] + list(aliases.get(name, ()))  # --lora-r still works (cli.train.parse_overrides)
             d = getattr(defaults, name)
-            text = f"{fields[name].metadata.get('help', '')} [{t}; default: {'null' if d is None else repr(d)}]"
+            shown = "null" if d is None else repr(d)
+            # a bare `qerl train` is the default run, whose values differ from the config defaults in places
+            run = f"a bare `qerl train`: {bare[name]!r}; " if name in bare and bare[name] != d else ""
+            text = f"{fields[name].metadata.get('help', '')} [{t}; {run}default: {shown}]"
             kw = dict(nargs="?", const="true") if t == "bool" else {}  # a bare --aqn means true
             g.add_argument(*flags, dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
                            help=text.replace("%", "%%"), **kw)
+
+
+def bare_run_values() -> dict:
+    """The values a bare `qerl train` (the embedded default run, on this machine) trains with."""
+    import dataclasses as dc
+
+    from ..rl.default_run import default_run_config
+
+    try:
+        cfg = default_run_config(None)
+    except Exception:  # noqa: BLE001 - help must still print
+        return {}
+    return {f.name: getattr(cfg, f.name) for f in dc.fields(cfg)}
 
 
 def config_values(args: argparse.Namespace) -> dict[str, str]:
