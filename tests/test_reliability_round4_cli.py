@@ -139,6 +139,15 @@ def test_train_starts_from_the_sft_adapter_folder_in_the_cli(cli, model, tmp_pat
     assert rc == 0, err
     rl = json.loads((tmp_path / "rl" / "adapter" / "adapter_config.json").read_text())
     assert Path(rl["base_model_name_or_path"]).resolve() == model.resolve()  # the real base, which PEFT loads
+    # and the run is evaluated as it trained: the base under the run's adapter (the run's model is the
+    # SFT adapter folder, which has no config.json)
+    rc, out, err = cli("eval", tmp_path / "rl", "--limit", "2", "--out", tmp_path / "rep.json")
+    assert rc == 0, err
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["params"]["adapter"] == str(tmp_path / "rl" / "adapter") and rep["problems"] == 2
+    # an adapter folder given as MODEL: its base with that adapter
+    rc, out, err = cli("generate", adapter, "--prompt", "1+1=", "--max-new-tokens", "2", "--device", "cpu", "--json")
+    assert rc == 0, err
 
 
 # ---- one flag convention ------------------------------------------------------------------------------------

@@ -58,6 +58,16 @@ def check_length(positions: int | None, prompt_tokens: int, new_tokens: int, wha
                          f"tokens, beyond the model's {positions} positions (max_position_embeddings)")
 
 
+def split_adapter_start(model: str, adapter: str | None) -> tuple[str, str | None]:
+    """MODEL given as an adapter folder (`runs/sft/adapter`, or the model a run started from): its base,
+    with that adapter unless another is given (an adapter trained from an adapter holds the whole LoRA)."""
+    from ..model.adapter_start import adapter_folder, base_of
+
+    if adapter_folder(model) is None:
+        return model, adapter
+    return base_of(model), adapter or str(model)
+
+
 def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None, new_tokens: int | None = None,
                     flag: str = "--max-new-tokens"):
     """(policy, device): bf16 on CUDA, fp32 on the CPU; the adapter's rank read from its config.
@@ -73,6 +83,7 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
 
     device = check_device(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, adapter = split_adapter_start(model, adapter)
     folder = resolve_model(model)
     require_tokenizer(folder)
     positions = max_positions(folder)  # config.json checked before the weights load
