@@ -1,10 +1,14 @@
-"""Which architectures we support and how their projections are named and fused."""
+"""Which architectures we support and how their projections are named and fused.
+
+The families and what differs between them are described in model/family.py (one file each in
+model/families/); the names below are Llama's, the default of the shape-only random models.
+"""
 
 from __future__ import annotations
 
-# Decoder layers of these share Llama's module names (self_attn.{q,k,v,o}_proj,
-# mlp.{gate,up,down}_proj, input/post_attention_layernorm, model.rotary_emb).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from .family import Family, family_of_config, supported_architectures
+
+SUPPORTED_ARCHITECTURES = supported_architectures()
 
 # Short names users pass (as in the paper: q,k,v,o,gate,up,down) -> module suffix.
 TARGET_MODULES = {
@@ -33,10 +37,6 @@ def normalize_targets(targets) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def check_architecture(config, source: str) -> None:
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"{source}: unsupported architecture {archs or config.model_type!r}; "
-            f"qerl supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+def check_architecture(config, source: str) -> Family:
+    """The config's family, checked on model_type and its label (family.family_of_config)."""
+    return family_of_config(config, source)

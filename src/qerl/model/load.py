@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from ..formats import QuantizationError, get_format
 from ..layers import QLoRALinear
 from ..layers.fused_group import QuantGroup, register, row_split, why_not_fusable
-from .architectures import DEFAULT_TARGETS, FUSED_GROUPS, TARGET_MODULES, check_architecture, normalize_targets
+from .architectures import DEFAULT_TARGETS, check_architecture
+from .family import family_of_model
 from .resolve import resolve_model
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
 
@@ -184,7 +185,7 @@ def load_policy(
     fuse_groups: bool = True,
     modules_to_not_convert=None,
 ) -> Policy:
-    """Load a Llama / Qwen2 / Qwen3 causal LM with its targeted linears quantized + LoRA.
+    """Load a causal LM of a supported family (model/families/) with its targeted linears quantized + LoRA.
 
     quant: "nvfp4" | "mxfp4" | "nf4" | "bf16", or "auto" (the checkpoint's own format,
     nvfp4 for a dense checkpoint). lora_rank 0 gives a frozen quantized model.
@@ -204,7 +205,7 @@ def load_policy(
                                   trust_remote_code=trust_remote_code, progress=progress, fuse_groups=fuse_groups)
     folder = resolve_model(name_or_path, revision=revision)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    check_architecture(config, str(folder))
+    family = check_architecture(config, str(folder))
     ckpt = SafetensorsCheckpoint(folder)
     ckpt_fmt, ignore = checkpoint_format(config, folder, ckpt)
     if quant == "auto":
@@ -213,12 +214,13 @@ def load_policy(
         raise ValueError(f"{folder} holds a compressed-tensors {ckpt_fmt} checkpoint; load it with quant={ckpt_fmt!r} "
                          f"(re-quantizing {ckpt_fmt} to {quant} would compound two rounding errors)")
     fmt = get_format(quant, double_quant=nf4_double_quant)
-    targets = normalize_targets(target_modules)
+    targets = family.normalize_targets(target_modules)
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
     device = torch.device(device)
     model, cfg = _build_skeleton(config, dtype, trust_remote_code)
+    family_of_model(model, str(folder))  # what transformers built is the family's own class and layers
     label = f"{folder}/config.json says {'/'.join(config.architectures or [config.model_type])}"
-    _check_projection_biases(model, ckpt, cfg.num_hidden_layers, targets, label)
+    _check_projection_biases(model, ckpt, cfg.num_hidden_layers, [family.module(0, t) for t in targets], label)
 
     keep = keep_in_bf16(modules_to_not_convert)
     _check_keep_patterns(modules_to_not_convert or [], keep, [n for n, _ in model.named_modules()])
@@ -226,13 +228,14 @@ def load_policy(
     fallback: list[str] = []
     lora = dict(r=lora_rank, lora_alpha=alpha, lora_dropout=lora_dropout, dtype=dtype) if lora_rank else dict(dtype=dtype)
     n_layers = cfg.num_hidden_layers
-    groups = [g for g in FUSED_GROUPS] + [(t,) for t in TARGET_MODULES if not any(t in g for g in FUSED_GROUPS)]
+    fused = family.fused_groups
+    groups = list(fused) + [(t,) for t in family.projections if not any(t in g for g in fused)]
     for i in tqdm(range(n_layers), desc=f"loading {folder.name} as {quant}", disable=not progress, unit="layer"):
         for group in groups:
             members = [t for t in group if t in targets]
             if not members:
                 continue
-            names = [f"model.layers.{i}.{TARGET_MODULES[t]}" for t in members]
+            names = [family.module(i, t) for t in members]
             fuse = fuse_groups and len(group) > 1 and len(members) == len(group)
             if ckpt_fmt:
                 packed = [n for n in names if keep(n) and f"{n}.weight_packed" in ckpt]
@@ -273,12 +276,13 @@ def load_policy(
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout, targets, fallback)
 
 
-def _check_projection_biases(model, ckpt, n_layers, targets, label) -> None:
+def _check_projection_biases(model, ckpt, n_layers, modules, label) -> None:
     """The skeleton's biased projections (Qwen2's q/k/v) must have biases in the checkpoint and
-    unbiased ones must not: else the architecture label and the tensors disagree."""
+    unbiased ones must not: else the architecture label and the tensors disagree.
+    modules: the targeted projections' module names in layer 0."""
     for i in range(n_layers):
-        for t in targets:
-            name = f"model.layers.{i}.{TARGET_MODULES[t]}"
+        for m in modules:
+            name = m.replace("model.layers.0.", f"model.layers.{i}.", 1)
             wants = getattr(model.get_submodule(name), "bias", None) is not None
             if wants != (f"{name}.bias" in ckpt):
                 model_side, ckpt_side = ("has a", "lacks") if wants else ("has no", "has")
@@ -448,6 +452,10 @@ def _materialize_buffers(model, cfg, device):
                     new = type(mod)(config=cfg).to(device)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, new)
+            elif all(b is None or not b.is_meta or hasattr(mod, f"scalar_{k}") for k, b in mod._buffers.items()):
+                for k, b in list(mod._buffers.items()):  # a constant kept beside its buffer (Gemma's embed_scale)
+                    if b is not None and b.is_meta:
+                        mod._buffers[k] = torch.tensor(getattr(mod, f"scalar_{k}"), dtype=b.dtype, device=device)
             else:
                 raise CheckpointError(f"buffer of {name} ({type(mod).__name__}) was not loaded")
     left = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]

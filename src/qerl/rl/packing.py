@@ -182,8 +182,16 @@ def attention_mask(segment: torch.Tensor, kind: str, dtype=torch.float32):
 
 
 def has_sliding_window(model) -> bool:
-    """Sliding-window layers would need a mask of their own (not built here): such models train unpacked."""
-    return bool(getattr(getattr(model, "model", None), "has_sliding_layers", False))
+    """Sliding-window layers would need a mask of their own (not built here): such models train unpacked
+    (transformers then builds each layer's window mask). The family's description says which layers slide
+    (Mistral's sliding_window covers every layer, which transformers' has_sliding_layers does not say)."""
+    from ..model.family import UnsupportedModelError, family_of_model
+
+    try:
+        windows = family_of_model(model).windows(model.config)
+    except UnsupportedModelError:
+        return True  # not a family qerl describes: assume the worst, train unpacked
+    return any(w is not None for w in windows) or bool(getattr(getattr(model, "model", None), "has_sliding_layers", False))
 
 
 def attention_kind(model) -> str | None:

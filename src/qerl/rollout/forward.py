@@ -1,4 +1,4 @@
-"""The policy's forward pass against the engine's KV cache (Llama / Qwen2 / Qwen3).
+"""The policy's forward pass against the engine's KV cache, for every family of model/families/.
 
 It calls the transformers model's own submodules (embeddings, norms, the
 QLoRALinear projections, lm_head), so rollouts run on exactly the objects the
@@ -6,6 +6,11 @@ trainer updates: no second copy of the weights, no sync step. Only attention
 and the cache are ours, because the engine needs a static-shape, slot-indexed
 cache that CUDA graphs can replay (transformers' caches are per-batch objects).
 Where the loader fused q|k|v or gate|up (layers/fused_group.py), each is one call.
+
+What differs between families is read from the family's description (model/family.py): which
+norms a layer has and where, q/k norms, fused qkv/gate_up checkpoints, each layer's sliding
+window (keys (p - w, p] seen by position p, as transformers' sliding_window_overlay) and rotary
+table (Gemma 3's local/global layers), partial rotary. A model no family describes is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import dispatch
-from ..layers.fused_group import GATE_UP, QKV, project
+from ..layers.fused_group import project
+from ..model.family import UnsupportedModelError, family_of_model
 from . import attention, rope_kv
 from .kv_cache import dequantize
 
@@ -46,7 +52,16 @@ def add_rms_norm(h, d, w, eps: float, noise=None):
 
 
 def rope(q, k, cos, sin):
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+
+
+def _rotary(x, cos, sin):
+    """HF's rotate-half rotary on the first cos.shape[-1] dims (all of them, or Phi's partial rotary)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    xr = x[..., :r]
+    return torch.cat((xr * cos + _rotate_half(xr) * sin, x[..., r:]), dim=-1)
 
 
 def silu_mul(g, u):
@@ -84,9 +99,12 @@ def glue_ops(compiled: bool) -> dict:
 
 
 class ModelView:
-    """The pieces of a causal LM that the engine calls, and its attention geometry."""
+    """The pieces of a causal LM that the engine calls, its attention geometry and its family's layer.
+
+    Refuses (UnsupportedModelError) a model whose class, layers or config no family describes."""
 
     def __init__(self, model):
+        self.family = fam = family_of_model(model)
         self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
@@ -99,9 +117,22 @@ class ModelView:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.vocab = cfg.vocab_size
-        self.qk_norm = hasattr(attn, "q_norm")
+        self.qk_norm = fam.qk_norm  # None, "head" or "width"
+        self.qkv = tuple(fam.attr(t) for t in fam.qkv)  # attention's input projection(s): 3, or 1 fused
+        self.gate_up = tuple(fam.attr(t) for t in fam.gate_up)
+        self.split = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        self.norms = fam.norms
+        self.act = fam.act
         self.silu_mlp = getattr(cfg, "hidden_act", None) == "silu"
-        self.norm_eps = {id(m): _rms_eps(m) for m in model.modules() if m.__class__.__name__.endswith("RMSNorm")}
+        self.windows = fam.windows(cfg)  # each layer's sliding window, or None
+        self.rope_keys = fam.layer_types(cfg)  # each layer's rotary table
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.norm_eps = ({id(m): _rms_eps(m) for m in model.modules() if m.__class__.__name__.endswith("RMSNorm")}
+                         if fam.llama_norm else {})
+        rot = self.rope_tables(1).cos.shape[-1]
+        # the decode step's fused rotary+cache-write and split-KV attention kernels run this layer only
+        self.plain_attention = (self.qk_norm is None and all(w is None for w in self.windows)
+                                and set(self.rope_keys) == {None} and rot == self.head_dim)
 
     @property
     def device(self):
@@ -111,19 +142,59 @@ class ModelView:
     def dtype(self):
         return self.embed.weight.dtype
 
-    def rope_tables(self, max_len: int):
-        """cos, sin [max_len, head_dim] from the model's own rotary module (its scaling type included)."""
+    def rope_tables(self, max_len: int) -> "RopeTables":
+        """cos, sin [max_len, rotary dims] per rotary table, from the model's own rotary module (its
+        scaling type, partial rotary and per-layer-type tables included)."""
+        _check_rope_type(self.rotary, self.model.config, max_len)
         pos = torch.arange(max_len, device=self.device)[None]
         x = torch.zeros(1, device=self.device, dtype=self.dtype)
-        cos, sin = self.rotary(x, pos)
-        return cos[0], sin[0]
+        tables = {}
+        for key in dict.fromkeys(self.rope_keys):
+            cos, sin = self.rotary(x, pos) if key is None else self.rotary(x, pos, key)
+            tables[key] = (cos[0], sin[0])
+        return RopeTables(tables, self.rope_keys)
+
+
+class RopeTables:
+    """The rotary tables of an engine: one per layer type, and which one each layer reads."""
+
+    def __init__(self, tables: dict, keys: list):
+        self.tables, self.keys = tables, keys
+        self.cos, self.sin = tables[keys[0]]  # layer 0's (the only one for most families)
+
+    def layer(self, i: int):
+        return self.tables[self.keys[i]]
+
+    def __len__(self) -> int:
+        return self.cos.shape[0]
+
+
+def _check_rope_type(rotary, config, max_len: int) -> None:
+    """Rotary types whose tables transformers switches by the sequence's length cannot be one static
+    table: longrope (short factors up to original_max_position_embeddings, long past it) and dynamic
+    NTK. Within that length HF uses the short table for every call, and so does the engine."""
+    kind = getattr(rotary, "rope_type", None)
+    kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
+    if not kinds & {"longrope", "dynamic"}:
+        return
+    rp = getattr(config, "rope_parameters", None) or {}
+    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) or \
+        getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+    if max_len > orig:
+        raise UnsupportedModelError(f"{type(rotary).__name__}: {'/'.join(sorted(map(str, kinds)))} rotary changes its "
+                                    f"tables past {orig} positions (original_max_position_embeddings); an engine of "
+                                    f"max_len {max_len} cannot follow it: use max_len <= {orig}")
+
+
+LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm")
 
 
 def _rms_eps(m):
-    """eps of a Llama-style RMSNorm (weight * normalized x), or None when the module is another kind."""
+    """eps of a Llama-style RMSNorm (weight * normalized x, rounded to x's dtype first), or None when
+    the module is another kind (Gemma's (1 + w), Olmo's (w * x_hat).to(dtype): not ours to restate)."""
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    gemma_like = "Gemma" in m.__class__.__name__  # (1 + w) * x: not ours to restate
-    return None if eps is None or gemma_like or getattr(m, "weight", None) is None else float(eps)
+    llama_like = m.__class__.__name__ in LLAMA_NORMS
+    return None if eps is None or not llama_like or getattr(m, "weight", None) is None else float(eps)
 
 
 def _rotate_half(x):
@@ -131,17 +202,38 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _project_qkv(view: ModelView, attn, h):
+    """q, k, v as the projections give them ([..., H·d], [..., Hkv·d] twice): one call each, one group
+    call, or one fused qkv_proj split by heads (Phi-3)."""
+    ys = project(attn, view.qkv, h)
+    return ys[0].split(view.split, dim=-1) if len(ys) == 1 else ys
+
+
 def _qkv(view: ModelView, attn, h, cos, sin):
-    """h [B, T, D] -> q [B, H, T, d], k and v [B, Hkv, T, d], rotary applied (cos/sin [B, 1, T, d])."""
+    """h [B, T, D] -> q [B, H, T, d], k and v [B, Hkv, T, d], rotary applied (cos/sin [B, 1, T, r])."""
     b, t, _ = h.shape
-    q, k, v = (y.view(b, t, -1, view.head_dim) for y in project(attn, QKV, h))
+    q, k, v = _project_qkv(view, attn, h)
+    if view.qk_norm == "width":  # Olmo: one norm over all heads, before the reshape
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (y.reshape(b, t, -1, view.head_dim) for y in (q, k, v))
     v = v.transpose(1, 2)
-    if view.qk_norm:
+    if view.qk_norm == "head":
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
+    return _rotary(q, cos, sin), _rotary(k, cos, sin), v
+
+
+def _windowed(mask, qpos, kpos, window):
+    """mask & (key position > query position - window): transformers' sliding_window_overlay."""
+    return mask if window is None else mask & (kpos > qpos - window)
+
+
+def _sub_norm(layer, name):
+    return getattr(layer, name) if name is not None else None
+
+
+def _apply(norm, x):
+    return x if norm is None else norm(x)
 
 
 def _attend(view, q, k, v, mask):
@@ -162,29 +254,38 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tok
     attention and the MLP run over chunks of about chunk_tokens tokens (queries [c0, c1) against
     keys [0, c1)), so neither a [B, H, T, T] score tensor nor a [B·T, intermediate] activation is
     ever held: an 8k-token prompt costs chunk-sized temporaries. Each query row's arithmetic is
-    the same as unchunked.
+    the same as unchunked. A sliding-window layer masks keys at or before position - window.
     """
     b, t = ids.shape
     c = max(1, chunk_tokens // b)
-    cos, sin = (x[:t][None, None] for x in rope)
     keys = torch.arange(t, device=ids.device)
     mask = (keys[None, :] <= keys[:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
     mask = mask[:, None]  # [B, 1, T, T] bool
+    masks = {w: _windowed(mask, keys[:, None], keys[None, :], w) for w in set(view.windows)}
+    nm = view.norms
     h = view.embed(ids)
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
+        cos, sin = (x[:t][None, None] for x in rope.layer(i))
+        q, k, v = _qkv(view, attn, _apply(_sub_norm(layer, nm.attn_in), h), cos, sin)
         for row, slots in enumerate(slots_per_row):
             if slots:
                 cache.write_prefix(i, slots, k[row], v[row], int(lengths[row]))
+        m = masks[view.windows[i]]
         o = torch.cat([_attend(view, q[:, :, c0:c0 + c], k[:, :, :c0 + c], v[:, :, :c0 + c],
-                               mask[:, :, c0:c0 + c, :c0 + c]) for c0 in range(0, t, c)], 2)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+                               m[:, :, c0:c0 + c, :c0 + c]) for c0 in range(0, t, c)], 2)
+        h = h + _apply(_sub_norm(layer, nm.attn_out), attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)))
         del q, k, v, o
-        h = torch.cat([x + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(x))
-                       for x in h.split(c, 1)], 1)
+        h = torch.cat([x + _mlp_block(view, EAGER_GLUE, layer, x) for x in h.split(c, 1)], 1)
     last = h[torch.arange(b, device=ids.device), lengths - 1]
     return _lm_head(view, view.norm(last)).float()
+
+
+def _mlp_block(view, ops, layer, x):
+    """What the MLP adds to the residual stream: its input norm, the MLP, its output norm (each where
+    the family has one)."""
+    nm = view.norms
+    return _apply(_sub_norm(layer, nm.mlp_out), _mlp(view, ops, layer.mlp, _apply(_sub_norm(layer, nm.mlp_in), x)))
 
 
 def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[int], rope):
@@ -201,17 +302,18 @@ def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[in
     ids = torch.zeros(b, t, dtype=torch.long, device=dev)
     for r, x in enumerate(rows):
         ids[r, : x.shape[0]] = x
-    pos = (st[:, None] + torch.arange(t, device=dev)[None]).clamp(max=rope[0].shape[0] - 1)  # [B, T]
-    cos, sin = (x[pos][:, None] for x in rope)  # [B, 1, T, d]
+    pos = (st[:, None] + torch.arange(t, device=dev)[None]).clamp(max=len(rope) - 1)  # [B, T]
     ends = st + lens
     n_keys = int(ends.max())
     keys = torch.arange(n_keys, device=dev)
     mask = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < ends[:, None, None])
-    mask = mask[:, None]  # [B, 1, T, keys]
+    masks = {w: _windowed(mask, pos[:, :, None], keys[None, None, :], w)[:, None] for w in set(view.windows)}
+    nm = view.norms
     h = view.embed(ids)
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(view, attn, layer.input_layernorm(h), cos, sin)
+        cos, sin = (x[pos][:, None] for x in rope.layer(i))  # [B, 1, T, r]
+        q, k, v = _qkv(view, attn, _apply(_sub_norm(layer, nm.attn_in), h), cos, sin)
         kc, vc = [], []
         for r, slot in enumerate(slots):
             n = rows[r].shape[0]
@@ -219,9 +321,9 @@ def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[in
             kr, vr = cache.read_span(i, slot, n_keys, q.dtype)  # past a row's end: masked
             kc.append(kr)
             vc.append(vr)
-        o = _attend(view, q, torch.stack(kc), torch.stack(vc), mask)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        h = h + _mlp(view, EAGER_GLUE, layer.mlp, layer.post_attention_layernorm(h))
+        o = _attend(view, q, torch.stack(kc), torch.stack(vc), masks[view.windows[i]])
+        h = h + _apply(_sub_norm(layer, nm.attn_out), attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)))
+        h = h + _mlp_block(view, EAGER_GLUE, layer, h)
     last = h[torch.arange(b, device=dev), lens - 1]
     return _lm_head(view, view.norm(last)).float()
 
@@ -232,6 +334,10 @@ def _norm(view, ops, norm, x):
 
 
 def _add_norm(view, ops, norm, h, d):
+    """(h + d, norm(h + d)); norm None: (h + d, h + d) (a layer with no norm there)."""
+    if norm is None:
+        h = h + d
+        return h, h
     eps = view.norm_eps.get(id(norm))
     if eps is None:
         h = h + d
@@ -246,21 +352,28 @@ def _noise(norm):
 
 
 def _mlp(view, ops, mlp, x):
-    if not view.silu_mlp:
-        return mlp(x)
-    return mlp.down_proj(ops["silu_mul"](*project(mlp, GATE_UP, x)))
+    """down(act(gate) · up), gate|up from two projections, their group, or one fused gate_up_proj."""
+    ys = project(mlp, view.gate_up, x)
+    g, u = ys[0].chunk(2, dim=-1) if len(ys) == 1 else ys
+    if view.silu_mlp:
+        return mlp.down_proj(ops["silu_mul"](g, u))
+    return mlp.down_proj(getattr(mlp, view.act)(g) * u)
 
 
 def fused_attention_ok(view: ModelView) -> bool:
     """Whether decode can use the fused rotary+KV-write and split-KV attention kernels (CUDA,
     power-of-two head size; Qwen3's q/k norms sit between projection and rotary, so not there)."""
     probe = view.embed.weight
-    return not view.qk_norm and rope_kv.supports(probe, view.head_dim)
+    return view.plain_attention and rope_kv.supports(probe, view.head_dim)
 
 
 def _lm_head(view, h):
-    """The logits: on the CPU, inside the rollout's cache, through the packed weight (dispatch.frozen_linear)."""
-    return dispatch.frozen_linear(view.lm_head, h)
+    """The logits: on the CPU, inside the rollout's cache, through the packed weight (dispatch.frozen_linear);
+    capped as transformers caps them where the config says so (Gemma's final_logit_softcapping)."""
+    logits = dispatch.frozen_linear(view.lm_head, h)
+    if view.softcap is not None:
+        logits = torch.tanh(logits / view.softcap) * view.softcap
+    return logits
 
 
 def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope, ops=EAGER_GLUE,
@@ -272,33 +385,49 @@ def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope,
     the cache write in one kernel, then split-KV attention (rollout/attention.py); a layer is then
     norm, q|k|v, rope+write, attention (2), o, add+norm, gate|up, SiLU·mul, down, add+norm.
     """
+    if fused and not view.plain_attention:
+        raise UnsupportedModelError(f"{view.family.name}: the fused decode attention runs no q/k norms, sliding "
+                                    "windows, per-layer rotary tables or partial rotary; use fused_attention=False")
     s, d = tokens.shape[0], view.head_dim
+    nm = view.norms
     h = view.embed(tokens[:, None])
-    x = _norm(view, ops, view.layers[0].input_layernorm, h)
+    x = h if nm.attn_in is None else _norm(view, ops, getattr(view.layers[0], nm.attn_in), h)
     if fused:
         lengths = pos + 1
     else:
-        cos, sin = (t[pos][:, None, None] for t in rope)  # [S, 1, 1, d]
-        mask = (torch.arange(n_keys, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [S, 1, 1, L]
+        keys = torch.arange(n_keys, device=pos.device)[None, :]
+        mask = keys <= pos[:, None]
+        masks = {w: _windowed(mask, pos[:, None], keys, w)[:, None, None] for w in set(view.windows)}  # [S, 1, 1, L]
     for i, layer in enumerate(view.layers):
         attn = layer.self_attn
         kc, vc, ks, vs = cache.layer(i)
         if fused:
-            q, k, v = (y[:, 0] for y in project(attn, QKV, x))
-            q = rope_kv.rope_kv_write(q, k, v, rope[0], rope[1], pos, kc, vc, ks, vs)
+            q, k, v = (y[:, 0] for y in _project_qkv(view, attn, x))
+            q = rope_kv.rope_kv_write(q, k, v, rope.cos, rope.sin, pos, kc, vc, ks, vs)
             o = attention.decode_attention(q, kc, vc, lengths, n_keys, view.scaling, ks, vs).view(s, 1, -1)
         else:
-            q, k, v = (y.view(s, 1, -1, d) for y in project(attn, QKV, x))
+            cos, sin = (t[pos][:, None, None] for t in rope.layer(i))  # [S, 1, 1, r]
+            q, k, v = _project_qkv(view, attn, x)
+            if view.qk_norm == "width":
+                q, k = _norm(view, ops, attn.q_norm, q), _norm(view, ops, attn.k_norm, k)
+            q, k, v = (y.reshape(s, 1, -1, d) for y in (q, k, v))
             v = v.transpose(1, 2)
-            if view.qk_norm:
+            if view.qk_norm == "head":
                 q, k = _norm(view, ops, attn.q_norm, q), _norm(view, ops, attn.k_norm, k)
             q, k = ops["rope"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             cache.write_token(i, n_slots, pos, k[:, :, 0], v[:, :, 0])
             kk, vv = kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys]
             if cache.fp8:
                 kk, vv = dequantize(kk, ks[:n_slots], q.dtype), dequantize(vv, vs[:n_slots], q.dtype)
-            o = ops["attend_decode"](q, kk, vv, mask, view.n_kv, view.scaling).transpose(1, 2).reshape(s, 1, -1)
-        h, x = _add_norm(view, ops, layer.post_attention_layernorm, h, attn.o_proj(o))
-        nxt = view.layers[i + 1].input_layernorm if i + 1 < view.n_layers else view.norm
-        h, x = _add_norm(view, ops, nxt, h, _mlp(view, ops, layer.mlp, x))
+            o = ops["attend_decode"](q, kk, vv, masks[view.windows[i]], view.n_kv, view.scaling)
+            o = o.transpose(1, 2).reshape(s, 1, -1)
+        o = attn.o_proj(o)
+        if nm.attn_out is not None:
+            o = _norm(view, ops, getattr(layer, nm.attn_out), o)
+        h, x = _add_norm(view, ops, _sub_norm(layer, nm.mlp_in), h, o)
+        m = _mlp(view, ops, layer.mlp, x)
+        if nm.mlp_out is not None:
+            m = _norm(view, ops, getattr(layer, nm.mlp_out), m)
+        nxt = _sub_norm(view.layers[i + 1], nm.attn_in) if i + 1 < view.n_layers else view.norm
+        h, x = _add_norm(view, ops, nxt, h, m)
     return _lm_head(view, x[:, 0]).float()

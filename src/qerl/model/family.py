@@ -1,0 +1,165 @@
+"""One description per model family: what the loader, the engine, the trainer's masks and export read.
+
+A `Family` says what differs between decoder layers of the families qerl runs: the projections
+and how the checkpoint names them (separate q/k/v or one fused `qkv_proj`), the norms a layer has
+and where they sit, q/k norms, the activation's attribute, how sliding windows are assigned to
+layers, whether rotary tables differ per layer type. Everything numeric (rotary frequencies,
+partial rotary, scaled embeddings, attention scaling) is read from the transformers modules
+themselves, so the description stays small. The families live one per file in `families/`.
+
+The gate (`family_of_config`, `family_of_model`) checks what is built: the config's model_type,
+the architecture label against it, and the classes transformers built; a model none of the
+families describes is refused by name, never run through another family's layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+QKV = ("q", "k", "v")
+GATE_UP = ("gate", "up")
+LLAMA_PROJECTIONS = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}  # fmt: skip
+
+
+class UnsupportedModelError(ValueError):
+    """A model (config, class or layer) that no family describes, or a setting a family does not run."""
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Attribute names of a decoder layer's norms by where they sit (None: the layer has none there).
+
+    Llama: input_layernorm before attention, post_attention_layernorm before the MLP. Gemma 3 adds
+    norms on the attention and MLP outputs (four a layer); Olmo 2 has only those two (post-norm)."""
+    attn_in: str | None = "input_layernorm"
+    attn_out: str | None = None
+    mlp_in: str | None = "post_attention_layernorm"
+    mlp_out: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]        # config.model_type values
+    causal_lm: str                      # the transformers class the loader builds and the engine accepts
+    decoder_layer: str                  # the class of each of its decoder layers
+    projections: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_PROJECTIONS))  # short -> module
+    qkv: tuple[str, ...] = QKV          # the projections giving q, k, v (one fused name: split by heads)
+    gate_up: tuple[str, ...] = GATE_UP  # the projections giving gate, up (one fused name: split in halves)
+    fused_groups: tuple[tuple[str, ...], ...] = (QKV, GATE_UP)  # members qerl stores as one group
+    aliases: Mapping[str, str] = field(default_factory=dict)  # target names of other families -> ours
+    norms: Norms = Norms()
+    qk_norm: str | None = None          # "head": per head after the reshape; "width": over all heads
+    llama_norm: bool = True             # norms compute w * x_hat.to(dtype) (the decode glue restates them)
+    act: str = "act_fn"                 # the MLP's activation attribute
+    windows_from: str = "layer_types"   # "layer_types": config.layer_types picks sliding layers; "every_layer"
+    rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
+    check: Callable | None = None       # check(config) -> None or the reason a config is not run
+    tested_against: str = ""            # README: what the family's tests compare with
+
+    def module(self, i: int, target: str) -> str:
+        return f"model.layers.{i}.{self.projections[target]}"
+
+    def attr(self, target: str) -> str:
+        return self.projections[target].rpartition(".")[2]
+
+    def normalize_targets(self, targets) -> tuple[str, ...]:
+        """Short names ('q'), module names ('q_proj', 'self_attn.q_proj') or another family's names
+        (Llama's q/k/v on Phi-3's fused qkv_proj) -> this family's short names."""
+        by_attr = {self.attr(t): t for t in self.projections}
+        out = []
+        for t in targets:
+            leaf = t.split(".")[-1]
+            key = by_attr.get(leaf, leaf.removesuffix("_proj"))
+            key = self.aliases.get(key, key)
+            if key not in self.projections:
+                raise ValueError(f"unknown target module {t!r} for {self.name}; choose from {', '.join(self.projections)}")
+            out.append(key)
+        return tuple(dict.fromkeys(out))
+
+    def windows(self, config) -> list[int | None]:
+        """Each layer's sliding window (keys (q - w, q] are seen) or None (full causal)."""
+        n = config.num_hidden_layers
+        w = getattr(config, "sliding_window", None)
+        if not w:
+            return [None] * n
+        if self.windows_from == "every_layer":
+            return [int(w)] * n
+        types = getattr(config, "layer_types", None) or ["full_attention"] * n
+        return [int(w) if t == "sliding_attention" else None for t in types]
+
+    def layer_types(self, config) -> list[str | None]:
+        """The rotary table key of each layer (None: the model's one table)."""
+        n = config.num_hidden_layers
+        return list(config.layer_types) if self.rope_per_layer_type else [None] * n
+
+
+def families() -> tuple[Family, ...]:
+    from .families import FAMILIES
+
+    return FAMILIES
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(f.causal_lm for f in families())
+
+
+def _by_model_type(model_type) -> Family | None:
+    return next((f for f in families() if model_type in f.model_types), None)
+
+
+def _supported_text() -> str:
+    return ", ".join(f"{f.causal_lm} ({'/'.join(f.model_types)})" for f in families())
+
+
+def family_of_config(config, source: str) -> Family:
+    """The family of a config: its model_type decides (it is what transformers builds), and an
+    architectures label naming another class is refused (a Llama label on a Granite config would
+    otherwise load and sample wrong tokens)."""
+    mt = getattr(config, "model_type", None)
+    fam = _by_model_type(mt)
+    archs = list(getattr(config, "architectures", None) or [])
+    if fam is None:
+        raise UnsupportedModelError(f"{source}: unsupported architecture {archs or mt!r} (model_type {mt!r}); qerl "
+                                    f"supports {_supported_text()}")
+    if archs and fam.causal_lm not in archs:
+        raise UnsupportedModelError(f"{source}: unsupported architecture {archs} on model_type {mt!r}, which "
+                                    f"transformers builds as {fam.causal_lm}: the label and the model_type disagree")
+    _check_config(fam, config, source)
+    return fam
+
+
+def _check_config(fam: Family, config, source) -> None:
+    why = fam.check(config) if fam.check is not None else None
+    if why:
+        raise UnsupportedModelError(f"{source}: {fam.name}: {why}")
+
+
+def family_of_model(model, source: str | None = None) -> Family:
+    """The family of a built causal LM, checked on what was built: its class, each decoder layer's
+    class and its config's model_type. Anything else is refused (the engine restates the layers it
+    knows; another family's layer would run the wrong arithmetic without a word)."""
+    src = source or type(model).__name__
+    cls = type(model).__name__
+    fam = next((f for f in families() if f.causal_lm == cls), None)
+    if fam is None:
+        raise UnsupportedModelError(f"{src}: the model class {cls} is not one qerl runs; qerl supports "
+                                    f"{_supported_text()}")
+    mt = getattr(model.config, "model_type", None)
+    if mt not in fam.model_types:
+        raise UnsupportedModelError(f"{src}: a {cls} with config model_type {mt!r}; {fam.name} expects "
+                                    f"{'/'.join(fam.model_types)}")
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"{src}: {cls} has no model.layers")
+    for i, layer in enumerate(layers):
+        if type(layer).__name__ != fam.decoder_layer:
+            raise UnsupportedModelError(f"{src}: model.layers.{i} is a {type(layer).__name__}; {fam.name} layers are "
+                                        f"{fam.decoder_layer}")
+    _check_config(fam, model.config, src)
+    return fam
