@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 # which norm feeds which projections (Llama / Qwen2 / Qwen3 decoder layers)
-NORM_FEEDS = {"input_layernorm": ("q_proj", "k_proj", "v_proj"), "post_attention_layernorm": ("gate_proj", "up_proj")}
+# (Phi-3 keeps q|k|v and gate|up fused in one projection each: qkv_proj, gate_up_proj)
+NORM_FEEDS = {"input_layernorm": ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+              "post_attention_layernorm": ("gate_proj", "up_proj", "gate_up_proj")}
 
 
 def sigma_at(step: int, total_steps: int, stages: int = 10, sigma_start: float = 1e-2, sigma_end: float = 5e-4,
