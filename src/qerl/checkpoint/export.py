@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..layers import QLoRALinear
+from ..layers.quant_experts import QuantExperts
 from .atomic import SHARD_BYTES, TensorEntry, atomic_folder, write_sharded
 from .guard import OutputFolderError as ExportTargetError  # noqa: F401 - the old name, for callers
 from .guard import check_output_folder
@@ -46,8 +47,14 @@ def _entries(model: nn.Module, dtype: torch.dtype) -> list[TensorEntry]:
     def cast(t):
         return t.detach().to(dtype) if t.is_floating_point() else t.detach()
 
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     for key, t in model.state_dict(keep_vars=True).items():
         mod = key.rpartition(".")[0]
+        if mod in experts:
+            if mod not in emitted:
+                emitted.add(mod)
+                out += _expert_entries(model, mod, experts[mod], dtype)
+            continue
         if mod in owned:
             if mod in emitted:
                 continue
@@ -62,6 +69,24 @@ def _entries(model: nn.Module, dtype: torch.dtype) -> list[TensorEntry]:
         if tied and key == "lm_head.weight":
             continue  # transformers re-ties it from the embeddings
         out.append(TensorEntry(key, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, lambda t=t: cast(t)))
+    return out
+
+
+def _expert_entries(model, name: str, q: QuantExperts, dtype) -> list[TensorEntry]:
+    """A 4-bit experts module as the stock per-expert checkpoint layout (<name>.<e>.<gate|up|down>.weight,
+    the family's names), each expert's weights dequantized; transformers 5 fuses them again on load."""
+    from ..model.family import family_of_model
+
+    ex = family_of_model(model).experts
+    n_i = q.shapes["gate_up_proj"][0] // 2
+    out = []
+    for e in range(q.num_experts):
+        gu = lambda e=e: q.weight("gate_up_proj", e, torch.float32)  # noqa: E731
+        for proj, rows in ((ex.gate, slice(0, n_i)), (ex.up, slice(n_i, 2 * n_i))):
+            out.append(TensorEntry(f"{name}.{e}.{proj}.weight", (n_i, q.shapes["gate_up_proj"][1]), dtype,
+                                   lambda gu=gu, rows=rows: gu()[rows].to(dtype).contiguous()))
+        out.append(TensorEntry(f"{name}.{e}.{ex.down}.weight", q.shapes["down_proj"], dtype,
+                               lambda e=e: q.weight("down_proj", e, torch.float32).to(dtype)))
     return out
 
 

@@ -42,6 +42,17 @@ class Norms:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """An MoE layer's experts: where they sit and how a checkpoint names each expert's projections
+    (the stock per-expert layout, `<path>.<e>.<gate>.weight`; transformers 5 fuses them on load)."""
+    path: str = "mlp.experts"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    count: str = "num_experts"  # the config field holding the number of experts
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]        # config.model_type values
@@ -58,6 +69,7 @@ class Family:
     act: str = "act_fn"                 # the MLP's activation attribute
     windows_from: str = "layer_types"   # "layer_types": config.layer_types picks sliding layers; "every_layer"
     rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
+    experts: Experts | None = None      # an MoE's experts (4-bit QuantExperts; no LoRA on them yet)
     check: Callable | None = None       # check(config) -> None or the reason a config is not run
     tested_against: str = ""            # README: what the family's tests compare with
 
@@ -76,6 +88,8 @@ class Family:
             leaf = t.split(".")[-1]
             key = by_attr.get(leaf, leaf.removesuffix("_proj"))
             key = self.aliases.get(key, key)
+            if key is None:  # a projection this family keeps in its experts (no LoRA on experts yet)
+                continue
             if key not in self.projections:
                 raise ValueError(f"unknown target module {t!r} for {self.name}; choose from {', '.join(self.projections)}")
             out.append(key)

@@ -252,6 +252,11 @@ def load_policy(
                 done.update(f"{name}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale"))
             if qgroup is not None:
                 install_group(model, names, qgroup)
+        if family.experts is not None:
+            if ckpt_fmt:
+                raise ValueError(f"{folder}: a compressed-tensors {family.name} checkpoint; qerl reads MoE experts from "
+                                 "dense checkpoints only so far")
+            done.update(_load_experts(model, ckpt, family, i, fmt, device))
 
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in list(model.state_dict(keep_vars=True).items()):
@@ -274,6 +279,33 @@ def load_policy(
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     model.eval()
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout, targets, fallback)
+
+
+def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
+    """Layer i's experts, read one expert at a time from the stock per-expert checkpoint layout
+    (or transformers 5's fused 3-D tensors), quantized into a QuantExperts; returns the keys used."""
+    from ..layers.quant_experts import QuantExperts
+
+    ex = family.experts
+    base = f"model.layers.{i}.{ex.path}"
+    skeleton = model.get_submodule(base)
+    n = getattr(model.config, ex.count)
+    if f"{base}.gate_up_proj" in ckpt:
+        keys = [f"{base}.gate_up_proj", f"{base}.down_proj"]
+        gate_up, down = (ckpt.get(k, device) for k in keys)
+    else:
+        keys = [f"{base}.{e}.{p}.weight" for e in range(n) for p in (ex.gate, ex.up, ex.down)]
+        missing = [k for k in keys if k not in ckpt]
+        if missing:
+            raise CheckpointError(f"{ckpt.folder}: missing expert tensor {missing[0]} ({family.name}, {n} experts)")
+        gate_up = torch.stack([torch.cat([ckpt.get(f"{base}.{e}.{ex.gate}.weight", device),
+                                          ckpt.get(f"{base}.{e}.{ex.up}.weight", device)]) for e in range(n)])
+        down = torch.stack([ckpt.get(f"{base}.{e}.{ex.down}.weight", device) for e in range(n)])
+    dtype = skeleton.gate_up_proj.dtype
+    q = QuantExperts(gate_up.to(dtype), down.to(dtype), fmt, skeleton.act_fn, dtype, base)
+    parent, _, attr = base.rpartition(".")
+    setattr(model.get_submodule(parent), attr, q)
+    return keys + [f"{base}.{k}" for k in q._buffers]
 
 
 def _check_projection_biases(model, ckpt, n_layers, modules, label) -> None:

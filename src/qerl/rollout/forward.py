@@ -352,7 +352,10 @@ def _noise(norm):
 
 
 def _mlp(view, ops, mlp, x):
-    """down(act(gate) · up), gate|up from two projections, their group, or one fused gate_up_proj."""
+    """down(act(gate) · up), gate|up from two projections, their group, or one fused gate_up_proj; an MoE
+    block runs as transformers' own (its router, then the 4-bit experts' loop over the hit experts)."""
+    if view.family.experts is not None:
+        return mlp(x)
     ys = project(mlp, view.gate_up, x)
     g, u = ys[0].chunk(2, dim=-1) if len(ys) == 1 else ys
     if view.silu_mlp:
