@@ -134,7 +134,7 @@ __device__ __forceinline__ void matmul_cta(
       const int s = slot(c), gc = c_begin + c;
       if (c >= ST) mbar_wait(bars + 8 * (ST + s), empty_parity(c));
       const u32 b = ring + stage_b(s);
-#pragma unroll
+#pragma unroll 16  // a full unroll of BN * 32 / PTHREADS copies holds an address per copy: spills at BN >= 128
       for (int i = 0; i < X_PER_THREAD; i++) {  // rows past M: zero fill, no read
         const int n = x_row(pt, i), tok = tok0 + n;
         cp_async4_z(b + x_dst(n, w), x + (u64)(tok < M ? tok : 0) * ldx + gc * 64 + 2 * w, tok < M ? 4 : 0);
