@@ -5,12 +5,14 @@
 // The problem is transposed: weight rows are wgmma's M (64 per consumer warpgroup), tokens its N (BN per
 // CTA, up to 256), inputs its K. Weights are the register-sourced operand A, in the same bytes the mma.sync
 // kernel reads (formats/nvfp4_mma.py): warp w of a consumer warpgroup owns row tile w of the group's 64
-// rows, and each lane's 16 bytes of a 64-input chunk decode into its A registers of the chunk's 4 k-steps,
-// once per CTA. Activations are operand B, from shared memory, K-major with the 128-byte swizzle, in the
-// MMA's logical k order: the layout permutes inputs inside each 64-chunk so that a lane's 16 weights share
-// one scale, and the same permutation of the activations leaves the dot product unchanged. The permutation
-// moves whole 32-bit words, so the producer writes it directly: one 4-byte cp.async per word, straight into
-// the swizzled tile (x_dst), no staging copy and no permute pass.
+// rows. That layout gives lane (g, q) inputs 16q .. 16q+15 of each 64-input chunk (one scale group), which is
+// mma.sync's fragment order only under a permutation of k; here the consumers undo it instead: at k-step s
+// lane (g, q) reads two words of lane (g, s) from shared memory and keeps the two registers of its half of
+// the quad (w_read, pick_r0/pick_r1: ~6 integer ops a word), so activations stay in input order. They are
+// operand B, from shared memory, K-major with the 128-byte swizzle, copied by 16-byte cp.async straight
+// into the swizzled tile (x_dst): 8 copies a token row, no permute pass. (The first version moved the
+// activations word by word into the permuted order instead: ~10 instructions per 4 bytes on one producer
+// warp, which ncu showed was the whole kernel's limit.)
 //
 // Warp-specialised: PW producer warps (after the consumer warpgroups) only issue cp.async into a ring of ST
 // stages {B tile, weights, scales}; each stage has a `full` mbarrier (the producers' cp.async completions
@@ -36,9 +38,6 @@
 
 __device__ __forceinline__ void cp_async16_z(u32 dst, const void* src, int bytes) {  // bytes 0: zero fill
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async4_z(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -72,23 +71,32 @@ __device__ __forceinline__ u64 b_desc(u32 addr) {
 
 WGMMA_STEP_DEFINITION
 
-// One chunk on a consumer warpgroup: wait for its stage, decode into `a`, 4 wgmmas, then free the previous
-// chunk's stage (its group is the one wait_group 1 retires).
+WGMMA_PICK_DEFINITION
+
+// One chunk on a consumer warpgroup: wait for its stage, gather and decode the A registers of its 4 k-steps
+// into `a`, 4 wgmmas, then free the previous chunk's stage (its group is the one wait_group 1 retires).
+// Lane (g, q) at k-step s takes two words of lane (g, s) (w_read) and from each the two registers of its
+// half of the quad (odd = q % 2: pick_r0 / pick_r1), scaled by lane (g, s)'s scales: the inputs of
+// k-step s are then 16 s .. 16 s + 15 in their own order, as the B tile holds them.
 __device__ __forceinline__ void consume(int c, u32 ring, u32 bars, int wi, int lane, float* acc, u32* a) {
-  const int s = slot(c);
+  const int s = slot(c), g = lane >> 2, q = lane & 3;
+  const u32 odd = q & 1;
   mbar_wait(bars + 8 * s, full_parity(c));
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async (generic proxy) -> wgmma (async proxy)
-  u32x4 w;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
-               : "r"(ring + stage_w(s) + (wi * 32 + lane) * 16));
-  u16 sc;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(sc) : "r"(ring + stage_s(s) + (wi * 32 + lane) * 2));
-  u32 sl, sh;
-  scales(sc, sl, sh);
-  decode_word(w.x, sl, sh, a[0], a[1], a[2], a[3]);
-  decode_word(w.y, sl, sh, a[4], a[5], a[6], a[7]);
-  decode_word(w.z, sl, sh, a[8], a[9], a[10], a[11]);
-  decode_word(w.w, sl, sh, a[12], a[13], a[14], a[15]);
+  u32 sc01, sc23;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(sc01), "=r"(sc23) : "r"(ring + stage_s(s) + s_read(wi, g)));
+  const u32 wbase = ring + stage_w(s);
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    u32 lo, hi, sl, sh;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(lo) : "r"(wbase + w_read(wi, g, t, q >> 1)));
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(hi) : "r"(wbase + w_read(wi, g, t, (q >> 1) + 2)));
+    scales(((t < 2 ? sc01 : sc23) >> (16 * (t & 1))) & 0xFFFFu, sl, sh);
+    a[4 * t + 0] = bmul2(pick_r0(lo, odd), sl);
+    a[4 * t + 1] = bmul2(pick_r1(lo, odd), sh);
+    a[4 * t + 2] = bmul2(pick_r0(hi, odd), sl);
+    a[4 * t + 3] = bmul2(pick_r1(hi, odd), sh);
+  }
   const u32 bt = ring + stage_b(s);
   wgmma_fence();
   wgmma_step(acc, a + 0, b_desc(bt));
@@ -129,20 +137,23 @@ __device__ __forceinline__ void matmul_cta(
   __syncthreads();
 
   if (tid >= CTHREADS) {  // producer warps
-    const int pt = tid - CTHREADS, w = x_word(pt);
+    const int pt = tid - CTHREADS, r0 = x_row(pt, 0);
+    const int xb0 = x_base(pt, 0), xb1 = x_base(pt, 1);
+    const int rows_left = M - tok0 - r0;  // copy i reads if i * X_ROWS_PASS < rows_left, else zero-fills
+    const u16* xs = x + (u64)(tok0 + r0) * ldx + 8 * x_piece(pt);
+    const u64 xstep = (u64)X_ROWS_PASS * ldx;
     for (int c = 0; c < nch; c++) {
       const int s = slot(c), gc = c_begin + c;
       if (c >= ST) mbar_wait(bars + 8 * (ST + s), empty_parity(c));
       const u32 b = ring + stage_b(s);
-#pragma unroll 16  // a full unroll of BN * 32 / PTHREADS copies holds an address per copy: spills at BN >= 128
-      for (int i = 0; i < X_PER_THREAD; i++) {  // rows past M: zero fill, no read
-        const int n = x_row(pt, i), tok = tok0 + n;
-        cp_async4_z(b + x_dst(n, w), x + (u64)(tok < M ? tok : 0) * ldx + gc * 64 + 2 * w, tok < M ? 4 : 0);
-      }
+      const u16* xp = xs + gc * 64;
+#pragma unroll 16
+      for (int i = 0; i < X_PER_THREAD; i++)  // rows past M: zero fill, no read (src-size 0)
+        cp_async16_z(b + x_off(i, xb0, xb1), xp + i * xstep, i * X_ROWS_PASS < rows_left ? 16 : 0);
 #pragma unroll
       for (int i = pt; i < WG * 128; i += PTHREADS) {  // row tiles past N: zero fill
         const int rt = rt0 + (i >> 5);
-        cp_async16_z(ring + stage_w(s) + i * 16, wq + w_src(rt < NT ? rt : 0, KCH, gc, i & 31), rt < NT ? 16 : 0);
+        cp_async16_z(ring + stage_w(s) + w_slot(i) * 16, wq + w_src(rt < NT ? rt : 0, KCH, gc, i & 31), rt < NT ? 16 : 0);
       }
 #pragma unroll
       for (int i = pt; i < WG * 16; i += PTHREADS) {

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..formats.nvfp4_mma import BITS, RECIPE
 from . import counters, nvrtc, settings
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, **override) -
     cps = math.ceil(kch / splits)
     cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], math.ceil(kch / cps), cps, tune.get("pw", 1), cps_sm)
     if (cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256
-            or (bn * 32) % (32 * cfg.pw)):
+            or (bn * 8) % (32 * cfg.pw)):
         raise ValueError(f"invalid wgmma launch {cfg}: {cfg.smem_bytes()} bytes of shared memory")
     return cfg
 
@@ -132,8 +133,31 @@ def wgmma_step_source(bn: int) -> str:
         "}\n")
 
 
+def pick_source(bits: int = BITS) -> str:
+    """pick_r0 / pick_r1 (v, odd): register 2 odd (row g) / 2 odd + 1 (row g + 8) of weight word v, unscaled,
+    from formats/nvfp4_mma.RECIPE (BITS 2) or the nibble order (BITS 1). `odd` is a lane's q % 2, fixed per
+    thread, so each select is hoisted and a word costs its rotations and masks once (~6 integer ops)."""
+    if bits == 1:
+        return "".join(
+            f"__device__ __forceinline__ u32 pick_r{row}(u32 v, u32 odd) {{ return e2m1x2(v << (odd ? {8 + 4 * row}u : {4 * row}u)); }}\n"
+            for row in (0, 1))
+    out = []
+    for row in (0, 1):
+        even, odd = list(RECIPE[2][row]), list(RECIPE[2][2 + row])
+        n = max(len(even), len(odd))
+        even += [(0, 0)] * (n - len(even))
+        odd += [(0, 0)] * (n - len(odd))
+        terms = []
+        for (re, me), (ro, mo) in zip(even, odd):
+            r = f"{re}u" if re == ro else f"(odd ? {ro}u : {re}u)"
+            m = f"0x{me:08X}u" if me == mo else f"(odd ? 0x{mo:08X}u : 0x{me:08X}u)"
+            terms.append(f"(rotl(v, {r}) & {m})")
+        out.append(f"__device__ __forceinline__ u32 pick_r{row}(u32 v, u32 odd) {{ return {' | '.join(terms)}; }}\n")
+    return "".join(out)
+
+
 def generated(cfg: WgmmaConfig) -> dict:
-    return {"WGMMA_STEP_DEFINITION": wgmma_step_source(cfg.bn)}
+    return {"WGMMA_STEP_DEFINITION": wgmma_step_source(cfg.bn), "WGMMA_PICK_DEFINITION": pick_source()}
 
 
 @dataclass
