@@ -26,7 +26,9 @@ GROUPS = {
                      "adam_epsilon", "max_grad_norm", "optim", "num_train_epochs", "max_steps",
                      "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
                      "logprob_chunk_size", "seed"),
-    "run": ("output_dir", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit", "report_to"),
+    "run": ("output_dir", "overwrite_output_dir", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
+            "report_to"),
+    "distributed": ("ddp_timeout", "ddp_backend"),
 }
 PREFIX = "sft__"
 

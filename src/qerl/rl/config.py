@@ -1,4 +1,5 @@
-"""The training configuration: one dataclass, TRL's GRPOConfig names where TRL has one.
+"""The GRPO training configuration: TRL's GRPOConfig names where TRL has one, the shared fields from
+train/config.py.
 
 Every field carries its help text, so `qerl train --print_config` writes a YAML file
 with every default documented, and the CLI accepts any field as `--name value`.
@@ -6,20 +7,10 @@ with every default documented, and the CLI accepts any field as `--name value`.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-import yaml
-
-
-def _f(default, help: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+from ..train.config import TrainConfig
+from ..train.fields import VALUE_ALIASES, _as, _f, _parse, _types, coerce, typed, yaml_mapping  # noqa: F401 - re-exported
 
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
@@ -51,7 +42,7 @@ TRL_IGNORED = frozenset("""
     log_completions_hub_repo log_multimodal log_unique_prompts num_completions_to_print remove_unused_columns
     bf16 fp16 tf32 bf16_full_eval fp16_full_eval use_cpu push_to_hub hub_model_id hub_strategy hub_token
     hub_private_repo hub_always_push hub_revision run_name project logging_strategy logging_first_step
-    logging_nan_inf_filter log_level log_level_replica log_on_each_node save_strategy save_only_model
+    logging_nan_inf_filter log_level log_level_replica log_on_each_node save_only_model
     save_on_each_node eval_strategy do_train do_eval do_predict per_device_eval_batch_size eval_accumulation_steps
     dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor
     dataloader_drop_last dataloader_in_order dataloader_multiprocessing_context disable_tqdm
@@ -69,33 +60,15 @@ TRL_UNIMPLEMENTED = {"use_adaptive_entropy": False, "sync_ref_model": False, "mi
                      "num_generations_eval": None, "generation_kwargs": None, "warmup_ratio": 0.0,
                      "max_tool_calling_iterations": None, "neftune_noise_alpha": None, "use_rslora": False,
                      "use_dora": False, "lora_modules_to_save": None, "disable_dropout": False}
-# values TRL (or transformers) accepts for a field, as qerl's: scale_rewards true/false as TRL's __post_init__
-VALUE_ALIASES = {
-    "scale_rewards": {True: "group", False: "none", "true": "group", "false": "none"},
-    "optim": {"adamw_torch_fused": "adamw_torch", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit"},
-    "lr_scheduler_type": {"constant_with_warmup": "constant"},  # qerl's constant has its warm-up
-}
 AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(TrainConfig):
+    """GRPO / DAPO with AQN: the shared fields (train/config.py) and the rollout, loss, noise, evaluation
+    and tool fields."""
     # --- model -------------------------------------------------------------------------------
-    model_name_or_path: str = _f("smollm2", "A folder, a hub id, or 'smollm2' (the offline default model).")
-    quant: str = _f("nvfp4", "Base weight format: nvfp4 | mxfp4 | nf4 | bf16 | auto (keep a checkpoint's own).")
-    lora_r: int = _f(32, "LoRA rank (the paper: 32; 16 is about as good).")
-    lora_alpha: float = _f(64.0, "LoRA alpha (scaling = alpha / r).")
-    lora_dropout: float = _f(0.0, "Dropout on the LoRA input during the update passes.")
-    lora_target_modules: list = _f(["q", "k", "v", "o", "gate", "up", "down"], "Linears that get LoRA (and are quantized).",
-                                   item=str)
     train_norms: bool = _f(False, "Also train the RMSNorm weights (the reference code's 'ln' option).")
-    dtype: str = _f("auto", "Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
-    device: str = _f("auto", "auto | cuda | cpu.")
-    lora_dtype: str = _f("auto", "Dtype of the LoRA factors (and so of their optimizer steps): auto (the compute dtype) | "
-                         "float32 (as PEFT keeps adapters by default: in bf16 an Adam step much smaller than 1/256 of a "
-                         "weight rounds away; on a GPU the factors stay in the compute dtype, which the kernels read, "
-                         "and the optimizer steps fp32 master copies of them) | bfloat16 | float16.")
-    trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
     modules_to_not_convert: list | None = _f(None, "Linears kept in bf16 (not quantized; still LoRA-trained), as "
                                              "transformers' quantization configs name them: a name matches a module "
                                              "path or its end (lm_head, layers.27.mlp.down_proj), 're:' starts a "
@@ -107,29 +80,12 @@ class GRPOConfig:
     system_prompt: str | None = _f(None, "Optional system message for chat templates.")
     prompt_suffix: bool = _f(False, "Append the paper's <think>/<answer> instruction to each prompt.")
     # --- optimisation ------------------------------------------------------------------------
-    learning_rate: float = _f(1e-5, "Peak learning rate (the paper: 1e-5 for 4-bit LoRA, 5e-6 for bf16 LoRA).")
-    lr_scheduler_type: str = _f("constant", "constant | linear | cosine (after warm-up).")
-    warmup_steps: int = _f(0, "Optimizer updates of linear warm-up.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.99, "AdamW beta2.")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0: off).")
-    optim: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, CUDA; falls back to adamw_torch with a notice) | adamw_torch.")
-    max_steps: int = _f(100, "Training steps; a step is one rollout round and its num_iterations policy updates.")
-    per_device_train_batch_size: int = _f(8, "Completions per forward/backward micro-batch, on each rank.")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer update.")
     generation_batch_size: int | None = _f(None, "Completions sampled per step, all ranks (prompts per step x "
                                            "num_generations; null: per_device_train_batch_size x world size x "
                                            "steps_per_generation, as TRL).")
     steps_per_generation: int | None = _f(None, "Micro-batches each rank trains on per step (TRL's meaning; null: "
                                           "gradient_accumulation_steps, one update a generation, as TRL; or what "
                                           "generation_batch_size implies when set).")
-    gradient_checkpointing: bool | None = _f(None, "Recompute activations in backward (less memory, ~30% more time; "
-                                             "null: on only when the update's activations would not fit in the "
-                                             "free memory, chosen and printed at start).")
-    logprob_chunk_size: int | None = _f(None, "Tokens per chunk when computing log-probabilities and entropies (null: "
-                                        "the largest of 256..8192 whose fp32 logits take <= 5% of the free memory).")
     packed_update: bool = _f(True, "Pack each group's prompt (once) and its completions into one row with a "
                              "prefix-sharing mask: no padding, the prompt's forward and backward once per group "
                              "(same loss and gradients as separate rows).")
@@ -216,16 +172,6 @@ class GRPOConfig:
     eval_top_p: float = _f(0.95, "Evaluation nucleus sampling (the paper: 0.95).")
     eval_max_completion_length: int | None = _f(None, "New tokens per evaluation completion (null: max_completion_length).")
     # --- run ---------------------------------------------------------------------------------
-    output_dir: str = _f("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
-    overwrite_output_dir: bool = _f(False, "Start afresh in an output_dir that holds an earlier run, deleting that run's "
-                                    "checkpoints, metrics, evaluations and adapter (without it, or --resume, such a "
-                                    "folder is refused).")
-    seed: int = _f(42, "Seed of data order, rollouts and noise.")
-    logging_steps: int = _f(10, "Print a metrics line every N steps (metrics.jsonl gets every step).")
-    save_steps: int = _f(500, "Checkpoint every N steps (and at the end).")
-    save_total_limit: int | None = _f(None, "Keep this many checkpoints (null: all).")
-    report_to: str = _f("none", "none (metrics.jsonl only, TRL's default) | tensorboard | auto (TensorBoard when "
-                        "installed). metrics.jsonl is always written.")
     rollout_kv_cache_gb: float | None = _f(None, "KV-cache budget of the rollout engine (null: half the free GPU memory).")
     rollout_kv_cache_dtype: str = _f("auto", "KV cache of the rollout engine: auto (the model's dtype) | fp8 (E4M3 with "
                                      "per-slot, per-KV-head scales: half the bytes at long context; the engine-vs-"
@@ -246,19 +192,10 @@ class GRPOConfig:
     parity_max_logprob_diff: float | None = _f(0.1, "Parity gate: the largest mean |logprob difference| (nats) "
                                                "accepted; past it training stops naming the side that diverged "
                                                "(null: log only).")
-    # --- several GPUs / processes (torchrun) -------------------------------------------------
-    ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
-    ddp_backend: str | None = _f(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")
-
     @property
     def entropy_coeff(self) -> float:
         """qerl's older name of entropy_coef (read-only)."""
         return self.entropy_coef
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):  # GRPOConfig(max_steps="6") as well as files and flags
-            setattr(self, f.name, coerce(f, getattr(self, f.name), "config"))
-        self.validate()
 
     def validate(self):
         def bad(name, msg):
@@ -322,6 +259,7 @@ class GRPOConfig:
 
         check_inputs(self)
         check_ranges(self)  # every numeric field's range (issue 34)
+        TrainConfig.validate(self)
 
     @property
     def updates_per_step(self) -> int:
@@ -330,17 +268,10 @@ class GRPOConfig:
 
         return self.num_iterations * batch_plan(self, world=1).updates_per_rank
 
-    # ---- files and command lines -----------------------------------------------------------
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
+    # ---- files and command lines (TrainConfig's, with TRL's aliases) ------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "GRPOConfig":
         return typed(cls, resolve_aliases(d, source), source)
-
-    @classmethod
-    def from_yaml(cls, path) -> "GRPOConfig":
-        return cls.from_dict(yaml_mapping(path), source=str(path))
 
     def with_overrides(self, pairs: dict[str, str]) -> "GRPOConfig":
         """CLI overrides by field name; values parse as YAML scalars (1e-5, true, null, [q, v])."""
@@ -353,15 +284,6 @@ class GRPOConfig:
             if a in pairs and b not in pairs:
                 d[b] = None
         return type(self).from_dict(d, source="command line")
-
-    def to_yaml(self, documented: bool = True) -> str:
-        lines = ["# qerl training configuration (every field, with its default and meaning)"] if documented else []
-        for f in dataclasses.fields(self):
-            if documented:
-                lines.append(f"# {f.metadata.get('help', '')}")
-            lines.append(yaml.safe_dump({f.name: getattr(self, f.name)}, default_flow_style=True, width=1000).strip()
-                         .removeprefix("{").removesuffix("}"))
-        return "\n".join(lines) + "\n"
 
 
 def resolve_aliases(d: dict, source: str) -> dict:
@@ -396,135 +318,3 @@ def _init_with_aliases(self, *args, **kw):
 
 _init_with_aliases.__wrapped__ = _dataclass_init  # GRPOConfig(vllm_importance_sampling_mode=...) as in TRL
 GRPOConfig.__init__ = _init_with_aliases
-
-
-def typed(cls, d: dict, source: str, convert=None):
-    """cls(**d) with every value coerced to its field's type; an unknown field is an error naming `source`
-    (typed here, before any model loads, so the error can name the file). GRPOConfig's and SFTConfig's."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in d:
-        if k not in fields:
-            near = difflib.get_close_matches(k, fields, n=1)
-            raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
-    convert = convert or coerce  # a config's own coercion where its fields need one (SFTConfig)
-    return cls(**{k: convert(fields[k], v, source) for k, v in d.items()})
-
-
-def yaml_mapping(path) -> dict:
-    """A config file's field: value mapping; a file that is not one is an error naming it."""
-    path = Path(path)
-    try:
-        d = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
-    return d
-
-
-def _parse(name: str, text: str, cls):
-    """A command-line value as YAML would read it (from_dict then types it by the field)."""
-    name = FIELD_ALIASES.get(name, name)
-    hints = typing.get_type_hints(cls)
-    if name not in hints:
-        near = difflib.get_close_matches(name, hints, n=1)
-        raise ValueError(f"command line: unknown field '--{name}'" + (f" (did you mean '--{near[0]}'?)" if near else ""))
-    if str in _types(hints[name]):
-        return None if text in ("null", "~") and type(None) in _types(hints[name]) else text  # `--seed_name 007` stays text
-    try:
-        v = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if list in _types(hints[name]) and isinstance(v, str):
-        return [s.strip() for s in v.split(",") if s.strip()]  # --lora_target_modules q,v
-    return v
-
-
-# ---- typing every value by its field ----------------------------------------------------------
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-_HINTS: dict = {}
-
-
-def _types(hint) -> tuple:
-    """(float,) for `float`, (float, NoneType) for `float | None`."""
-    args = typing.get_args(hint)
-    return args if args else (hint,)
-
-
-def coerce(f: dataclasses.Field, value, source: str):
-    """`value` as the type of field `f`, or a ValueError naming the field and `source` (a file or the
-    command line). YAML 1.1 reads 2e-5 as a string and users quote numbers and booleans: those
-    are converted; what has no exact meaning in the field's type (6.7 steps, aqn: "maybe") is an error."""
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(GRPOConfig))
-    types = _types(_HINTS[f.name])
-    if value is None and type(None) in types:
-        return None
-    label = f"--{f.name}" if source == "command line" else f"field '{f.name}'"
-    want = next(t for t in types if t is not type(None))
-    aliases = VALUE_ALIASES.get(f.name, {})
-    if isinstance(value, (bool, str)) and value in aliases:
-        value = aliases[value]
-    try:
-        out = _as(want, value)
-        if want is list and f.metadata.get("item") is not None:
-            out = [_as(f.metadata["item"], x) for x in out]
-        choices = f.metadata.get("choices")
-        if choices and out not in choices:
-            raise ValueError(f"one of {', '.join(choices)}")
-        return out
-    except (TypeError, ValueError) as e:
-        null = " or null" if type(None) in types else ""
-        raise ValueError(f"{source}: {label}: {value!r} is not {e}{null}") from None
-
-
-def _as(want: type, v):
-    """v converted to `want`; raises ValueError('a <what>') when it cannot be, exactly."""
-    if want is bool:
-        if isinstance(v, bool):
-            return v
-        text = str(v).strip().lower() if isinstance(v, (str, int)) else None
-        if text in _TRUE or text in _FALSE:
-            return text in _TRUE
-        raise ValueError("a boolean (true/false, yes/no)")
-    if want is int:
-        if isinstance(v, bool):
-            raise ValueError("an integer")
-        if isinstance(v, int):
-            return v
-        x = _number(v, "an integer")
-        if isinstance(x, int):
-            return x
-        if math.isfinite(x) and x.is_integer():
-            return int(x)
-        raise ValueError("an integer (a non-integral value is not rounded)")
-    if want is float:
-        if isinstance(v, bool):
-            raise ValueError("a number")
-        x = float(_number(v, "a number"))
-        if math.isnan(x):
-            raise ValueError("a number (NaN is not a setting)")
-        return x
-    if want is str:
-        if isinstance(v, str):
-            return v
-        raise ValueError("a string (quote it in YAML)")
-    if want in (list, dict):
-        if isinstance(v, want):
-            return want(v)
-        raise ValueError(f"a {'list' if want is list else 'mapping'}")
-    return v
-
-
-def _number(v, what: str):
-    """An int or float from a number or its text ('6', '2e-5', '1_000'); ValueError(what) otherwise."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return v
-    if isinstance(v, str):
-        t = v.strip()
-        for conv in (int, float):
-            try:
-                return conv(t)
-            except ValueError:
-                pass
-    raise ValueError(what)

@@ -105,8 +105,5 @@ def check_ranges(cfg) -> None:
             "gate, up, down])")
     if cfg.reward_weights is not None and not all(math.isfinite(w) for w in cfg.reward_weights):
         bad("reward_weights", "must be finite numbers")
-    if cfg.report_to not in ("auto", "tensorboard", "none"):
-        bad("report_to", "must be auto, tensorboard or none (other trackers such as wandb are not supported: "
-            "metrics.jsonl has every step)")
     if cfg.ddp_backend not in (None, "nccl", "gloo"):
         bad("ddp_backend", "must be nccl, gloo or null")

@@ -1,0 +1,71 @@
+"""Per-step metrics: metrics.jsonl always, TensorBoard when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from ..checkpoint.atomic import atomic_text
+
+
+class MetricsLog:
+    def __init__(self, output_dir, report_to: str = "auto", resume_step: int | None = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            # a resumed run repeats the steps after its checkpoint: drop their old lines
+            keep = [json.dumps(r) for r in read_rows(self.path) if r["step"] < resume_step]
+            atomic_text(self.path, "".join(ln + "\n" for ln in keep))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self.tb = None
+        want_tb = report_to == "tensorboard" or (report_to == "auto" and importlib.util.find_spec("tensorboard"))
+        if want_tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, row["step"])
+            self.tb.flush()
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a qerl run directory?)")
+    return read_rows(path)
+
+
+def read_rows(path) -> list[dict]:
+    """The rows of a metrics.jsonl. A run killed while writing leaves a partial last line: it is
+    dropped with a note. A bad line elsewhere is an error naming the file and line."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a metrics row with an integer 'step'")
+        except ValueError as e:
+            if all(not x.strip() for x in lines[i + 1:]):
+                print(f"qerl: {path}: dropped its last line, cut short when a run was killed ({ln[:60]!r}...)")
+                break
+            raise ValueError(f"{path}:{i + 1}: not a metrics row ({e})") from None
+        rows.append(row)
+    return rows
