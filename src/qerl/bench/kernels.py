@@ -237,6 +237,18 @@ def sweep(log) -> dict:
     return res
 
 
+def _wgmma_candidates(bn: int) -> list[tuple[int, int, int, int]]:
+    """(warpgroups, producer warps, stages, CTAs per SM) worth timing for token tile bn: the producer warps
+    (one warp issuing every copy was the limit once), and the occupancy the registers allow."""
+    if bn <= 32:
+        return [(1, pw, 8, c) for pw in (1, 2, 4) for c in (2, 3)]
+    if bn <= 64:
+        return [(1, pw, 6, c) for pw in (1, 2, 4) for c in (1, 2)] + [(2, pw, 4, 1) for pw in (2, 4)]
+    if bn <= 128:
+        return [(2, pw, 4, 1) for pw in (1, 2, 4)] + [(1, pw, 4, c) for pw in (2, 4) for c in (1, 2)]
+    return [(1, pw, 4, 1) for pw in (1, 2, 4)] + [(1, 4, 3, 1), (2, 4, 3, 1)]
+
+
 def wgmma_sweep(log) -> dict:
     """The wgmma kernel's (warpgroups, stages, CTAs per SM) per token tile over the 7B layer set; sets the winners in-process
     (w4_wgmma.TUNING) so the benchmark that follows measures them."""
@@ -246,9 +258,8 @@ def wgmma_sweep(log) -> dict:
     res = {}
     for bn in sorted(w4_wgmma.TUNING):
         scores = []
-        # 8 shapes a tile (each a compile of a few seconds): warpgroups x stages x CTAs per SM.
-        for wg, st, cps in [(w, s_, c) for w in (1, 2) for s_ in (3, 6) for c in (1, 2)]:
-            cfg = dict(bn=bn, wg=wg, stages=st, ctas_per_sm=cps)
+        for wg, pw, st, cps in _wgmma_candidates(bn):  # each a compile of a second or two
+            cfg = dict(bn=bn, wg=wg, pw=pw, stages=st, ctas_per_sm=cps)
             try:
                 w4_wgmma.plan(bn, 4608, 3584, 132, **dict(cfg))
             except ValueError:
