@@ -19,7 +19,8 @@ def moe_config(family):
         return tf.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                  norm_topk_prob=True, head_dim=16, **SIZES)
     if family == "mixtral":
-        return tf.MixtralConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, **SIZES)
+        return tf.MixtralConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                **SIZES)
     raise ValueError(family)
 
 

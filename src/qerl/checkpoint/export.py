@@ -40,6 +40,17 @@ def _merged_weight(layer: QLoRALinear, dtype: torch.dtype) -> torch.Tensor:
 def _entries(model: nn.Module, dtype: torch.dtype) -> list[TensorEntry]:
     """Every tensor of the dense model, in state-dict order, with a function that produces it."""
     owned = {n: m for n, m in model.named_modules() if isinstance(m, QLoRALinear)}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    if experts:  # the stock checkpoint's names (Mixtral's block_sparse_moe), as transformers reads them
+        from ..model.family import family_of_model
+
+        fam = family_of_model(model)
+        return [TensorEntry(fam.checkpoint_name(e.name), e.shape, e.dtype, e.make)
+                for e in _entries_of(model, dtype, owned, experts)]
+    return _entries_of(model, dtype, owned, experts)
+
+
+def _entries_of(model, dtype, owned, experts) -> list[TensorEntry]:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: list[TensorEntry] = []
     emitted: set[str] = set()
@@ -47,7 +58,6 @@ def _entries(model: nn.Module, dtype: torch.dtype) -> list[TensorEntry]:
     def cast(t):
         return t.detach().to(dtype) if t.is_floating_point() else t.detach()
 
-    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     for key, t in model.state_dict(keep_vars=True).items():
         mod = key.rpartition(".")[0]
         if mod in experts:

@@ -70,11 +70,18 @@ class Family:
     windows_from: str = "layer_types"   # "layer_types": config.layer_types picks sliding layers; "every_layer"
     rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
     experts: Experts | None = None      # an MoE's experts (4-bit QuantExperts; no LoRA on them yet)
+    renames: tuple[tuple[str, str], ...] = ()  # (module path piece, the checkpoint's): Mixtral's block_sparse_moe
     check: Callable | None = None       # check(config) -> None or the reason a config is not run
     tested_against: str = ""            # README: what the family's tests compare with
 
     def module(self, i: int, target: str) -> str:
         return f"model.layers.{i}.{self.projections[target]}"
+
+    def checkpoint_name(self, name: str) -> str:
+        """A module or tensor path as the stock checkpoint spells it (transformers renames on load)."""
+        for ours, theirs in self.renames:
+            name = name.replace(ours, theirs)
+        return name
 
     def attr(self, target: str) -> str:
         return self.projections[target].rpartition(".")[2]

@@ -264,11 +264,12 @@ def load_policy(
             continue
         if name == "lm_head.weight" and tied and name not in ckpt:
             continue
-        if name not in ckpt:
-            raise CheckpointError(f"{label}, which has tensor {name!r}; the checkpoint does not: the architecture "
+        stored = family.checkpoint_name(name)  # Mixtral's router: block_sparse_moe.gate in the checkpoint
+        if stored not in ckpt:
+            raise CheckpointError(f"{label}, which has tensor {stored!r}; the checkpoint does not: the architecture "
                                   "label does not match the tensors")
-        _set_tensor(model, name, ckpt.get(name, device), ckpt.path_of(name))
-        done.add(name)
+        _set_tensor(model, name, ckpt.get(stored, device), ckpt.path_of(stored))
+        done.add(stored)
     _check_all_used(ckpt, done, tied, label)
     if tied:
         model.tie_weights()
@@ -287,8 +288,9 @@ def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
     from ..layers.quant_experts import QuantExperts
 
     ex = family.experts
-    base = f"model.layers.{i}.{ex.path}"
-    skeleton = model.get_submodule(base)
+    module = f"model.layers.{i}.{ex.path}"
+    base = family.checkpoint_name(module)
+    skeleton = model.get_submodule(module)
     n = getattr(model.config, ex.count)
     if f"{base}.gate_up_proj" in ckpt:
         keys = [f"{base}.gate_up_proj", f"{base}.down_proj"]
@@ -302,10 +304,10 @@ def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
                                           ckpt.get(f"{base}.{e}.{ex.up}.weight", device)]) for e in range(n)])
         down = torch.stack([ckpt.get(f"{base}.{e}.{ex.down}.weight", device) for e in range(n)])
     dtype = skeleton.gate_up_proj.dtype
-    q = QuantExperts(gate_up.to(dtype), down.to(dtype), fmt, skeleton.act_fn, dtype, base)
-    parent, _, attr = base.rpartition(".")
+    q = QuantExperts(gate_up.to(dtype), down.to(dtype), fmt, skeleton.act_fn, dtype, module)
+    parent, _, attr = module.rpartition(".")
     setattr(model.get_submodule(parent), attr, q)
-    return keys + [f"{base}.{k}" for k in q._buffers]
+    return keys + [f"{module}.{k}" for k in q._buffers]
 
 
 def _check_projection_biases(model, ckpt, n_layers, modules, label) -> None:

@@ -186,7 +186,7 @@ def _check_rope_type(rotary, config, max_len: int) -> None:
                                     f"max_len {max_len} cannot follow it: use max_len <= {orig}")
 
 
-LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm")
+LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm", "MixtralRMSNorm")
 
 
 def _rms_eps(m):
