@@ -1,6 +1,6 @@
 """The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA.
 
-One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.MIN_M..MAX_M tokens where
+One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.ROUTE_MIN_M..MAX_M tokens where
 it is available (sm_90a, and KernelSettings.wgmma, on once validated on the device); else `w4_mma` (mma.sync,
 decode in registers, bias and LoRA expand in its epilogue) up to w4_mma.MAX_M; larger M and
 grad_input: dequantize the same bytes once + cuBLAS. Per weight
@@ -37,7 +37,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
-    if w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
+    if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
         # The shrink inside the launch only where the measured policy says it finishes in time
         # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
         fuse = lora is not None and w4_mma.lora_fusable(lora, k) and w4_mma.shrink_in_launch(m, n, k)

@@ -42,16 +42,20 @@ _COUNTERS = 1 << 14
 # Per token tile BN: consumer warpgroups (64 weight rows each), producer warps, stages of the ring, and the
 # CTAs per SM the grid is sized for (and ptxas caps registers for: __launch_bounds__'s second argument).
 # Shared memory a CTA: stages x (BN x 128 + WG x 2304, rounded up to 1 KB) + 1 KB of alignment slack.
-# First guesses from the roofline above; `python -m qerl.bench.kernels --wgmma-sweep` picks them on the device.
+# Chosen by `python -m qerl.bench.kernels --wgmma-sweep` on an H100 (2026-12-05, the 7B layer set): more
+# producer warps won at every tile (one warp issuing every copy was the limit), and one warpgroup a CTA
+# with more CTAs per SM beat two warpgroups.
 TUNING: dict[int, dict] = {
-    16: dict(wg=1, pw=1, stages=8, ctas_per_sm=3),
-    32: dict(wg=1, pw=1, stages=8, ctas_per_sm=3),
-    64: dict(wg=1, pw=1, stages=6, ctas_per_sm=2),
-    128: dict(wg=2, pw=1, stages=4, ctas_per_sm=1),
-    # One warpgroup: 128 accumulators a thread need the whole 255 registers, which ptxas grants a CTA of
-    # 160 threads but caps at 168 for 288 (it spilled 164 bytes there).
-    256: dict(wg=1, pw=1, stages=4, ctas_per_sm=1),
+    16: dict(wg=1, pw=4, stages=8, ctas_per_sm=2),
+    32: dict(wg=1, pw=4, stages=8, ctas_per_sm=2),  # 128.9 µs; 3 a SM (127.0) spills with the fused shrink
+    64: dict(wg=1, pw=2, stages=6, ctas_per_sm=2),
+    128: dict(wg=1, pw=4, stages=4, ctas_per_sm=2),
+    # One warpgroup: 128 accumulators a thread need the whole 255 registers (two warpgroups spill).
+    256: dict(wg=1, pw=4, stages=4, ctas_per_sm=1),
 }
+# Layers route M >= ROUTE_MIN_M (and <= MAX_M) here, below it to mma.sync: on the H100, the 7B layer set took
+# 159.7 µs here against 179.3 through mma.sync at M = 64, but 127.4 against 114.9 at M = 32.
+ROUTE_MIN_M = 64
 SMEM_LIMIT = 227 * 1024
 # Token tiles up to which the LoRA shrink may run inside the launch (past it the shrink path's 128
 # accumulators push the kernel over 255 registers: ptxas spills).
