@@ -21,6 +21,10 @@ def moe_config(family):
     if family == "mixtral":
         return tf.MixtralConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
                                 **SIZES)
+    if family == "gpt_oss":  # transposed experts [E, K, N] with biases, interleaved clamped gating
+        from test_gpt_oss import gpt_oss_config
+
+        return gpt_oss_config()
     raise ValueError(family)
 
 
@@ -34,13 +38,13 @@ def tiny_moe(family):
     return m
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_quantized_experts_equal_hf_on_the_dequantized_experts(family):
     """Same routing, same per-expert arithmetic: the whole model's logits are bit-identical to HF's with
     each expert's weights replaced by their NVFP4 dequantization; and the experts are really 4-bit."""
     m = tiny_moe(family)
     ref = copy.deepcopy(m)
-    routers = {n: p.clone() for n, p in m.named_parameters() if ".gate." in n or n.endswith("gate.weight")}
+    routers = {n: p.clone() for n, p in m.named_parameters() if ".gate." in n or ".router." in n}
     names = quantize_experts(m, "nvfp4")
     assert names == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     fmt = get_format("nvfp4")
@@ -49,15 +53,17 @@ def test_quantized_experts_equal_hf_on_the_dequantized_experts(family):
         hf = ref.get_submodule(name)
         assert isinstance(q, QuantExperts)
         assert not any(p.dtype.is_floating_point and p.element_size() > 1 for k, p in q.named_buffers()
-                       if not k.endswith("global_scale"))  # codes uint8, block scales FP8
+                       if not k.endswith(("global_scale", "_bias")))  # codes uint8, block scales FP8
         with torch.no_grad():
             for proj in ("gate_up_proj", "down_proj"):
                 w = getattr(hf, proj)
                 for e in range(w.shape[0]):  # one global scale per expert, gate|up as one projection
-                    t = fmt.quantize(w[e], fmt.global_scale([w[e]]))
+                    we = w[e].t() if q.transposed else w[e]  # quantized along the inputs
+                    t = fmt.quantize(we, fmt.global_scale([we]))
                     assert all(torch.equal(t[k].view(torch.uint8), q.tensors(proj, e)[k].view(torch.uint8)) for k in t)
-                    w[e] = q.weight(proj, e, torch.float32)
-    assert len(routers) == 2
+                    w[e] = q.weight(proj, e, torch.float32).t() if q.transposed else q.weight(proj, e, torch.float32)
+    assert q.transposed == (family == "gpt_oss") and q.has_bias == (family == "gpt_oss")
+    assert routers
     for n, p in routers.items():  # routers untouched
         assert torch.equal(m.get_parameter(n), p), n
     ids = torch.tensor([[5, 9, 30, 31, 32, 70, 100, 3, 4, 8, 12, 140]])

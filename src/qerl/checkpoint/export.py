@@ -88,6 +88,8 @@ def _expert_entries(model, name: str, q: QuantExperts, dtype) -> list[TensorEntr
     from ..model.family import family_of_model
 
     ex = family_of_model(model).experts
+    if not ex.per_expert:
+        return _fused_expert_entries(name, q, dtype)
     n_i = q.shapes["gate_up_proj"][0] // 2
     out = []
     for e in range(q.num_experts):
@@ -97,6 +99,25 @@ def _expert_entries(model, name: str, q: QuantExperts, dtype) -> list[TensorEntr
                                    lambda gu=gu, rows=rows: gu()[rows].to(dtype).contiguous()))
         out.append(TensorEntry(f"{name}.{e}.{ex.down}.weight", q.shapes["down_proj"], dtype,
                                lambda e=e: q.weight("down_proj", e, torch.float32).to(dtype)))
+    return out
+
+
+def _fused_expert_entries(name: str, q: QuantExperts, dtype) -> list[TensorEntry]:
+    """The fused 3-D layout transformers holds (gpt-oss: [E, K, N], transposed) and its biases, dense."""
+    from ..layers.quant_experts import PROJECTIONS
+
+    out = []
+    for proj in PROJECTIONS:
+        n, k = q.shapes[proj]
+        shape = (q.num_experts, k, n) if q.transposed else (q.num_experts, n, k)
+
+        def make(proj=proj):
+            ws = [q.weight(proj, e, torch.float32) for e in range(q.num_experts)]
+            return torch.stack([w.t() if q.transposed else w for w in ws]).to(dtype).contiguous()
+        out.append(TensorEntry(f"{name}.{proj}", shape, dtype, make))
+        if q.bias(proj) is not None:
+            out.append(TensorEntry(f"{name}.{proj}_bias", tuple(q.bias(proj).shape), dtype,
+                                   lambda proj=proj: q.bias(proj).detach().to(dtype)))
     return out
 
 

@@ -1,19 +1,24 @@
 """QuantExperts: an MoE's experts in 4 bits, in transformers 5's fused 3-D layout.
 
-transformers 5 keeps a layer's experts as two parameters, `gate_up_proj` [E, 2I, H] and `down_proj`
-[E, H, I] (Qwen3-MoE, Mixtral, ...), called with the router's choice as
+transformers 5 keeps a layer's experts as two parameters, `gate_up_proj` and `down_proj` (Qwen3-MoE,
+Mixtral: [E, N, K], applied as x·Wᵀ; gpt-oss: transposed, [E, K, N] applied as x·W, with biases and
+gate/up interleaved), called with the router's choice as
 `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`. Here each of the two is held as
-its format's tensors stacked over the experts (NVFP4: packed codes [E, N, K/2], FP8 block scales
-[E, N, K/16], one global scale per expert, gate|up sharing it as one fused projection), and the call
-runs transformers' own loop over the active experts, each expert's weights dequantized when it is
-hit: on the CPU, a loop over the active experts, never a dequantized copy of every expert (which
-does not fit a large MoE). The router stays in the model's dtype and is not touched.
+its format's tensors stacked over the experts, always [E, N, K] so blocks run along the inputs (NVFP4:
+packed codes [E, N, K/2], FP8 block scales [E, N, K/16], one global scale per expert, gate|up sharing
+it as one fused projection; MXFP4: codes and E8M0 scales [E, N, K/32], gpt-oss's own bytes). The call
+runs transformers' own loop over the active experts, each expert's weights dequantized when it is hit:
+on the CPU, a loop over the active experts, never a dequantized copy of every expert (which does not
+fit a large MoE). The gating between the two projections is the HF module's own `_apply_gate`
+(silu(g)·u on halves, or gpt-oss's clamped (u + 1)·g·σ(1.702 g) on interleaved columns). Routers stay
+in the model's dtype and are not touched.
 
-Not here yet: LoRA on the experts (PEFT's target_parameters), the GPU grouped path, gpt-oss's
-MXFP4 repack, export of the stock layout.
+Not here yet: LoRA on the experts (PEFT's target_parameters), the GPU grouped path.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,45 +29,83 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 class QuantExperts(nn.Module):
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, fmt, act_fn, dtype: torch.dtype, name: str = "experts"):
-        """gate_up [E, 2I, H], down [E, H, I]: the dense experts, quantized one expert at a time."""
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], shapes: dict[str, tuple[int, int]], fmt,
+                 glu: Callable, dtype: torch.dtype, name: str = "experts", biases: dict | None = None,
+                 transposed: bool = False):
+        """tensors[proj]: the format's tensors stacked over experts; shapes[proj]: one expert's [N, K].
+        glu: gate_up output [T, N] -> the down projection's input; biases[proj]: [E, N] or absent;
+        transposed: HF holds these experts as [E, K, N] (x·W), as its checkpoint and export do."""
         super().__init__()
         self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
-        self.num_experts = gate_up.shape[0]
-        self.act_fn, self.dtype, self.name = act_fn, dtype, name
-        self.shapes = {"gate_up_proj": tuple(gate_up.shape[1:]), "down_proj": tuple(down.shape[1:])}
+        self.glu, self.dtype, self.name, self.transposed = glu, dtype, name, transposed
+        self.shapes = {p: tuple(shapes[p]) for p in PROJECTIONS}
+        self.num_experts = next(iter(tensors["gate_up_proj"].values())).shape[0]
+        for proj in PROJECTIONS:
+            for key, t in tensors[proj].items():
+                if t.shape[0] != self.num_experts:
+                    raise ValueError(f"{name}.{proj}: {t.shape[0]} experts, gate_up_proj has {self.num_experts}")
+                self.register_buffer(f"{proj}_{key}", t)
+        self.has_bias = bool(biases)
+        for proj, b in (biases or {}).items():
+            self.register_buffer(f"{proj}_bias", b.to(dtype))
+
+    @classmethod
+    def quantize(cls, gate_up: torch.Tensor, down: torch.Tensor, fmt, glu, dtype, name="experts", biases=None,
+                 transposed=False) -> "QuantExperts":
+        """From dense experts [E, N, K] (gate_up, down), quantized one expert at a time."""
+        fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        tensors = {}
         for proj, w in zip(PROJECTIONS, (gate_up, down)):
-            if w.shape[0] != self.num_experts:
-                raise ValueError(f"{name}.{proj}: {w.shape[0]} experts, gate_up_proj has {self.num_experts}")
             per = []
-            for e in range(self.num_experts):
-                self.fmt.validate(w[e], f"{name}.{proj}[{e}]")
-                gs = self.fmt.global_scale([w[e]]) if self.fmt.has_global_scale else None
-                per.append(self.fmt.quantize(w[e], gs))
-            for key in per[0]:
-                self.register_buffer(f"{proj}_{key}", torch.stack([t[key] for t in per]))
+            for e in range(w.shape[0]):
+                fmt.validate(w[e], f"{name}.{proj}[{e}]")
+                gs = fmt.global_scale([w[e]]) if fmt.has_global_scale else None
+                per.append(fmt.quantize(w[e], gs))
+            tensors[proj] = {k: torch.stack([t[k] for t in per]) for k in per[0]}
+        shapes = {"gate_up_proj": tuple(gate_up.shape[1:]), "down_proj": tuple(down.shape[1:])}
+        return cls(tensors, shapes, fmt, glu, dtype, name, biases, transposed)
 
     @classmethod
     def from_hf(cls, experts: nn.Module, fmt, name: str = "experts") -> "QuantExperts":
-        """From a transformers experts module (its gate_up_proj / down_proj parameters and act_fn)."""
+        """From a transformers experts module (its 3-D gate_up_proj / down_proj, biases and gating)."""
         missing = [p for p in PROJECTIONS if not isinstance(getattr(experts, p, None), torch.Tensor)]
         if missing:
             raise ValueError(f"{name} ({type(experts).__name__}): no 3-D {', '.join(missing)} parameter; QuantExperts "
                              "reads transformers 5's fused expert layout")
-        w = experts.gate_up_proj
-        return cls(w.detach(), experts.down_proj.detach(), fmt, experts.act_fn, w.dtype, name)
+        transposed = bool(getattr(experts, "is_transposed", False))
+        ws = [getattr(experts, p).detach() for p in PROJECTIONS]
+        if transposed:
+            ws = [w.transpose(1, 2) for w in ws]
+        biases = ({p: getattr(experts, f"{p}_bias").detach() for p in PROJECTIONS}
+                  if getattr(experts, "has_bias", False) else None)
+        return cls.quantize(*ws, fmt, experts._apply_gate, experts.gate_up_proj.dtype, name, biases, transposed)
 
     def tensors(self, proj: str, e: int) -> dict[str, torch.Tensor]:
         pre = proj + "_"
-        return {k[len(pre):]: b[e] for k, b in self._buffers.items() if k.startswith(pre)}
+        return {k[len(pre):]: b[e] for k, b in self._buffers.items() if k.startswith(pre) and k != f"{proj}_bias"}
+
+    def stacked(self, proj: str) -> dict[str, torch.Tensor]:
+        """proj's format tensors over all experts, [E, ...] each."""
+        pre = proj + "_"
+        return {k[len(pre):]: b for k, b in self._buffers.items() if k.startswith(pre) and k != f"{proj}_bias"}
+
+    def bias(self, proj: str) -> torch.Tensor | None:
+        return self._buffers.get(f"{proj}_bias")
 
     def weight(self, proj: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert e's dequantized [N, K] weight of `proj`."""
         return self.fmt.dequantize(self.tensors(proj, e), self.shapes[proj], dtype or self.dtype)
 
+    def _project(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x times expert e's weight (+ bias), written as HF's module writes it (x·W or linear(x, W))."""
+        w = self.weight(proj, e, x.dtype)
+        y = x @ w.t() if self.transposed else nn.functional.linear(x, w)
+        b = self.bias(proj)
+        return y if b is None else y + b[e]
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """transformers' experts loop (Qwen3MoeExperts.forward), expert by expert in the same order and
-        with the same operations, on each hit expert's dequantized weights."""
+        """transformers' experts loop (Qwen3MoeExperts / GptOssExperts.forward), expert by expert in the
+        same order and with the same operations, on each hit expert's dequantized weights."""
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -72,8 +115,7 @@ class QuantExperts(nn.Module):
                 continue
             pos, tok = torch.where(mask[e])
             x = hidden_states[tok]
-            gate, up = nn.functional.linear(x, self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-            y = nn.functional.linear(self.act_fn(gate) * up, self.weight("down_proj", e, x.dtype))
+            y = self._project("down_proj", e, self.glu(self._project("gate_up_proj", e, x)))
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out

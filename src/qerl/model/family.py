@@ -50,6 +50,8 @@ class Experts:
     up: str = "up_proj"
     down: str = "down_proj"
     count: str = "num_experts"  # the config field holding the number of experts
+    per_expert: bool = True     # the stock checkpoint's layout: one tensor per expert, or the fused 3-D
+                                # tensors (gpt-oss: gate_up_proj [E, K, N] or its MXFP4 *_blocks/*_scales)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Family:
     act: str = "act_fn"                 # the MLP's activation attribute
     windows_from: str = "layer_types"   # "layer_types": config.layer_types picks sliding layers; "every_layer"
     rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
+    rope_halves: bool = False           # the rotary module gives cos/sin for one half (gpt-oss), used on both
+    sinks: bool = False                 # attention's per-head sink logit joins each softmax (gpt-oss)
     experts: Experts | None = None      # an MoE's experts (4-bit QuantExperts; no LoRA on them yet)
     renames: tuple[tuple[str, str], ...] = ()  # (module path piece, the checkpoint's): Mixtral's block_sparse_moe
     check: Callable | None = None       # check(config) -> None or the reason a config is not run

@@ -91,6 +91,8 @@ def checkpoint_format(config, source, ckpt: SafetensorsCheckpoint) -> tuple[str 
                          "dense model, or dequantize it (e.g. transformers' from_pretrained, then save_pretrained)")
     if any(k.endswith(".weight_packed") for k in ckpt.keys()):
         return _compressed_format(label, source)
+    if method == "mxfp4" and any(k.endswith("_proj_blocks") for k in ckpt.keys()):
+        return None, []  # gpt-oss's own MXFP4 experts (read packed by _load_experts); the rest is dense
     if label:
         log.warning("%s/config.json: quantization_config (quant_method %r) does not match the tensors, which "
                     "are dense %s; loading them as a dense checkpoint and ignoring the label",
@@ -283,31 +285,78 @@ def load_policy(
 
 
 def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
-    """Layer i's experts, read one expert at a time from the stock per-expert checkpoint layout
-    (or transformers 5's fused 3-D tensors), quantized into a QuantExperts; returns the keys used."""
-    from ..layers.quant_experts import QuantExperts
+    """Layer i's experts into a QuantExperts; returns the checkpoint keys used. Read one expert at a time
+    from the stock per-expert layout, or from transformers 5's fused 3-D tensors, and quantized; gpt-oss's
+    MXFP4 `*_blocks` / `*_scales` are repacked as qerl's mxfp4 tensors (the same bytes), whatever `fmt`
+    the rest of the model takes: re-quantizing them would compound two rounding errors."""
+    from ..layers.quant_experts import PROJECTIONS, QuantExperts
 
     ex = family.experts
     module = f"model.layers.{i}.{ex.path}"
     base = family.checkpoint_name(module)
     skeleton = model.get_submodule(module)
+    dtype = skeleton.gate_up_proj.dtype
+    transposed = bool(getattr(skeleton, "is_transposed", False))
     n = getattr(model.config, ex.count)
+    biases, keys = None, []
+    if getattr(skeleton, "has_bias", False):
+        keys = [f"{base}.{p}_bias" for p in PROJECTIONS]
+        _require(ckpt, keys, family, n)
+        biases = {p: ckpt.get(k, device) for p, k in zip(PROJECTIONS, keys)}
+    if f"{base}.gate_up_proj_blocks" in ckpt:
+        _install(model, module, _mxfp4_experts(ckpt, base, module, skeleton, biases, dtype, transposed, device))
+        return keys + [f"{base}.{p}_{k}" for p in PROJECTIONS for k in ("blocks", "scales")]
     if f"{base}.gate_up_proj" in ckpt:
-        keys = [f"{base}.gate_up_proj", f"{base}.down_proj"]
-        gate_up, down = (ckpt.get(k, device) for k in keys)
+        keys += [f"{base}.gate_up_proj", f"{base}.down_proj"]
+        gate_up, down = (ckpt.get(k, device) for k in keys[-2:])
+        if transposed:  # held [E, K, N] (x·W): quantized along K
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     else:
-        keys = [f"{base}.{e}.{p}.weight" for e in range(n) for p in (ex.gate, ex.up, ex.down)]
-        missing = [k for k in keys if k not in ckpt]
-        if missing:
-            raise CheckpointError(f"{ckpt.folder}: missing expert tensor {missing[0]} ({family.name}, {n} experts)")
+        per = [f"{base}.{e}.{p}.weight" for e in range(n) for p in (ex.gate, ex.up, ex.down)]
+        _require(ckpt, per, family, n)
+        keys += per
         gate_up = torch.stack([torch.cat([ckpt.get(f"{base}.{e}.{ex.gate}.weight", device),
                                           ckpt.get(f"{base}.{e}.{ex.up}.weight", device)]) for e in range(n)])
         down = torch.stack([ckpt.get(f"{base}.{e}.{ex.down}.weight", device) for e in range(n)])
-    dtype = skeleton.gate_up_proj.dtype
-    q = QuantExperts(gate_up.to(dtype), down.to(dtype), fmt, skeleton.act_fn, dtype, module)
+    q = QuantExperts.quantize(gate_up.to(dtype), down.to(dtype), fmt, skeleton._apply_gate, dtype, module, biases,
+                              transposed)
+    _install(model, module, q)
+    return keys
+
+
+def _mxfp4_experts(ckpt, base, module, skeleton, biases, dtype, transposed, device):
+    """gpt-oss's stock MXFP4 experts: blocks [E, N, K/32, 16] (two E2M1 codes a byte, low nibble first)
+    and E8M0 scales [E, N, K/32] are, reshaped, qerl's mxfp4 weight_packed [E, N, K/2] and weight_scale."""
+    from ..layers.quant_experts import PROJECTIONS, QuantExperts
+
+    tensors, shapes = {}, {}
+    for p in PROJECTIONS:
+        blocks, scales = ckpt.get(f"{base}.{p}_blocks", device), ckpt.get(f"{base}.{p}_scales", device)
+        e, rows, groups, width = blocks.shape
+        if width != 16 or tuple(scales.shape) != (e, rows, groups):
+            raise CheckpointError(f"{ckpt.folder}: {base}.{p}_blocks {list(blocks.shape)} / _scales "
+                                  f"{list(scales.shape)} are not gpt-oss's MXFP4 layout [E, N, K/32, 16] / [E, N, K/32]")
+        tensors[p] = {"weight_packed": blocks.view(torch.uint8).reshape(e, rows, groups * 16),
+                      "weight_scale": scales.view(torch.uint8)}
+        shapes[p] = (rows, groups * 32)
+    q = QuantExperts(tensors, shapes, "mxfp4", skeleton._apply_gate, dtype, module, biases, transposed)
+    want = tuple(skeleton.gate_up_proj.shape[1:])
+    have = shapes["gate_up_proj"][::-1] if transposed else shapes["gate_up_proj"]
+    if have != want:
+        raise CheckpointError(f"{ckpt.folder}: {base}.gate_up_proj_blocks holds experts of {list(have)}; the config "
+                              f"gives {list(want)}")
+    return q
+
+
+def _require(ckpt, keys, family, n) -> None:
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{ckpt.folder}: missing expert tensor {missing[0]} ({family.name}, {n} experts)")
+
+
+def _install(model, module: str, q) -> None:
     parent, _, attr = module.rpartition(".")
     setattr(model.get_submodule(parent), attr, q)
-    return keys + [f"{module}.{k}" for k in q._buffers]
 
 
 def _check_projection_biases(model, ckpt, n_layers, modules, label) -> None:

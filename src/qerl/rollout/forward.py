@@ -68,15 +68,27 @@ def silu_mul(g, u):
     return F.silu(g) * u
 
 
-def attend_decode(q, k, v, mask, n_kv: int, scaling: float):
+def attend_decode(q, k, v, mask, n_kv: int, scaling: float, sinks=None):
     """One query token per slot against its cached keys, grouped by KV head (GQA) so the cache is
-    read in place: expanding K/V to every query head would copy the whole cache each layer."""
+    read in place: expanding K/V to every query head would copy the whole cache each layer.
+    sinks [H]: gpt-oss's per-head logit that joins the softmax and is dropped after it."""
     s, h, _, d = q.shape
     qg = q.view(s, n_kv, h // n_kv, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scaling  # [S, Hkv, r, L]
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, -1).to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, -1).to(v.dtype)
+    else:
+        probs = _softmax_with_sinks(scores, sinks.float().view(1, n_kv, h // n_kv, 1)).to(v.dtype)
     return torch.matmul(probs, v).view(s, h, 1, d)
+
+
+def _softmax_with_sinks(scores, sinks):
+    """transformers' gpt-oss attention: the sink logit joins each row, the max is subtracted, the
+    softmax runs, and the sink's column is dropped (so the probabilities sum to less than 1)."""
+    x = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1).to(scores.dtype)], -1)
+    x = x - x.max(-1, keepdim=True).values
+    return torch.softmax(x, -1)[..., :-1]
 
 
 EAGER_GLUE = {f.__name__: f for f in (rms_norm, add_rms_norm, rope, silu_mul, attend_decode)}
@@ -118,6 +130,7 @@ class ModelView:
         self.scaling = attn.scaling
         self.vocab = cfg.vocab_size
         self.qk_norm = fam.qk_norm  # None, "head" or "width"
+        self.sinks = fam.sinks
         self.qkv = tuple(fam.attr(t) for t in fam.qkv)  # attention's input projection(s): 3, or 1 fused
         self.gate_up = tuple(fam.attr(t) for t in fam.gate_up)
         self.split = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
@@ -131,7 +144,7 @@ class ModelView:
                          if fam.llama_norm else {})
         rot = self.rope_tables(1).cos.shape[-1]
         # the decode step's fused rotary+cache-write and split-KV attention kernels run this layer only
-        self.plain_attention = (self.qk_norm is None and all(w is None for w in self.windows)
+        self.plain_attention = (self.qk_norm is None and not self.sinks and all(w is None for w in self.windows)
                                 and set(self.rope_keys) == {None} and rot == self.head_dim)
 
     @property
@@ -151,6 +164,8 @@ class ModelView:
         tables = {}
         for key in dict.fromkeys(self.rope_keys):
             cos, sin = self.rotary(x, pos) if key is None else self.rotary(x, pos, key)
+            if self.family.rope_halves:  # gpt-oss: x1·c − x2·s, x2·c + x1·s is rotate-half on doubled tables
+                cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
             tables[key] = (cos[0], sin[0])
         return RopeTables(tables, self.rope_keys)
 
@@ -236,12 +251,16 @@ def _apply(norm, x):
     return x if norm is None else norm(x)
 
 
-def _attend(view, q, k, v, mask):
+def _attend(view, q, k, v, mask, attn=None):
     gqa = view.n_heads != view.n_kv
     if gqa:  # expand kv heads: portable across SDPA backends (enable_gqa + mask is not everywhere)
         r = view.n_heads // view.n_kv
         k = k.repeat_interleave(r, dim=1)
         v = v.repeat_interleave(r, dim=1)
+    if view.sinks:  # SDPA has no sink logit: transformers' eager gpt-oss attention, restated
+        scores = (torch.matmul(q, k.transpose(-1, -2)) * view.scaling).masked_fill(~mask, float("-inf"))
+        probs = _softmax_with_sinks(scores, attn.sinks.view(1, -1, 1, 1))
+        return torch.matmul(probs.to(v.dtype), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=view.scaling)
 
 
@@ -273,7 +292,7 @@ def prefill(view: ModelView, cache, ids, lengths, slots_per_row, rope, chunk_tok
                 cache.write_prefix(i, slots, k[row], v[row], int(lengths[row]))
         m = masks[view.windows[i]]
         o = torch.cat([_attend(view, q[:, :, c0:c0 + c], k[:, :, :c0 + c], v[:, :, :c0 + c],
-                               m[:, :, c0:c0 + c, :c0 + c]) for c0 in range(0, t, c)], 2)
+                               m[:, :, c0:c0 + c, :c0 + c], attn) for c0 in range(0, t, c)], 2)
         h = h + _apply(_sub_norm(layer, nm.attn_out), attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)))
         del q, k, v, o
         h = torch.cat([x + _mlp_block(view, EAGER_GLUE, layer, x) for x in h.split(c, 1)], 1)
@@ -321,7 +340,7 @@ def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[in
             kr, vr = cache.read_span(i, slot, n_keys, q.dtype)  # past a row's end: masked
             kc.append(kr)
             vc.append(vr)
-        o = _attend(view, q, torch.stack(kc), torch.stack(vc), masks[view.windows[i]])
+        o = _attend(view, q, torch.stack(kc), torch.stack(vc), masks[view.windows[i]], attn)
         h = h + _apply(_sub_norm(layer, nm.attn_out), attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)))
         h = h + _mlp_block(view, EAGER_GLUE, layer, h)
     last = h[torch.arange(b, device=dev), lens - 1]
@@ -355,7 +374,8 @@ def _mlp(view, ops, mlp, x):
     """down(act(gate) · up), gate|up from two projections, their group, or one fused gate_up_proj; an MoE
     block runs as transformers' own (its router, then the 4-bit experts' loop over the hit experts)."""
     if view.family.experts is not None:
-        return mlp(x)
+        y = mlp(x)
+        return y[0] if isinstance(y, tuple) else y  # gpt-oss's block also returns its router scores
     ys = project(mlp, view.gate_up, x)
     g, u = ys[0].chunk(2, dim=-1) if len(ys) == 1 else ys
     if view.silu_mlp:
@@ -422,7 +442,8 @@ def decode(view: ModelView, cache, tokens, pos, n_slots: int, n_keys: int, rope,
             kk, vv = kc[:n_slots, :, :n_keys], vc[:n_slots, :, :n_keys]
             if cache.fp8:
                 kk, vv = dequantize(kk, ks[:n_slots], q.dtype), dequantize(vv, vs[:n_slots], q.dtype)
-            o = ops["attend_decode"](q, kk, vv, masks[view.windows[i]], view.n_kv, view.scaling)
+            o = ops["attend_decode"](q, kk, vv, masks[view.windows[i]], view.n_kv, view.scaling,
+                                     attn.sinks if view.sinks else None)
             o = o.transpose(1, 2).reshape(s, 1, -1)
         o = attn.o_proj(o)
         if nm.attn_out is not None:

@@ -4,6 +4,6 @@ Adding a family: a file here with its `FAMILY`, its name in FAMILIES below, and 
 (tests/test_families.py: engine greedy tokens equal Hugging Face generate on a tiny random model).
 """
 
-from . import gemma3, llama, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen3, qwen3_moe
+from . import gemma3, gpt_oss, llama, mistral, mixtral, olmo2, olmo3, phi3, qwen2, qwen3, qwen3_moe
 
-FAMILIES = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mistral, gemma3, phi3, olmo2, olmo3, qwen3_moe, mixtral))
+FAMILIES = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mistral, gemma3, phi3, olmo2, olmo3, qwen3_moe, mixtral, gpt_oss))
