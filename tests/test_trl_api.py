@@ -125,7 +125,9 @@ def test_a_trl_config_file_loads_and_trains_one_step(tmp_path, model_dir, capsys
     path = tmp_path / "trl.yaml"
     path.write_text(TRL_YAML.format(model=model_dir, data=data, out=tmp_path / "run"))
     cfg = GRPOConfig.from_yaml(path)
-    assert "ignored: use_peft, bf16, use_vllm, vllm_mode, save_strategy, push_to_hub" in capsys.readouterr().out
+    # save_strategy is honoured since issue 41 (no longer among the ignored fields)
+    assert "ignored: use_peft, bf16, use_vllm, vllm_mode, push_to_hub" in capsys.readouterr().out
+    assert cfg.save_strategy == "no"
     assert (cfg.importance_sampling_correction, cfg.importance_sampling_mode, cfg.importance_sampling_cap) == \
         (True, "sequence_truncate", 2.0)
     assert (cfg.scale_rewards, cfg.entropy_coef, cfg.dtype, cfg.lora_r) == ("none", 0.001, "float32", 8)

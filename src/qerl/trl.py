@@ -17,7 +17,10 @@ peft_config a peft LoraConfig or a mapping of its fields (its r, alpha, dropout 
 a list of names or PEFT's regex string; a field qerl does not implement, such as use_rslora, use_dora,
 modules_to_save or bias, is refused rather than dropped); args a GRPOConfig or a mapping of its fields. With conversational
 prompts the reward functions receive each completion as [{"role": "assistant", "content": text}],
-as TRL passes them.
+as TRL passes them, and every reward function that takes them gets TRL's trainer_state, log_extra and
+log_metric. `callbacks` are transformers TrainerCallback objects (train/callbacks.py); `trainer.state` is
+transformers' TrainerState (global_step, log_history); the step's metrics carry TRL's names beside qerl's;
+`save_strategy="no"` writes no checkpoint; `report_to` takes tensorboard, wandb, trackio and mlflow.
 """
 
 from __future__ import annotations
@@ -64,9 +67,12 @@ def _read_rows(data, what: str) -> list | None:
 
 def _as_messages(f):
     """TRL hands conversational completions to reward functions as one assistant message each."""
+    from .rl.rewards import hook_kwargs
+
     @functools.wraps(f)
     def wrapped(completions, **kw):
-        return f([[{"role": "assistant", "content": c}] for c in completions], **kw)
+        hooks = {k: kw.pop(k) for k in ("trainer_state", "log_extra", "log_metric") if k in kw}
+        return f([[{"role": "assistant", "content": c}] for c in completions], **kw, **hook_kwargs(f, hooks))
     return wrapped
 
 
@@ -174,8 +180,6 @@ class GRPOTrainer(_Trainer):
         if reward_processing_classes is not None or any(o is not None for o in optimizers):
             raise NotImplementedError("qerl.trl.GRPOTrainer: reward_processing_classes and optimizers are not "
                                       "supported (qerl builds its optimizer from the config: optim, learning_rate...)")
-        if callbacks:
-            print("qerl: GRPOTrainer(callbacks=...) is ignored: qerl writes metrics.jsonl (and TensorBoard)", flush=True)
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         for f in funcs:
             if not callable(f):
@@ -208,7 +212,7 @@ class GRPOTrainer(_Trainer):
             funcs = [_as_messages(f) for f in funcs]
         super().__init__(cfg, reward_funcs=funcs, train_dataset=rows,
                          eval_dataset=_read_rows(eval_dataset, "eval_dataset"), tools=tools,
-                         environment_factory=environment_factory, **kw)
+                         environment_factory=environment_factory, callbacks=callbacks, **kw)
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """TRL's save_model: the trained LoRA adapter in PEFT's format (adapter_config.json +

@@ -185,6 +185,9 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
         n = m.sum().clamp(min=1)
         stats = {"clip_fraction": float((clipped.to(m.dtype) * m).sum() / n),
                  "ratio_mean": float((ratio.expand_as(m) * m).sum() / n)}
+        if loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo", "sapo"):  # TRL's clip_ratio/low, /high
+            stats["clip_low"] = float((((ratio < 1 - epsilon) & (a < 0)).expand_as(m).to(m.dtype) * m).sum() / n)
+            stats["clip_high"] = float((((ratio > 1 + hi) & (a > 0)).expand_as(m).to(m.dtype) * m).sum() / n)
         if kl is not None:
             stats["kl"] = float((kl.expand_as(m) * m).sum() / n)
         if emask is not None:

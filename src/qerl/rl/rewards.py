@@ -12,12 +12,15 @@ zeros with exit 0). Time limits passed are not counted toward that (a slow machi
 
 A reward function follows TRL's convention: `f(completions: list[str], **columns) -> list[float]`
 where each dataset column (e.g. `answer`) and `prompts` arrive as lists aligned with
-`completions`. A function may set `f.metric = "accuracy"` or `"format"` to be reported as the
+`completions`; a function that takes them (by name or **kwargs) also gets TRL's `trainer_state`,
+`log_extra` and `log_metric` (rl/reward_hooks.py). None for a completion means the function does not
+apply to it (TRL's convention): not an error, left out of the function's mean and adding 0 to the total. A function may set `f.metric = "accuracy"` or `"format"` to be reported as the
 step's accuracy or format rate.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -25,13 +28,32 @@ from dataclasses import dataclass, field
 @dataclass
 class Scores:
     total: list[float]
-    per_func: dict[str, list[float]] = field(default_factory=dict)
+    per_func: dict[str, list[float]] = field(default_factory=dict)  # NaN where the function returned None
     errors: int = 0
+    names: dict[str, str] = field(default_factory=dict)  # per_func's key -> TRL's name of the function
     first_error: str | None = None
 
 
 def func_name(f) -> str:
-    return getattr(f, "metric", None) or getattr(f, "__name__", type(f).__name__)
+    return getattr(f, "metric", None) or trl_name(f)
+
+
+def trl_name(f) -> str:
+    """The name TRL logs a reward function under (rewards/<name>/mean)."""
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def hook_kwargs(f, hooks: dict) -> dict:
+    """Of TRL's extra arguments, those `f` takes: all with **kwargs, else the ones it names."""
+    if not hooks:
+        return {}
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return hooks
+    return {k: v for k, v in hooks.items() if k in params}
 
 
 MAX_REWARD = 1e6  # |reward| beyond it is a broken function: its square overflows the advantages' std
@@ -96,7 +118,8 @@ def _bad_value(v) -> str | None:
     return None
 
 
-def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> Scores:
+def score(funcs, weights, completions: list[str], columns: dict[str, list], hooks: dict | None = None) -> Scores:
+    """hooks: TRL's trainer_state / log_extra / log_metric, passed whole (never split per completion)."""
     n = len(completions)
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
     if len(weights) != len(funcs):
@@ -113,14 +136,15 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> S
 
     for f, w in zip(funcs, weights):
         name = func_name(f)
+        extra = hook_kwargs(f, hooks)
         mine.update(failed=0, first=None)
         try:
-            vals = list(f(completions, **columns))
+            vals = list(f(completions, **columns, **extra))
         except Exception:  # noqa: BLE001 - retry one by one so one bad completion costs only itself
             vals = []
             for i in range(n):
                 try:
-                    vals.append(_one_value(f([completions[i]], **{k: [v[i]] for k, v in columns.items()})))
+                    vals.append(_one_value(f([completions[i]], **{k: [v[i]] for k, v in columns.items()}, **extra)))
                 except Exception as e:  # noqa: BLE001
                     error(name, str(e) if isinstance(e, _NotAList) else f"{type(e).__name__}: {e}", timeout=_timeout(e))
                     vals.append(0.0)
@@ -129,11 +153,15 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list]) -> S
             vals = [0.0] * n
         clean = []
         for v in vals:
+            if v is None:  # does not apply to this completion (TRL): no score, no error
+                clean.append(math.nan)
+                continue
             why = _bad_value(v)
             if why:
                 error(name, why)
             clean.append(0.0 if why else float(v))
         _track(f, name, n, mine["failed"], mine["first"])
         out.per_func[name] = clean
-        out.total = [t + w * v for t, v in zip(out.total, clean)]
+        out.names[name] = trl_name(f)
+        out.total = [t + (w * v if v == v else 0.0) for t, v in zip(out.total, clean)]
     return out

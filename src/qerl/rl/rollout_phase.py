@@ -21,6 +21,7 @@ from .advantages import informative_groups, overlong_penalty
 from .batch import RolloutRound
 from .config import GRPOConfig
 from .profiling import Profiler
+from .reward_hooks import RewardHooks
 from .rewards import score
 from .sampler import PromptSampler
 from .step_context import StepContext
@@ -34,6 +35,8 @@ class StepRollouts:
     effective_sigma: float                  # the AQN noise the first round measured
     ctx: StepContext | None = None          # the step and adapter version they were sampled for
     seconds: float = 0.0                    # wall time of the whole collection (all rounds, rewards)
+    logged: dict | None = None              # the reward functions' log_metric values (rl/reward_hooks.py)
+    extra: dict | None = None               # their log_extra columns
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class RolloutInputs:
     aqn: object | None                  # rl.aqn.AQN on the engine's norms, or None
     profiler: Profiler                  # times the "rewards" sub-phase
     sample_max_new_tokens: Callable | None = None  # (prompt key, sample) -> its own limit (SamplingParams)
+    trainer_state: object = None        # the trainer's TrainerState, handed to reward functions (TRL's)
 
 
 def noise(aqn, sigma: float, seed: int):
@@ -59,7 +63,8 @@ def noise(aqn, sigma: float, seed: int):
     return aqn.applied(sigma, seed) if aqn is not None and sigma > 0 else contextlib.nullcontext()
 
 
-def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_offset: int = 0) -> RolloutRound:
+def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_offset: int = 0,
+                  hooks: RewardHooks | None = None) -> RolloutRound:
     """Roll out this rank's prompts. The AQN noise uses `seed` on every rank (all ranks perturb
     the same policy); samples are keyed by their index in the global batch on the CPU (the same
     tokens in any split over ranks), and on CUDA come from a per-rank generator stream."""
@@ -77,7 +82,7 @@ def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_off
         G = cfg.num_generations
         cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         cols["prompts"] = [r["prompt"] for r in rows for _ in range(G)]
-        sc = score(inp.reward_funcs, inp.reward_weights, texts, cols)
+        sc = score(inp.reward_funcs, inp.reward_weights, texts, cols, hooks.kwargs() if hooks is not None else None)
         lengths = torch.tensor([len(c.token_ids) for c in outs])
         total = torch.tensor(sc.total, dtype=torch.float32)
         total = total + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer_len,
@@ -100,7 +105,8 @@ def collect(inp: RolloutInputs, ctx: StepContext, sampler: PromptSampler, P: int
     t0 = time.perf_counter()
     cfg, D = inp.cfg, inp.dist
     off, mine = D.shard(sampler.take(P * D.world))  # every rank draws the same global prompts
-    rounds = [rollout_round(inp, mine, ctx.sigma, ctx.seed, off)]
+    hooks = RewardHooks(inp.trainer_state)
+    rounds = [rollout_round(inp, mine, ctx.sigma, ctx.seed, off, hooks)]
     eff_sigma = inp.aqn.last_effective_sigma if inp.aqn is not None else 0.0  # the step's noise, as applied
     _, n_info = select(rounds, P, cfg.dynamic_sampling)
     while cfg.dynamic_sampling and len(rounds) <= cfg.max_resample_rounds:
@@ -109,11 +115,11 @@ def collect(inp: RolloutInputs, ctx: StepContext, sampler: PromptSampler, P: int
         if need <= 0:
             break
         off, mine = D.shard(sampler.take(-(-need // D.world) * D.world))
-        rounds.append(rollout_round(inp, mine, ctx.sigma, ctx.seed + len(rounds), off))
+        rounds.append(rollout_round(inp, mine, ctx.sigma, ctx.seed + len(rounds), off, hooks))
         _, n_info = select(rounds, P, cfg.dynamic_sampling)
     groups, n_info = select(rounds, P, cfg.dynamic_sampling)
     if cfg.dynamic_sampling:
         # DAPO trains on informative groups only; an all-equal group has zero advantage and would
         # only dilute the token mean (and cost a forward and backward)
         groups = groups[:n_info]
-    return StepRollouts(rounds, groups, n_info, eff_sigma, ctx, time.perf_counter() - t0)
+    return StepRollouts(rounds, groups, n_info, eff_sigma, ctx, time.perf_counter() - t0, hooks.metrics, hooks.extra)

@@ -16,36 +16,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..kernels import settings
 from ..kernels.settings import KernelSettings
 from ..model.adapter_start import base_of
 from ..rollout import Engine
-from . import levers, run_folder
-from . import state as ckpt
+from ..train import checkpoints as ckpt
+from ..train import levers
+from ..train.loop import TrainLoop
 from .advantages import rollout_batch
 from .adapter_snapshot import AdapterSnapshot
 from .aqn import AQN, AdaptiveSigma, sigma_at
 from .batching import batch_plan
 from .config import GRPOConfig
-from .distributed import Dist
-from .metrics import MetricsLog
-from .optim import lr_lambda, make_optimizer
+from ..train.distributed import Dist
+from ..train.metrics import MetricsLog
+from ..train.optim import lr_lambda, make_optimizer
 from .parity import ParityGate
-from .profiling import Profiler
+from ..train.profiling import Profiler
 from .rollout_metrics import rollout_metrics
 from .rollout_phase import RolloutInputs, StepRollouts, collect
-from .sampler import PromptSampler
+from ..train.sampler import PromptSampler
 from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
 from .step_context import StepContext, step_seed
-from .update import PolicyUpdate, TrainingError, UpdateInputs, step_optimizer
+from .update import PolicyUpdate, TrainingError, UpdateInputs
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
@@ -83,7 +82,7 @@ def set_lora_dtype(model, dtype: torch.dtype, device: torch.device) -> None:
         g.attach_lora()
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainLoop):
     """`GRPOTrainer(config).train()`; or pass a built `policy`, a `task` (train/eval rows and
     reward functions), or `reward_funcs` + `train_dataset` as in TRL.
 
@@ -99,9 +98,10 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig | None = None, *, policy=None, task=None, reward_funcs=None,
                  train_dataset=None, eval_dataset=None, tools=None, environment_factory=None, progress: bool = True,
-                 kernel_settings: KernelSettings | None = None):
+                 kernel_settings: KernelSettings | None = None, callbacks=None):
         """kernel_settings: the kernel choices (kernels.settings.KernelSettings) its steps, rollouts and
-        evaluations run under; None: the caller's."""
+        evaluations run under; None: the caller's. callbacks: transformers TrainerCallback objects
+        (train/callbacks.py)."""
         cfg = config or GRPOConfig()
         self.kernel_settings = kernel_settings
         if cfg.max_staleness not in (0, 1):
@@ -140,11 +140,6 @@ class GRPOTrainer:
                                       cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
             if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
-        self.step = 0
-        self.out = Path(cfg.output_dir)
-        self._resumed_from = None
-        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
-        self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
         self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
         self._relaunch: tuple[StepContext, dict] | None = None  # a resumed checkpoint's in-flight rollout
         self.sample_max_new_tokens = None
@@ -153,6 +148,7 @@ class GRPOTrainer:
         self.update = PolicyUpdate(UpdateInputs(self.model, cfg, self.device, self.dtype, self.tok.pad_token_id or 0,
                                                 self.dist, self.profiler, self.aqn, self.optimizer_step))
         self.parity = ParityGate(self)
+        self.setup_loop(callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 
     # ---- construction ----------------------------------------------------------------------
     def _setup_policy(self, cfg: GRPOConfig, policy, progress: bool) -> None:
@@ -286,7 +282,7 @@ class GRPOTrainer:
     def rollout_inputs(self, profiler: Profiler | None = None) -> RolloutInputs:
         return RolloutInputs(self.cfg, self.engine, self.tok, self.train_rows, self.reward_funcs, self.reward_weights,
                              self.dist, self.device, self.encode_prompt, self.turns_for, self.rollout_aqn,
-                             profiler or self.profiler, self.sample_max_new_tokens)
+                             profiler or self.profiler, self.sample_max_new_tokens, self.state)
 
     def collect_rollouts(self, ctx: StepContext, inputs: RolloutInputs | None = None) -> StepRollouts:
         """The step's rollouts, now, from the adapter the engine reads (the live one, or the snapshot)."""
@@ -312,7 +308,7 @@ class GRPOTrainer:
         return InFlight(ctx, data, run, threaded, self.device)
 
     def train_step(self) -> dict:
-        with self._kernels():
+        with self.scope():
             return self._train_step()
 
     def _train_step(self) -> dict:
@@ -343,7 +339,10 @@ class GRPOTrainer:
             m = {"step": step, "sigma": ctx.sigma, "aqn_stage": ctx.stage, "aqn_sigma_effective": ro.effective_sigma,
                  "staleness": ctx.staleness, "lr": self.scheduler.get_last_lr()[0],
                  "rollout_graphs_captured": sum(r.stats.graphs_captured for r in ro.rounds),
-                 **rollout_metrics(ro.rounds, ro.n_informative, D, self.offers_tools), **parity}
+                 **rollout_metrics(ro.rounds, ro.n_informative, D, self.offers_tools, ro.logged), **parity}
+            # TRL's names: the learning rate; num_tokens counts every prompt and completion token so far
+            self.state.num_input_tokens_seen += m["rollout_input_tokens"]
+            m.update(learning_rate=m["lr"], num_tokens=self.state.num_input_tokens_seen)
             if D.world > 1:
                 m["world_size"] = D.world
             if self.adaptive is not None:  # this step's signal sets the next step's sigma
@@ -362,11 +361,6 @@ class GRPOTrainer:
         m["completions"] = int(D.sum(len(batch), self.device))
         self.step += 1
         return m
-
-    def optimizer_step(self, bad: str | None) -> float:
-        """Apply one update's gradients (update.step_optimizer); raises TrainingError on a bad step."""
-        return step_optimizer(self.params, self.optimizer, self.scheduler, self.dist, self.device,
-                              self.cfg.max_grad_norm, bad, self.bad_step)
 
     def _relaunch_or_launch(self, step: int) -> InFlight:
         if self._relaunch is None:
@@ -406,11 +400,6 @@ class GRPOTrainer:
         if self._in_flight is not None:
             self._in_flight.result()  # kept for its step; the snapshot is free once it is done
         self.snapshot.refresh(self.step)
-
-    def bad_step(self, what: str) -> str:
-        last = ckpt.checkpoints(self.out)
-        keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
-        return f"step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
 
     # ---- evaluation ------------------------------------------------------------------------
     @staticmethod
@@ -457,98 +446,37 @@ class GRPOTrainer:
         if log is not None:
             log.write(row)
         self.evals.append(row)
+        self.record_eval(row)
         if not self.progress:
             print(f"eval step {self.step}: {rep.summary()}", flush=True)
         return rep
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self) -> Path | None:
-        """Rank 0 writes the checkpoint (the ranks' adapters, optimizer states and data positions
-        are identical); the others wait for it. A checkpoint holds nothing per rank, so a run
-        resumes with the same or a different number of ranks."""
-        path = None
-        if self.dist.is_main:
-            fl = self._in_flight
-            # a rollout in flight is not waited for: the checkpoint holds what launches it again (its
-            # adapter, context and the sampler's position before its draws), rl/staleness.py
-            extra = {"data": fl.data if fl is not None else self.sampler.state(), "config": self.cfg.to_dict(),
-                     "world_size": self.dist.world, "updates_per_step": self._updates_per_step}
-            tensors = None
-            if fl is not None:
-                extra["in_flight"] = fl.record()
-                tensors = {ROLLOUT_ADAPTER: self.snapshot.tensors()}
-            elif self._relaunch is not None:  # resumed and saved again before its first step
-                extra["in_flight"] = {"ctx": dataclasses.asdict(self._relaunch[0])}
-                tensors = {ROLLOUT_ADAPTER: self._relaunch[1]}
-            if self.adaptive is not None:
-                extra["aqn_adaptive"] = self.adaptive.state_dict()
-            path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                        base_name=base_of(self.cfg.model_name_or_path), keep=self.cfg.save_total_limit,
-                                        tensors=tensors)
-        self.dist.barrier()
-        return path
+    def checkpoint_contents(self) -> tuple[dict, dict | None]:
+        # a rollout in flight is not waited for: the checkpoint holds what launches it again (its
+        # adapter, context and the sampler's position before its draws), rl/staleness.py
+        fl = self._in_flight
+        extra = {"data": fl.data if fl is not None else self.sampler.state(), "config": self.cfg.to_dict(),
+                 "world_size": self.dist.world, "updates_per_step": self._updates_per_step}
+        tensors = None
+        if fl is not None:
+            extra["in_flight"] = fl.record()
+            tensors = {ROLLOUT_ADAPTER: self.snapshot.tensors()}
+        elif self._relaunch is not None:  # resumed and saved again before its first step
+            extra["in_flight"] = {"ctx": dataclasses.asdict(self._relaunch[0])}
+            tensors = {ROLLOUT_ADAPTER: self._relaunch[1]}
+        if self.adaptive is not None:
+            extra["aqn_adaptive"] = self.adaptive.state_dict()
+        return extra, tensors
 
-    def _claim(self, fresh: bool) -> None:
-        """Lock the run folder and clean what a killed save left; a fresh run's folder must hold no
-        earlier run (or overwrite_output_dir clears it). Rank 0 does it; every rank stops on its error."""
-        err = None
-        if self._lock is not None:
-            try:
-                self._lock.acquire()
-                if not self._claimed:
-                    run_folder.clean_temporaries(self.out)
-                    if fresh:
-                        run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir)
-            except (run_folder.RunFolderError, OSError) as e:
-                err = e
-        if self.dist.max(1.0 if err else 0.0, self.device):
-            self._release()  # a lock we took is not left behind by a refusal
-            raise err or run_folder.RunFolderError(f"{self.out}: rank 0 could not claim the run folder")
-        self._claimed = True
+    def base_name(self) -> str:
+        return base_of(self.cfg.model_name_or_path)
 
-    def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
+    def check_checkpoint(self, folder: Path) -> None:
+        self._read_in_flight(folder)  # its in-flight record, checked before anything is loaded
 
-    def _newest_good_checkpoint(self) -> tuple[Path, dict]:
-        """Load the newest checkpoint whose files all verify, skipping (and setting aside) corrupt ones."""
-        found = ckpt.checkpoints(self.out, complete=False)
-        if not found:
-            raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
-        skipped = []
-        for folder in reversed(found):
-            try:
-                self._read_in_flight(folder)  # checked before anything is loaded
-                st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
-            except ckpt.CorruptCheckpoint as e:
-                print(f"qerl: resume: skipping {folder.name}: {e}", flush=True)
-                skipped.append((folder, str(e)))
-                continue
-            if self._lock is not None:
-                for bad, _ in skipped:  # out of the rotation and of later resumes; kept for a look
-                    aside = bad.with_name(bad.name + ".corrupt")
-                    n = 1
-                    while aside.exists():  # set aside before, in an earlier resume
-                        aside, n = bad.with_name(f"{bad.name}.corrupt{n}"), n + 1
-                    os.replace(bad, aside)
-                    print(f"qerl: resume: moved {bad.name} to {aside.name}", flush=True)
-            return folder, st
-        raise ckpt.CorruptCheckpoint(f"{self.out}: no checkpoint verifies: " + "; ".join(why for _, why in skipped))
-
-    def resume(self, folder=None) -> int:
-        """Continue from `folder`, or the run directory's newest checkpoint that verifies. Returns the step."""
-        self._claim(fresh=False)
-        try:
-            if folder is None:
-                folder, st = self._newest_good_checkpoint()
-            else:
-                self._read_in_flight(folder)
-                st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
-            in_flight = self._read_in_flight(folder)
-        except BaseException:
-            self._release()
-            raise
-        self.step = st["step"]
+    def restore(self, st: dict, folder: Path) -> None:
+        in_flight = self._read_in_flight(folder)
         then = st.get("updates_per_step", self._updates_per_step)
         if then != self._updates_per_step:
             # another number of ranks makes another number of updates a step: the schedule's position
@@ -561,12 +489,10 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.train_rows), self.cfg.seed, st["data"]["epoch"], st["data"]["pos"])
         if self.adaptive is not None and "aqn_adaptive" in st:
             self.adaptive.load_state_dict(st["aqn_adaptive"])
-        self._resumed_from = Path(folder)
         # the rollout that was in flight is launched again from its own adapter by the next step (inside
         # the run, as every launch); with max_staleness 0 now the sampler stands before its draws and the
         # current adapter redraws it
         self._relaunch = in_flight if self.snapshot is not None else None
-        return self.step
 
     def _read_in_flight(self, folder) -> tuple[StepContext, dict] | None:
         """The context and adapter of the rollout a checkpoint was written with in flight, or None."""
@@ -579,87 +505,36 @@ class GRPOTrainer:
             return None
         return context_of(rec, str(st_file)), ckpt.read_tensors(folder, ROLLOUT_ADAPTER)
 
-    # ---- the run ---------------------------------------------------------------------------
-    def train(self, stop_after: int | None = None) -> list[dict]:
-        """Run to max_steps (or stop after `stop_after` more steps, as a killed run would, but with a
-        checkpoint at the stop); returns the metrics rows of this run."""
-        self._claim(fresh=self._resumed_from is None)
-        try:
-            with self._kernels():
-                return self._train(stop_after)
-        finally:
-            self._release()
-
-    def _kernels(self):
+    # ---- the run (train/loop.py's; what GRPO adds around its steps) -----------------------------
+    def scope(self):
         """The trainer's kernel settings in force (a rollout thread runs in a copy of this context)."""
         return settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
 
-    def _train(self, stop_after: int | None) -> list[dict]:
-        cfg, main = self.cfg, self.dist.is_main
-        end = cfg.max_steps if stop_after is None else min(cfg.max_steps, self.step + stop_after)
-        log = None
-        if main:  # rank 0 logs; the metrics it writes are already aggregated over the ranks
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(cfg.to_yaml())
-            continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
-            log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None)
-        rows = []
-        bar = None
-        # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
-        # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
-        from ..kernels import dispatch
+    def epoch(self) -> float:
+        return self.sampler.epoch + self.sampler.pos / max(1, len(self.train_rows))
 
-        cache = dispatch.dequantized_cache() if self.device.type == "cpu" else contextlib.nullcontext()
-        cache.__enter__()
-        try:
-            if cfg.eval_on_start and self.step == 0 and self._resumed_from is None:
-                self._evaluate_on_main(log)
-            if cfg.eval_on_end and self._resumed_from is not None and self.step == cfg.max_steps == end:
-                self._evaluate_on_main(log)  # stopped after its last checkpoint, before its last evaluation
-            # after the start evaluation, which is its own phase: the bar's rate and ETA count steps only
-            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step",
-                       disable=not (self.progress and main))
-            while self.step < end:
-                m = self.train_step()
-                if log is not None:
-                    log.write(m)
-                rows.append(m)
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", sigma=f"{m['sigma']:.1e}", len=f"{m['completion_length_mean']:.0f}")
-                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and main:
-                    line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                                    if k in ("step", "reward_mean", "accuracy", "entropy", "sigma", "loss", "grad_norm",
-                                             "completion_length_mean", "time_step"))
-                    bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
-                if self.step % cfg.save_steps == 0 or self.step == end:
-                    with self.profiler.phase("checkpoint"):  # reported in the next step's row
-                        self.save()
-                last = self.step == cfg.max_steps
-                if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
-                    if last:
-                        bar.close()  # the final evaluation is its own phase, after the train bar
-                    self._evaluate_on_main(log)
-                    bar.unpause()  # the evaluation's time is not a step's
-        finally:
-            if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
-                self._in_flight.wait_quietly()
-            cache.__exit__(None, None, None)
-            if bar is not None:
-                bar.close()
-            if log is not None:
-                log.close()
-        from ..checkpoint.peft_adapter import save_adapter
+    def postfix(self, m: dict) -> dict:
+        return {"reward": f"{m['reward_mean']:.3f}", "sigma": f"{m['sigma']:.1e}", "len": f"{m['completion_length_mean']:.0f}"}
 
-        if main:
-            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=base_of(cfg.model_name_or_path),
-                         checksums=True)
-            # with the tokenizer, as `qerl sft` (and TRL) save it: the folder is a model to start from on its own
-            from ..checkpoint.checksums import write_checksums
+    def before_steps(self, log) -> None:
+        cfg = self.cfg
+        if cfg.eval_on_start and self.step == 0 and self._resumed_from is None:
+            self._evaluate_on_main(log)
+        if cfg.eval_on_end and self._resumed_from is not None and self.step == cfg.max_steps:
+            self._evaluate_on_main(log)  # stopped after its last checkpoint, before its last evaluation
 
-            self.tok.save_pretrained(self.out / "adapter")
-            write_checksums(self.out / "adapter")
-        self.dist.barrier()
-        return rows
+    def after_step(self, m: dict, log, bar) -> None:
+        cfg = self.cfg
+        last = self.step == cfg.max_steps
+        if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
+            if last:
+                bar.close()  # the final evaluation is its own phase, after the train bar
+            self._evaluate_on_main(log)
+            bar.unpause()  # the evaluation's time is not a step's
+
+    def stop_background(self) -> None:
+        if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
+            self._in_flight.wait_quietly()
 
     def _evaluate_on_main(self, log):
         """Rank 0 evaluates (its adapter is every rank's); the others wait at the barrier."""

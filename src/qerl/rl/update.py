@@ -21,33 +21,11 @@ from typing import Callable
 import torch
 
 from ..layers import adapters_disabled, unfused_lora
+from ..train.optim import TrainingError, step_optimizer  # noqa: F401 - re-exported
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
 from .loss import policy_loss, rollout_is_weights
 from .packing import FLEX, PackedBatch, attention_kind, has_sliding_window, packed_micro_batches, use_flex_attention
-
-
-class TrainingError(RuntimeError):
-    pass
-
-
-def step_optimizer(params, optimizer, scheduler, dist, device, max_grad_norm: float, bad: str | None,
-                   bad_step: Callable[[str], str]) -> float:
-    """Apply one update's gradients (the update phase computed them): average over the ranks, clip, step
-    the optimizer and the schedule. A non-finite loss on any rank (`bad`) or gradient norm discards them
-    and raises TrainingError(bad_step(what)). Returns the gradient norm. (GRPO's and SFT's trainers.)"""
-    if dist.max(1.0 if bad else 0.0, device):
-        optimizer.zero_grad(set_to_none=True)
-        raise TrainingError(bad_step(bad or "the loss is not finite on another rank"))
-    dist.mean_grads_(params)
-    gn = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if not torch.isfinite(gn):
-        optimizer.zero_grad(set_to_none=True)
-        raise TrainingError(bad_step(f"gradient norm is {float(gn)}"))
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(gn)
 
 
 @dataclass(frozen=True)
@@ -144,7 +122,8 @@ class PolicyUpdate:
 
         with prof.phase("update"):
             model.train()
-            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": []}
+            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": [],
+                     "clip_low": [], "clip_high": [], "is_min": [], "is_max": []}
             mism, mism_max, is_mean, ratios = [], 0.0, [], []
             for it in range(cfg.num_iterations):
                 for u in range(n_updates):
@@ -182,7 +161,11 @@ class PolicyUpdate:
                                 isw = rollout_is_weights(old_k, b.rollout_logprobs, lmask,
                                                          cfg.importance_sampling_mode, cfg.importance_sampling_cap,
                                                          cfg.importance_sampling_cap_min)
-                                is_mean.append(float(isw.expand_as(lmask)[lmask].mean()) if lmask.any() else 1.0)
+                                w = isw.expand_as(lmask)[lmask]
+                                is_mean.append(float(w.mean()) if lmask.any() else 1.0)
+                                if w.numel():  # TRL's sampling/importance_sampling_ratio/min and /max
+                                    stats["is_min"].append(float(w.min()))
+                                    stats["is_max"].append(float(w.max()))
                             pool = None  # None: this micro-batch's tokens, all there are on one rank
                             if slots:
                                 pool = torch.cat([t.to(dev) for t in D.gather(en.detach()[lmask].cpu())])
@@ -211,6 +194,9 @@ class PolicyUpdate:
                             stats["entropy_mask_fraction"].append(st["entropy_mask_fraction"])
                         if "kl" in st:
                             stats["kl"].append(st["kl"])
+                        if "clip_low" in st:
+                            stats["clip_low"].append(st["clip_low"])
+                            stats["clip_high"].append(st["clip_high"])
                     for _ in range(slots - len(group)):
                         D.gather(torch.zeros(0))
                     stats["grad_norm"].append(inp.optimizer_step(bad))
@@ -227,7 +213,9 @@ class PolicyUpdate:
                  float(rat.max()) if rat.numel() else -math.inf)
         parts = self.inp.dist.gather({"ratio": ratio,
                                       "loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
-                                      "emask": stats["entropy_mask_fraction"],
+                                      "emask": stats["entropy_mask_fraction"], "clip_low": stats["clip_low"],
+                                      "clip_high": stats["clip_high"], "is_min": stats["is_min"],
+                                      "is_max": stats["is_max"],
                                       "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
                                       "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
         # each rank's update loss is its share of the global mean (gradients are averaged): average them
@@ -245,9 +233,27 @@ class PolicyUpdate:
             out["entropy_mask_fraction"] = mean(cat("emask"))
         if cat("is"):
             out["is_weight_mean"] = mean(cat("is"))
+        out.update(trl_names(out, cat, mean))
         n_ratio = sum(q["ratio"][1] for q in parts)
         if n_ratio:  # exp(trainer's pre-update logprob - the sampler's), per model token: noise, numerics, staleness
             out.update(policy_ratio_mean=sum(q["ratio"][0] for q in parts) / n_ratio,
                        policy_ratio_min=min(q["ratio"][2] for q in parts),
                        policy_ratio_max=max(q["ratio"][3] for q in parts))
         return out
+
+
+def trl_names(out: dict, cat, mean) -> dict:
+    """The update's metrics under TRL's GRPOTrainer names (qerl's own stay beside them): clip ratios over
+    the micro-batches of every rank, the rollout correction's weights, the sampler/trainer logprob gap."""
+    m = {"clip_ratio/region_mean": out["clip_fraction"],
+         "sampling/sampling_logp_difference/mean": out["logprob_mismatch_mean"],
+         "sampling/sampling_logp_difference/max": out["logprob_mismatch_max"]}
+    if cat("clip_low"):
+        m.update({"clip_ratio/low_mean": mean(cat("clip_low")), "clip_ratio/low_min": min(cat("clip_low")),
+                  "clip_ratio/high_mean": mean(cat("clip_high")), "clip_ratio/high_max": max(cat("clip_high"))})
+    if cat("is"):
+        m["sampling/importance_sampling_ratio/mean"] = out["is_weight_mean"]
+    if cat("is_min"):
+        m["sampling/importance_sampling_ratio/min"] = min(cat("is_min"))
+        m["sampling/importance_sampling_ratio/max"] = max(cat("is_max"))
+    return m

@@ -1,35 +1,31 @@
 """Supervised fine-tuning of the LoRA on the frozen quantized base: `SFTTrainer(SFTConfig(...)).train()`.
 
-The same pieces as the RL trainer, not a second training loop: the policy loads as for `qerl
+Only the step is SFT's: the run around it (run folder, resume, checkpoints, metrics and trackers,
+trainer.state, callbacks, the adapter) is train/loop.py's, as for GRPO. The policy loads as for `qerl
 train`; each step is one call of the policy update (rl/update.py: packed micro-batches, chunked
-logprobs, gradient accumulation, clipping, the memory levers) on a batch of examples whose loss
-is the negative log-likelihood (sft/batch.py says how); checkpoints, resume, the run folder's
-lock, metrics and the adapter are rl/state.py's, rl/run_folder.py's and rl/metrics.py's. The
-adapter it writes (output_dir/adapter) is PEFT's format: a start for `qerl train` (an adapter
-folder as its model_name_or_path) and for PEFT.
+logprobs, gradient accumulation, clipping, the memory levers) on a batch of examples whose loss is the
+negative log-likelihood (sft/batch.py says how). The adapter it writes (output_dir/adapter) is PEFT's
+format: a start for `qerl train` (an adapter folder as its model_name_or_path) and for PEFT.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from ..rl import levers, run_folder
-from ..rl import state as ckpt
 from ..rl.config import GRPOConfig
-from ..rl.distributed import Dist
-from ..rl.metrics import MetricsLog
-from ..rl.optim import lr_lambda, make_optimizer
-from ..rl.profiling import Profiler
-from ..rl.sampler import PromptSampler
 from ..rl.trainer import resolve_device_dtype, set_lora_dtype
-from ..rl.update import PolicyUpdate, UpdateInputs, step_optimizer
+from ..rl.update import PolicyUpdate, UpdateInputs
+from ..train import levers
+from ..train.distributed import Dist
+from ..train.loop import TrainLoop
+from ..train.optim import lr_lambda, make_optimizer
+from ..train.profiling import Profiler
+from ..train.sampler import PromptSampler
 from .batch import sft_batch
 from .config import SFTConfig
 from .data import Tokenizer, load_rows
@@ -54,16 +50,20 @@ def update_settings(cfg: SFTConfig) -> GRPOConfig:
                       parity_check_steps=0)
 
 
-class SFTTrainer:
+class SFTTrainer(TrainLoop):
     """`SFTTrainer(config).train()`; or pass a built `policy` (its LoRA is trained in place) and
     `train_dataset` rows (TRL's formats: messages, text, prompt + completion) instead of dataset_name."""
 
-    def __init__(self, config: SFTConfig | None = None, *, policy=None, train_dataset=None, progress: bool = True):
+    KIND = "sft"
+    LOG_KEYS = ("step", "loss", "grad_norm", "lr", "epoch", "time_step")
+
+    def __init__(self, config: SFTConfig | None = None, *, policy=None, train_dataset=None, progress: bool = True,
+                 callbacks=None):
         self.cfg = cfg = config or SFTConfig()
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device, self.dtype = resolve_device_dtype(cfg)
-        self.dist = Dist.from_env(self.device.type)
+        self.dist = Dist.from_env(self.device.type, cfg.ddp_timeout, cfg.ddp_backend)
         if self.dist.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         rows = list(train_dataset) if train_dataset is not None else load_rows(cfg.dataset_name, cfg.dataset_config)
@@ -116,25 +116,19 @@ class SFTTrainer:
         self.optimizer, self.optim_name = make_optimizer(ucfg, self.params, self.device, self.master_weights)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(ucfg, self.max_steps))
         self.sampler = PromptSampler(len(self.examples), cfg.seed)
-        self.step = 0
         self.progress = progress
-        self.out = Path(cfg.output_dir)
-        self._resumed_from = None
-        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
         self.profiler = Profiler()
         self.update = PolicyUpdate(UpdateInputs(self.model, ucfg, self.device, self.dtype, self.tok.pad_token_id or 0,
                                                 self.dist, self.profiler, None, self.optimizer_step))
+        self.setup_loop(callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 
-    # ---- what PolicyUpdate asks of a trainer ----------------------------------------------------
-    def optimizer_step(self, bad: str | None) -> float:
-        """Apply one update's gradients, as GRPOTrainer does (update.step_optimizer)."""
-        return step_optimizer(self.params, self.optimizer, self.scheduler, self.dist, self.device,
-                              self.cfg.max_grad_norm, bad, self.bad_step)
+    @property
+    def max_steps(self) -> int:
+        return self._max_steps
 
-    def bad_step(self, what: str) -> str:
-        last = ckpt.checkpoints(self.out)
-        keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
-        return f"sft step {self.step}: {what}; the step's update was not applied and training stops ({keep})"
+    @max_steps.setter
+    def max_steps(self, n: int) -> None:
+        self._max_steps = n
 
     # ---- one step: one optimizer update -----------------------------------------------------------
     def train_step(self) -> dict:
@@ -147,112 +141,23 @@ class SFTTrainer:
         lr = self.scheduler.get_last_lr()[0]
         m = self.update(batch, 0.0, 0)
         tokens = sum(sum(e.trained) for e in examples)
-        row = {"step": self.step, **{k: m[k] for k in KEEP if k in m}, "lr": lr,
-               "epoch": (self.sampler.epoch * len(self.examples) + self.sampler.pos) / len(self.examples),
-               "num_tokens": int(D.sum(tokens, self.device)), **self.profiler.take()}
+        # TRL's num_tokens: the trained tokens so far, all ranks
+        self.state.num_input_tokens_seen += int(D.sum(tokens, self.device))
+        row = {"step": self.step, **{k: m[k] for k in KEEP if k in m}, "lr": lr, "learning_rate": lr,
+               "epoch": self.epoch(), "num_tokens": self.state.num_input_tokens_seen, **self.profiler.take()}
         row["time_step"] = time.perf_counter() - t0
         self.step += 1
         return row
 
-    # ---- checkpoints and the run folder (as GRPOTrainer's) -------------------------------------------
-    def save(self) -> Path | None:
-        path = None
-        if self.dist.is_main:
-            extra = {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world,
-                     "kind": "sft"}
-            path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                        base_name=self.cfg.model_name_or_path, keep=self.cfg.save_total_limit)
-        self.dist.barrier()
-        return path
+    # ---- what the run loop asks (train/loop.py) ---------------------------------------------------
+    def epoch(self) -> float:
+        return (self.sampler.epoch * len(self.examples) + self.sampler.pos) / len(self.examples)
 
-    def _claim(self, fresh: bool) -> None:
-        if self._lock is None:
-            return
-        self._lock.acquire()
-        try:
-            run_folder.clean_temporaries(self.out)
-            if fresh:
-                run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir)
-        except BaseException:
-            self._lock.release()
-            raise
+    def checkpoint_contents(self) -> tuple[dict, dict | None]:
+        return {"data": self.sampler.state(), "config": self.cfg.to_dict(), "world_size": self.dist.world,
+                "kind": "sft"}, None
 
-    def resume(self, folder=None) -> int:
-        """Continue from `folder`, or the run directory's newest complete checkpoint. Returns the step."""
-        self._claim(fresh=False)
-        try:
-            if folder is None:
-                found = ckpt.checkpoints(self.out)
-                if not found:
-                    raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
-                folder = found[-1]
-            st = ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
-        except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-            raise
+    def restore(self, st: dict, folder: Path) -> None:
         if st.get("kind") != "sft":
             raise ValueError(f"{folder}: not an SFT checkpoint (written by `qerl train`?)")
-        self.step = st["step"]
         self.sampler = PromptSampler(len(self.examples), self.cfg.seed, st["data"]["epoch"], st["data"]["pos"])
-        self._resumed_from = Path(folder)
-        return self.step
-
-    # ---- the run ------------------------------------------------------------------------------------
-    def train(self, stop_after: int | None = None) -> list[dict]:
-        """Run to max_steps (or stop after `stop_after` more steps, with a checkpoint at the stop);
-        returns the metrics rows of this run. The adapter lands in output_dir/adapter."""
-        if self._lock is None or not self._lock.held:
-            self._claim(fresh=self._resumed_from is None and self.step == 0)
-        try:
-            return self._train(stop_after)
-        finally:
-            if self._lock is not None:
-                self._lock.release()
-
-    def _train(self, stop_after: int | None) -> list[dict]:
-        cfg, main = self.cfg, self.dist.is_main
-        end = self.max_steps if stop_after is None else min(self.max_steps, self.step + stop_after)
-        log = None
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(cfg.to_yaml())
-            continuing = self._resumed_from is not None or self.step > 0
-            log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None)
-        rows = []
-        bar = tqdm(total=self.max_steps, initial=self.step, desc="sft", unit="step",
-                   disable=not (self.progress and main))
-        from ..kernels import dispatch
-
-        # on the CPU the frozen weights' dequantized copies are kept for the run (as GRPOTrainer does)
-        cache = dispatch.dequantized_cache() if self.device.type == "cpu" else contextlib.nullcontext()
-        try:
-            with cache:
-                while self.step < end:
-                    m = self.train_step()
-                    if log is not None:
-                        log.write(m)
-                    rows.append(m)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}")
-                    if main and not self.progress and m["step"] % cfg.logging_steps == 0:
-                        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                                       if k in ("step", "loss", "grad_norm", "lr", "epoch", "time_step")), flush=True)
-                    if self.step % cfg.save_steps == 0 or self.step == end:
-                        self.save()
-        finally:
-            bar.close()
-            if log is not None:
-                log.close()
-        from ..checkpoint.peft_adapter import save_adapter
-
-        if main:
-            save_adapter(self.model, self.out / "adapter", base_model_name_or_path=cfg.model_name_or_path,
-                         checksums=True)
-            # with the tokenizer, as TRL saves it: the folder is then a model to start `qerl train` from
-            self.tok.save_pretrained(self.out / "adapter")
-            from ..checkpoint.checksums import write_checksums
-
-            write_checksums(self.out / "adapter")  # last, over every file (load_adapter verifies them)
-        self.dist.barrier()
-        return rows

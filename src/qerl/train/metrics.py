@@ -1,8 +1,7 @@
-"""Per-step metrics: metrics.jsonl always, TensorBoard when it is installed."""
+"""Per-step metrics: metrics.jsonl always, and the trackers report_to names (train/trackers.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,7 +10,9 @@ from ..checkpoint.atomic import atomic_text
 
 
 class MetricsLog:
-    def __init__(self, output_dir, report_to: str = "auto", resume_step: int | None = None):
+    def __init__(self, output_dir, report_to: str = "auto", resume_step: int | None = None,
+                 config: dict | None = None):
+        """config: the run's settings, which the trackers store beside the metrics."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
@@ -20,26 +21,27 @@ class MetricsLog:
             atomic_text(self.path, "".join(ln + "\n" for ln in keep))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        self.tb = None
-        want_tb = report_to == "tensorboard" or (report_to == "auto" and importlib.util.find_spec("tensorboard"))
-        if want_tb:
-            from torch.utils.tensorboard import SummaryWriter
+        from .config import trackers
+        from .trackers import open_trackers
 
-            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        out = Path(output_dir)
+        self.trackers = open_trackers(trackers(report_to), out, config or {}, out.resolve().name)
 
     def write(self, row: dict) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
-        if self.tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.tb.add_scalar(k, v, row["step"])
-            self.tb.flush()
+        if self.trackers:
+            from .trackers import scalars
+
+            numbers = scalars(row)
+            for t in self.trackers:
+                t.log(numbers, row["step"])
 
     def close(self):
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -1,8 +1,10 @@
-"""The optimizer and its learning-rate schedule (counted in optimizer updates)."""
+"""The optimizer, its learning-rate schedule (counted in optimizer updates) and the step that applies an
+update's gradients."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -115,3 +117,26 @@ def make_optimizer(cfg: TrainConfig, params, device: torch.device, master_weight
             why = "8-bit AdamW needs CUDA"
         print(f"qerl: optim adamw_8bit: {why}; using torch AdamW (fp32 states)")
     return torch.optim.AdamW(params, **kw), "adamw_torch"
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def step_optimizer(params, optimizer, scheduler, dist, device, max_grad_norm: float, bad: str | None,
+                   bad_step: Callable[[str], str]) -> float:
+    """Apply one update's gradients (the update phase computed them): average over the ranks, clip, step
+    the optimizer and the schedule. A non-finite loss on any rank (`bad`) or gradient norm discards them
+    and raises TrainingError(bad_step(what)). Returns the gradient norm. (GRPO's and SFT's trainers.)"""
+    if dist.max(1.0 if bad else 0.0, device):
+        optimizer.zero_grad(set_to_none=True)
+        raise TrainingError(bad_step(bad or "the loss is not finite on another rank"))
+    dist.mean_grads_(params)
+    gn = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if not torch.isfinite(gn):
+        optimizer.zero_grad(set_to_none=True)
+        raise TrainingError(bad_step(f"gradient norm is {float(gn)}"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(gn)

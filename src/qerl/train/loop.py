@@ -1,0 +1,303 @@
+"""The run around the steps, one for GRPO and SFT: claim the run folder, resume (past a corrupt checkpoint),
+run the steps, log them, checkpoint, stop on request, write the adapter and the summary.
+
+A trainer subclasses `TrainLoop` and says what differs: what a step does (`train_step`), how many steps
+(`max_steps`), what its checkpoints carry besides the adapter, optimizer and scheduler
+(`checkpoint_contents`, `restore`), and, for GRPO, what runs before, after and beside the steps
+(evaluations, the rollout in flight). Everything else, and its order, is here:
+
+    claim -> [eval on start] -> per step: on_step_begin, train_step, metrics.jsonl + trackers,
+    trainer.state + log_history, on_step_end, on_log, checkpoint (save_strategy, save_steps, the last
+    step, a callback's request), [evaluation] -> adapter -> summary entry, on_train_end -> release.
+
+Rank 0 writes files and logs; every rank runs the steps and meets at the barriers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import checkpoints as ckpt
+from . import run_folder
+from .callbacks import Callbacks
+from .metrics import MetricsLog, read_rows
+from .optim import step_optimizer
+from .trainer_state import log_entry, new_state, summary_entry
+
+
+class TrainLoop:
+    KIND = "train"   # the progress bar's name and the messages' word
+    LOG_KEYS: tuple = ("step", "loss", "grad_norm", "time_step")  # the metrics of a printed line
+
+    # ---- what a trainer says -------------------------------------------------------------------
+    @property
+    def max_steps(self) -> int:
+        return self.cfg.max_steps
+
+    def train_step(self) -> dict:
+        raise NotImplementedError
+
+    def checkpoint_contents(self) -> tuple[dict, dict | None]:
+        """(the state file's extra entries, extra tensor files) of a checkpoint written now."""
+        raise NotImplementedError
+
+    def check_checkpoint(self, folder: Path) -> None:
+        """Refuse a checkpoint before anything is loaded from it (raise CorruptCheckpoint to skip it)."""
+
+    def restore(self, st: dict, folder: Path) -> None:
+        """Take a loaded checkpoint's own state (its data position, ...); the step is set by the loop."""
+        raise NotImplementedError
+
+    def base_name(self) -> str:
+        return self.cfg.model_name_or_path
+
+    def epoch(self) -> float | None:
+        """Passes over the training rows so far (trainer.state.epoch)."""
+        return None
+
+    def postfix(self, m: dict) -> dict:
+        return {"loss": f"{m.get('loss', float('nan')):.3f}"}
+
+    def scope(self):
+        """What the whole run and each bare train_step run under (GRPO: its kernel settings)."""
+        return contextlib.nullcontext()
+
+    def before_steps(self, log) -> None:
+        """Run once before the steps (GRPO: the start evaluation)."""
+
+    def after_step(self, m: dict, log, bar) -> None:
+        """Run after each step's checkpoint (GRPO: the evaluations)."""
+
+    def stop_background(self) -> None:
+        """Leave nothing running when train() returns (GRPO: a rollout in flight)."""
+
+    # ---- set up ----------------------------------------------------------------------------------
+    def setup_loop(self, callbacks=None) -> None:
+        """After the trainer's model, optimizer, scheduler, sampler and profiler exist."""
+        cfg = self.cfg
+        self.step = 0
+        self.out = Path(cfg.output_dir)
+        self._resumed_from = None
+        self._lock = run_folder.RunLock(self.out) if self.dist.is_main else None
+        self._claimed = False  # the run folder checked (fresh or resumed) by this trainer
+        self.state = new_state(self.max_steps, cfg.logging_steps, cfg.save_steps,
+                               cfg.per_device_train_batch_size * self.dist.world, self.dist.is_main,
+                               self.dist.local_rank == 0)
+        self.callback_handler = Callbacks(callbacks, cfg, self.state, model=self.model, processing_class=self.tok,
+                                          optimizer=self.optimizer, lr_scheduler=self.scheduler)
+        self.callback_handler("on_init_end")
+
+    def add_callback(self, callback) -> None:
+        """transformers' Trainer.add_callback."""
+        self.callback_handler.add(callback)
+
+    # ---- optimizer -----------------------------------------------------------------------------
+    def optimizer_step(self, bad: str | None) -> float:
+        """Apply one update's gradients (optim.step_optimizer); raises TrainingError on a bad step."""
+        return step_optimizer(self.params, self.optimizer, self.scheduler, self.dist, self.device,
+                                   self.cfg.max_grad_norm, bad, self.bad_step)
+
+    def bad_step(self, what: str) -> str:
+        last = ckpt.checkpoints(self.out)
+        keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+        word = "step" if self.KIND == "train" else f"{self.KIND} step"
+        return f"{word} {self.step}: {what}; the step's update was not applied and training stops ({keep})"
+
+    # ---- checkpoints and the run folder ----------------------------------------------------------
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (the ranks' adapters, optimizer states and data positions are
+        identical); the others wait for it. A checkpoint holds nothing per rank, so a run resumes with
+        the same or a different number of ranks."""
+        path = None
+        if self.dist.is_main:
+            extra, tensors = self.checkpoint_contents()
+            extra["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
+                                        base_name=self.base_name(), keep=self.cfg.save_total_limit, tensors=tensors)
+        self.dist.barrier()
+        if path is not None or not self.dist.is_main:
+            self.callback_handler("on_save")
+        return path
+
+    def _claim(self, fresh: bool) -> None:
+        """Lock the run folder and clean what a killed save left; a fresh run's folder must hold no
+        earlier run (or overwrite_output_dir clears it). Rank 0 does it; every rank stops on its error."""
+        err = None
+        if self._lock is not None:
+            try:
+                self._lock.acquire()
+                if not self._claimed:
+                    run_folder.clean_temporaries(self.out)
+                    if fresh:
+                        run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir)
+            except (run_folder.RunFolderError, OSError) as e:
+                err = e
+        if self.dist.max(1.0 if err else 0.0, self.device):
+            self._release()  # a lock we took is not left behind by a refusal
+            raise err or run_folder.RunFolderError(f"{self.out}: rank 0 could not claim the run folder")
+        self._claimed = True
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _load(self, folder: Path) -> dict:
+        self.check_checkpoint(folder)  # before anything is loaded
+        return ckpt.load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+
+    def _newest_good_checkpoint(self) -> tuple[Path, dict]:
+        """Load the newest checkpoint whose files all verify, skipping (and setting aside) corrupt ones."""
+        found = ckpt.checkpoints(self.out, complete=False)
+        if not found:
+            raise FileNotFoundError(f"{self.out}: no checkpoint to resume from")
+        skipped = []
+        for folder in reversed(found):
+            try:
+                st = self._load(folder)
+            except ckpt.CorruptCheckpoint as e:
+                print(f"qerl: resume: skipping {folder.name}: {e}", flush=True)
+                skipped.append((folder, str(e)))
+                continue
+            if self._lock is not None:
+                for bad, _ in skipped:  # out of the rotation and of later resumes; kept for a look
+                    aside = bad.with_name(bad.name + ".corrupt")
+                    n = 1
+                    while aside.exists():  # set aside before, in an earlier resume
+                        aside, n = bad.with_name(f"{bad.name}.corrupt{n}"), n + 1
+                    os.replace(bad, aside)
+                    print(f"qerl: resume: moved {bad.name} to {aside.name}", flush=True)
+            return folder, st
+        raise ckpt.CorruptCheckpoint(f"{self.out}: no checkpoint verifies: " + "; ".join(why for _, why in skipped))
+
+    def resume(self, folder=None) -> int:
+        """Continue from `folder`, or the run directory's newest checkpoint that verifies. Returns the step."""
+        self._claim(fresh=False)
+        try:
+            if folder is None:
+                folder, st = self._newest_good_checkpoint()
+            else:
+                st = self._load(Path(folder))
+            self.restore(st, Path(folder))
+        except BaseException:
+            self._release()
+            raise
+        self.step = st["step"]
+        self._resumed_from = Path(folder)
+        self.state.global_step = self.step
+        self.state.epoch = self.epoch()
+        self.state.num_input_tokens_seen = st.get("num_input_tokens_seen", 0)
+        return self.step
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def train(self, stop_after: int | None = None) -> list[dict]:
+        """Run to max_steps (or stop after `stop_after` more steps, as a killed run would, but with a
+        checkpoint at the stop); returns the metrics rows of this run."""
+        self._claim(fresh=self._resumed_from is None)
+        try:
+            with self.scope():
+                return self._train(stop_after)
+        finally:
+            self._release()
+
+    def _open_log(self) -> MetricsLog | None:
+        if not self.dist.is_main:  # rank 0 logs; the metrics it writes are already aggregated over the ranks
+            return None
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(cfg.to_yaml())
+        continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
+        log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None, config=cfg.to_dict())
+        if continuing and not self.state.log_history and log.path.exists():
+            # a resumed run's history before its checkpoint: the rows metrics.jsonl kept
+            self.state.log_history = [log_entry(r, r["step"] + 1 if "time_step" in r else r["step"], None)
+                                      for r in read_rows(log.path)]
+        return log
+
+    def record(self, m: dict, log) -> None:
+        """A step's metrics: metrics.jsonl and the trackers, trainer.state, the callbacks' on_log."""
+        if log is not None:
+            log.write(m)
+        st = self.state
+        st.global_step, st.epoch = self.step, self.epoch()
+        entry = log_entry(m, self.step, st.epoch)
+        st.log_history.append(entry)
+        self.callback_handler("on_step_end")
+        self.callback_handler("on_log", logs=entry)
+
+    def record_eval(self, row: dict) -> None:
+        """An evaluation's row (already in metrics.jsonl): log_history and on_evaluate."""
+        entry = log_entry(row, self.step, self.state.epoch)
+        self.state.log_history.append(entry)
+        self.callback_handler("on_evaluate", metrics=entry)
+
+    def _print_line(self, m: dict, bar) -> None:
+        line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                        if k in self.LOG_KEYS)
+        bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
+
+    def _train(self, stop_after: int | None) -> list[dict]:
+        cfg, main = self.cfg, self.dist.is_main
+        end = self.max_steps if stop_after is None else min(self.max_steps, self.step + stop_after)
+        self.state.max_steps = self.max_steps
+        log = self._open_log()
+        rows, bar = [], None
+        t0 = time.perf_counter()
+        # On the CPU no kernel decodes 4-bit weights in registers: keep each frozen weight's
+        # dequantized copy for the whole run (they never change) instead of rebuilding it per call.
+        from ..kernels import dispatch
+
+        cache = dispatch.dequantized_cache() if self.device.type == "cpu" else contextlib.nullcontext()
+        cache.__enter__()
+        try:
+            self.callback_handler("on_train_begin")
+            self.before_steps(log)
+            # after the start evaluation, which is its own phase: the bar's rate and ETA count steps only
+            bar = tqdm(total=self.max_steps, initial=self.step, desc=self.KIND, unit="step",
+                       disable=not (self.progress and main))
+            while self.step < end:
+                self.callback_handler("on_step_begin")
+                m = self.train_step()
+                self.record(m, log)
+                rows.append(m)
+                bar.update(1)
+                bar.set_postfix(**self.postfix(m))
+                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and main:
+                    self._print_line(m, bar)
+                control = self.callback_handler.control
+                stop = control.should_training_stop
+                scheduled = self.step % cfg.save_steps == 0 or self.step == end or stop
+                if (cfg.save_strategy != "no" and scheduled) or control.should_save:
+                    with self.profiler.phase("checkpoint"):  # reported in the next step's row
+                        self.save()
+                    control.should_save = False
+                self.after_step(m, log, bar)
+                if stop:
+                    break
+        finally:
+            self.stop_background()
+            cache.__exit__(None, None, None)
+            if bar is not None:
+                bar.close()
+            if log is not None:
+                log.close()
+        if main:
+            self._write_adapter()
+        self.state.log_history.append(summary_entry(rows, time.perf_counter() - t0, self.step, self.state.epoch))
+        self.callback_handler("on_train_end")
+        self.dist.barrier()
+        return rows
+
+    def _write_adapter(self) -> None:
+        """output_dir/adapter: PEFT's format with the tokenizer (as TRL saves it: a model to start from on
+        its own), under checksums written last, over every file (load_adapter verifies them)."""
+        from ..checkpoint.checksums import write_checksums
+        from ..checkpoint.peft_adapter import save_adapter
+
+        save_adapter(self.model, self.out / "adapter", base_model_name_or_path=self.base_name(), checksums=True)
+        self.tok.save_pretrained(self.out / "adapter")
+        write_checksums(self.out / "adapter")
