@@ -29,7 +29,8 @@
 // LoRA shrink: given (xa), or inside the launch (FUSE_SHRINK: extra CTAs compute xa first, by ticket).
 //
 // Compile-time: WG (consumer warpgroups), PW (producer warps), BN (tokens a CTA, a multiple of 8, <= 256),
-// ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, FUSE_SHRINK;
+// ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, LORA_R (the rank),
+// FUSE_SHRINK;
 // MT = BN / 8 and WARPS = 4 WG + PW for the shared shrink_cta.
 
 #include "w4_wgmma_index.cuh"
@@ -224,24 +225,33 @@ __device__ __forceinline__ void matmul_cta(
     b1 = bf16_to_f32(bias[row1]);
   }
   const int seg = (rt * 16 >= seg1) + (rt * 16 >= seg2);
+  constexpr int LK = (LORA_R + 15) / 16;  // the expand's k-steps (rank compiled in: the loops unroll)
+  u32 lbf[LK > 0 ? LK : 1][4];  // scaling * B[rows, :] as mma.sync A fragments, loaded once for every token
+  if (HAS_LORA) {
+#pragma unroll
+    for (int kk = 0; kk < LK; kk++) {
+      const int ka = 16 * kk + 2 * q, kb = ka + 8;
+      lbf[kk][0] = ka < LORA_R ? ld_u32(lb + (u64)row0 * LORA_R + ka) : 0u;
+      lbf[kk][1] = ka < LORA_R ? ld_u32(lb + (u64)row1 * LORA_R + ka) : 0u;
+      lbf[kk][2] = kb < LORA_R ? ld_u32(lb + (u64)row0 * LORA_R + kb) : 0u;
+      lbf[kk][3] = kb < LORA_R ? ld_u32(lb + (u64)row1 * LORA_R + kb) : 0u;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < BN / 8; j++) {
     const int t0 = tok0 + 8 * j + 2 * q;
-    if (tok0 + 8 * j >= M) break;
+    if (tok0 + 8 * j >= M) continue;
     float o[4] = {acc[4 * j] * f + b0, acc[4 * j + 1] * f + b0, acc[4 * j + 2] * f + b1, acc[4 * j + 3] * f + b1};
     if (HAS_LORA) {  // scaling * B[rows] @ xa[tokens, segment]^T: B's rows are mma.sync's A here
-      const u16* xr = xa + (u64)imin(tok0 + 8 * j + g, M - 1) * ldxa + seg * rank;
+      const u16* xr = xa + (u64)imin(tok0 + 8 * j + g, M - 1) * ldxa + seg * LORA_R;
       float l[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < rank; k0 += 16) {
-        const int ka = k0 + 2 * q, kb = ka + 8;
-        const u32 a0 = ka < rank ? ld_u32(lb + (u64)row0 * rank + ka) : 0u;
-        const u32 a1 = ka < rank ? ld_u32(lb + (u64)row1 * rank + ka) : 0u;
-        const u32 a2 = kb < rank ? ld_u32(lb + (u64)row0 * rank + kb) : 0u;
-        const u32 a3 = kb < rank ? ld_u32(lb + (u64)row1 * rank + kb) : 0u;
+#pragma unroll
+      for (int kk = 0; kk < LK; kk++) {
+        const int ka = 16 * kk + 2 * q, kb = ka + 8;
         // xa written by this launch's shrink CTAs: read from L2, not a stale L1 line
-        const u32 x0 = ka < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
-        const u32 x1 = kb < rank ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
-        mma_bf16(l, a0, a1, a2, a3, x0, x1);
+        const u32 x0 = ka < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
+        const u32 x1 = kb < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
+        mma_bf16(l, lbf[kk][0], lbf[kk][1], lbf[kk][2], lbf[kk][3], x0, x1);
       }
       const float sc = (float)lora_scaling;
       o[0] += l[0] * sc; o[1] += l[1] * sc; o[2] += l[2] * sc; o[3] += l[3] * sc;

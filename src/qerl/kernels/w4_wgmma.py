@@ -90,9 +90,12 @@ class WgmmaConfig:
         """Static shared memory besides: the mbarriers and flags, and a fused shrink's reduction buffer."""
         return 16 * self.stages + 16 + self.bn * 64
 
-    def defines(self, has_bias: bool, has_lora: bool, fuse_shrink: bool = False) -> dict:
+    def defines(self, has_bias: bool, has_lora: bool, fuse_shrink: bool = False, rank: int = 32) -> dict:
+        """rank: the LoRA rank, compiled in so that the expand's B fragments load once a CTA and its loops
+        unroll (a runtime rank left every load of the epilogue on one dependent chain: +37 % at M = 64)."""
         return dict(WG=self.wg, PW=self.pw, BN=self.bn, ST=self.stages, MINB=self.ctas_per_sm,
                     HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink), MT=self.bn // 8,
+                    LORA_R=rank if has_lora else 0,
                     WARPS=4 * self.wg + self.pw)
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
@@ -228,8 +231,8 @@ def available(device: torch.device) -> bool:
 _SMEM_SET: dict = {}
 
 
-def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False):
-    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora, fuse_shrink), device, generated(cfg))
+def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False, rank: int = 32):
+    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora, fuse_shrink, rank), device, generated(cfg))
     if _SMEM_SET.get(id(fn), 0) < cfg.smem_bytes():  # a driver call: once per function, not per launch
         fn.set_shared_memory_config(cfg.smem_bytes())
         _SMEM_SET[id(fn)] = cfg.smem_bytes()
@@ -283,7 +286,7 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
                 bias=bias if bias is not None else x2d, M=M, N=N, K=K, ldx=x2d.stride(0), ldy=y.stride(0),
                 chunks_per_split=cfg.chunks_per_split, shrink_ctas=shrink_ctas, gx=gx, gy=gy, splits=gz,
                 sync_base=counters.SIZE - 4, **lora_part)
-    kern = _kernel(cfg, bias is not None, lora is not None, dev, fuse_shrink)
+    kern = _kernel(cfg, bias is not None, lora is not None, dev, fuse_shrink, lora_part["rank"])
     grid = (shrink_ctas + tiles * gz, 1, 1) if fuse_shrink else (gx, gy, gz)
     kern(grid=grid, block=(cfg.threads, 1, 1), args=[getattr(args, f.name) for f in fields(Args)],
          shared_mem=cfg.smem_bytes())
