@@ -6,7 +6,8 @@ SmolLM2-135M-Instruct is loaded and quantized for real (time and bytes measured)
 For Qwen2.5-7B one full decoder layer of random weights in the real shapes is
 quantized and its bytes measured, times the layer count. The 14B/32B/72B rows
 come from the formats' tensor shapes (no weights are made: they are too big for
-this CPU); they are marked `from_shapes`.
+this CPU); they are marked `from_shapes`. MoE shapes (Qwen3-30B-A3B, gpt-oss-20b/120b) get a whole
+GRPO step's projected GPU memory (bench/step_plan.py), marked `projection`: computed, not yet measured.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def main(argv=None):
                 case = f"{name} {q} from_shapes"
             out(case, "linear_bytes", b / 2**30, "GiB")
             out(case, "linear_bytes_ratio", b / bf16, "x", "<=0.30" if q == "nvfp4" and "from" not in case else None)
+    from .step_plan import MOE_SHAPES, TARGETS_GIB, StepSettings, plan_step
+
+    st = StepSettings()
+    settings = (f"{st.rows} rows {st.prompt_len}+{st.new_tokens} tokens, KV {st.kv_rows} rows "
+                f"{'fp8' if st.kv_bytes == 1 else 'bf16'}, micro-batch {st.micro_batch}, LoRA r{st.lora_rank} attention")
+    for name, shape in MOE_SHAPES.items():
+        g = plan_step(shape, st).gib()
+        case = f"{name} step projection"
+        target = f"<={TARGETS_GIB[name]}" if name in TARGETS_GIB else None
+        out(case, "step_peak", g["peak"], "GiB", target)
+        for k in ("experts", "attention", "dense", "kv_cache", "update_working", "lora_and_optimizer"):
+            out(case, k, g[k], "GiB")
+    print(f"(projections: {settings}; computed from the formats' tensor shapes, owed a device measurement)")
     if args.record:
         for r in rows:
             record("memory", *r[:4], target=r[4], command="python -m qerl.bench.memory --record")
