@@ -85,7 +85,12 @@ class MLflow:
     def __init__(self, out: Path, config: dict, name: str):
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (out / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (out / "mlruns").resolve().as_uri()
+            # mlflow >= 3.7 refuses a file store unless asked: this one is what qerl chose, offline and
+            # with no database package needed (mlflow-skinny)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
         exp = self.client.get_experiment_by_name(exp_name)
@@ -100,7 +105,10 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        # the file store keeps a metric as a file under its name's folders: qerl's rewards/<fn> cannot sit
+        # beside TRL's rewards/<fn>/mean there, and is left out (the same value)
+        keep = [k for k in metrics if not any(o.startswith(k + "/") for o in metrics)]
+        self.client.log_batch(self.run_id, metrics=[Metric(k, metrics[k], now, step) for k in keep])
 
     def close(self):
         self.client.set_terminated(self.run_id)
