@@ -6,7 +6,7 @@
 #   2. only if 1 passed: the kernel benchmark (wgmma beside the routed path and cuBLAS bf16);
 #      WGSWEEP=1 adds the tile sweep first;
 #   3. NCU=1 (best in a second call): ncu on the wgmma kernel at M = 64 and 256.
-# Fits one 600-s call: 100 + 150 + 30 + 190 (+ 80 with V1, or 70 with NCU) s of limits.
+# Fits one 600-s call: 100 + 150 + 30 + 190 (+ 70 with NCU) s of limits.
 # Usage on the device:  QERL_COMMIT=<sha> bash scripts/device_wgmma.sh
 set -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -26,10 +26,6 @@ if [ $ok = 1 ]; then
     --out $OUT --ms ${MS:-1,8,16,32,64,128,256} --models qwen2.5-7b \
     --modes ${MODES:-nvfp4_lora32,wgmma,wgmma_lora32,wgmma_lora32_fused} > $OUT/bench_stdout.log 2>&1
   grep "sweep" $OUT/bench_kernels.log; tail -n 12 $OUT/bench_stdout.log
-  if [ -n "${V1:-}" ]; then  # the first design, its own process (it has never passed a GPU test)
-    mkdir -p $OUT/v1; timeout 80 python3 -m qerl.bench.kernels --out $OUT/v1 --ms 16,64,256 --models qwen2.5-7b \
-      --modes wgmma_v1 > $OUT/v1/stdout.log 2>&1; tail -n 5 $OUT/v1/stdout.log
-  fi
 else
   timeout ${BENCH_S:-200} python3 -m qerl.bench.kernels --out $OUT --ms 1,16,64 --models qwen2.5-7b --modes bf16 \
     > $OUT/bench_stdout.log 2>&1; tail -n 8 $OUT/bench_stdout.log

@@ -155,13 +155,6 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             lora = dispatch.LoraTerm(xa, sets.lora_b, 2.0, starts, a=a)
             return mma_backend.matmul(x, mma, t, shape, lora=lora)
         return [lambda t=t: call(t) for t in sets.mma]
-    if mode == "wgmma_v1":  # the first wgmma design (w4_wgmma_v1), for an A/B in the same run
-        from ..kernels import w4_wgmma_v1
-        out = []
-        for t in sets.mma:
-            f, _ = mma_backend._prepare(t)
-            out.append(lambda t=t, f=f: w4_wgmma_v1.matmul(x, t["weight_packed"], t["weight_scale"], f, n))
-        return out
     if mode == "wgmma_lora32_fused":  # the shrink inside the wgmma launch (its own CTAs, by ticket)
         segs, r = SEGMENTS.get(group, 1), 32
         starts = tuple(int(v) for v in torch.linspace(0, n, segs + 1)[1:-1].div(16).floor().mul(16).tolist())
@@ -284,13 +277,13 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
     rows, final = [], []
     final.append(f"\n{model}: fused layer set (q|k|v, o, gate|up, down), µs summed over the groups")
     final.append(f"{'M':>6} {'bf16':>9} {'nvfp4':>9} {'speedup':>8} {'%copy':>6} {'lora32':>8} {'wgmma':>8} "
-                 f"{'wg x':>6} {'wg+lora':>8} {'wg v1':>8} {'triton':>8} {'tinygemm':>9}")
+                 f"{'wg x':>6} {'wg+lora':>8} {'wg+fuse':>8} {'triton':>8} {'tinygemm':>9}")
     for m in ms:
         g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
         bf, q = g("bf16"), g("nvfp4")
         frac = agg[("nvfp4", m)][1] / q * 1e6 / bw
         final.append(f"{m:>6} {bf:>9.1f} {q:>9.1f} {bf / q:>8.2f} {frac:>6.1%} {g('nvfp4_lora32'):>8.1f} "
-                     f"{g('wgmma'):>8.1f} {bf / g('wgmma'):>6.2f} {g('wgmma_lora32'):>8.1f} {g('wgmma_v1'):>8.1f} "
+                     f"{g('wgmma'):>8.1f} {bf / g('wgmma'):>6.2f} {g('wgmma_lora32'):>8.1f} {g('wgmma_lora32_fused'):>8.1f} "
                      f"{g('triton'):>8.1f} {g('tinygemm'):>9.1f}")
         case = f"{model} fused layer set M={m}"
         main_model = model == "qwen2.5-7b"
@@ -312,8 +305,6 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "wgmma_speedup_vs_bf16", bf / g("wgmma"), "x", sp_t)]
         if ("wgmma_lora32_fused", m) in agg:
             rows.append((case, "wgmma_lora32_fused_overhead", g("wgmma_lora32_fused") / g("wgmma") - 1, "", None))
-        if ("wgmma_v1", m) in agg:
-            rows.append((case, "wgmma_v1_us", g("wgmma_v1"), "us", None))
         if ("wgmma_lora32", m) in agg:
             rows.append((case, "wgmma_lora32_overhead", g("wgmma_lora32") / g("wgmma") - 1, "",
                          ("<=0.10" if m <= 16 else "<=0.05")))
