@@ -104,3 +104,27 @@ def test_graphs_read_the_current_eos_and_stop_ids():
     q = SamplingParams(max_new_tokens=128, temperature=1.0, seed=3, ignore_eos=False, stop_token_ids=[stop])
     again = eng.generate([PROMPTS[0], PROMPTS[1]], n=4, params=q)
     assert len(again[0].token_ids) <= 6 and again[0].token_ids[-1] == stop
+
+
+def test_two_engines_replaying_at_once_agree_with_each_alone():
+    """Each engine captures on its own stream, so its kernels' split-K counters are its own (kernels/counters.py):
+    two engines' graphs replayed at once on two streams give what each gives alone."""
+    from qerl.kernels import counters
+
+    pol = _policy("nvfp4")
+    prompts = [list(range(100, 107 + i % 50)) for i in range(64)]  # decode M = 64: the wgmma path
+    alone = Engine(pol.model, max_len=160, max_slots=64).generate(prompts, n=1, params=GREEDY)
+    e1, e2 = Engine(pol.model, max_len=160, max_slots=64), Engine(pol.model, max_len=160, max_slots=64)
+    e1.generate(prompts, n=1, params=GREEDY), e2.generate(prompts, n=1, params=GREEDY)  # capture both
+    assert e1.runner._capture_stream.cuda_stream != e2.runner._capture_stream.cuda_stream
+    keys = {k for k in counters._BUFS if k[1] in (e1.runner._capture_stream.cuda_stream, e2.runner._capture_stream.cuda_stream)}
+    assert len(keys) == 2
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    out = {}
+    for name, e, s in (("a", e1, s1), ("b", e2, s2)):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out[name] = e.generate(prompts, n=1, params=GREEDY)
+    torch.cuda.synchronize()
+    for name in out:
+        assert [c.token_ids for c in out[name]] == [c.token_ids for c in alone]

@@ -2,7 +2,9 @@
 
 Each launch's last CTA of a tile resets its counter to zero, so a buffer stays valid across launches
 and graph replays in stream order. Two streams running kernels at once (a rollout beside an update)
-must not share one: a CTA of one launch would count arrivals of the other's.
+must not share one: a CTA of one launch would count arrivals of the other's. A captured graph keeps the
+buffer of its capture stream, so each owner of graphs captures on a stream of its own (the engine's
+ModelRunner does): torch's default capture stream is shared by every graph.
 """
 
 from __future__ import annotations

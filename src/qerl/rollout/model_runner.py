@@ -86,6 +86,7 @@ class ModelRunner:
         self.graphs_captured = 0
         self._graph_key = None
         self._pool = None
+        self._capture_stream = None
         self.gen = None
 
     # ---- settings ----------------------------------------------------------------------------
@@ -217,8 +218,12 @@ class ModelRunner:
             torch.cuda.set_rng_state(rng)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+                # This runner's own capture stream: the kernels' split-K counters are owned per stream
+                # (kernels/counters.py), and torch's default capture stream is shared by every graph, so two
+                # engines replaying at once (a rollout beside another engine's) would count each other's CTAs.
+                self._capture_stream = self._capture_stream or torch.cuda.Stream()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
                 self._step(b, keys, p)
             self.graphs[(self._graph_key, b, keys)] = g
             self.graphs_captured += 1
