@@ -60,6 +60,7 @@ def _entries_of(model, dtype, owned, experts) -> list[TensorEntry]:
 
     for key, t in model.state_dict(keep_vars=True).items():
         mod = key.rpartition(".")[0]
+        mod = next((m for m in (mod, mod.rpartition(".")[0]) if m in experts), mod)  # its lora_A.<proj> too
         if mod in experts:
             if mod not in emitted:
                 emitted.add(mod)
@@ -84,7 +85,8 @@ def _entries_of(model, dtype, owned, experts) -> list[TensorEntry]:
 
 def _expert_entries(model, name: str, q: QuantExperts, dtype) -> list[TensorEntry]:
     """A 4-bit experts module as the stock per-expert checkpoint layout (<name>.<e>.<gate|up|down>.weight,
-    the family's names), each expert's weights dequantized; transformers 5 fuses them again on load."""
+    the family's names), each expert's weights dequantized with its LoRA merged; transformers 5 fuses
+    them again on load."""
     from ..model.family import family_of_model
 
     ex = family_of_model(model).experts
@@ -93,12 +95,12 @@ def _expert_entries(model, name: str, q: QuantExperts, dtype) -> list[TensorEntr
     n_i = q.shapes["gate_up_proj"][0] // 2
     out = []
     for e in range(q.num_experts):
-        gu = lambda e=e: q.weight("gate_up_proj", e, torch.float32)  # noqa: E731
+        gu = lambda e=e: q.merged_weight("gate_up_proj", e)  # noqa: E731
         for proj, rows in ((ex.gate, slice(0, n_i)), (ex.up, slice(n_i, 2 * n_i))):
             out.append(TensorEntry(f"{name}.{e}.{proj}.weight", (n_i, q.shapes["gate_up_proj"][1]), dtype,
                                    lambda gu=gu, rows=rows: gu()[rows].to(dtype).contiguous()))
         out.append(TensorEntry(f"{name}.{e}.{ex.down}.weight", q.shapes["down_proj"], dtype,
-                               lambda e=e: q.weight("down_proj", e, torch.float32).to(dtype)))
+                               lambda e=e: q.merged_weight("down_proj", e, dtype)))
     return out
 
 
@@ -112,7 +114,7 @@ def _fused_expert_entries(name: str, q: QuantExperts, dtype) -> list[TensorEntry
         shape = (q.num_experts, k, n) if q.transposed else (q.num_experts, n, k)
 
         def make(proj=proj):
-            ws = [q.weight(proj, e, torch.float32) for e in range(q.num_experts)]
+            ws = [q.merged_weight(proj, e) for e in range(q.num_experts)]
             return torch.stack([w.t() if q.transposed else w for w in ws]).to(dtype).contiguous()
         out.append(TensorEntry(f"{name}.{proj}", shape, dtype, make))
         if q.bias(proj) is not None:

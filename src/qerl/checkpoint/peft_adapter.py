@@ -170,6 +170,15 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
         # standalone: a fused group's member views A_cat/B_cat; the file holds just its rows
         tensors[f"{PREFIX}{name}.lora_A.weight"] = standalone(m.lora_A.weight)
         tensors[f"{PREFIX}{name}.lora_B.weight"] = standalone(m.lora_B.weight)
+    from . import expert_lora  # LoRA on MoE experts: PEFT's target_parameters
+
+    experts = expert_lora.lora_experts(model)
+    if experts:
+        _uniform({**{n: m.r for n, m in layers.items()}, **{n: q.r for n, q in experts.items()}}, "rank r")
+        _uniform({**{n: float(m.scaling) for n, m in layers.items()},
+                  **{n: q.scaling for n, q in experts.items()}}, "scaling")
+        tensors.update(expert_lora.peft_tensors(model))
+        config["target_parameters"] = expert_lora.target_parameters(model)
 
     with atomic_folder(out_dir, keep_existing=True) as tmp:
         write_safetensors(tmp / WEIGHTS_NAME, entries(tensors))
@@ -231,8 +240,10 @@ def _read_config(folder: Path) -> dict:
         raise bad(f"modules_to_save {cfg['modules_to_save']} is not supported (only LoRA factors are loaded)")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise bad("per-module rank_pattern / alpha_pattern is not supported (all layers must share r and lora_alpha)")
-    if cfg.get("target_parameters"):
-        raise bad("target_parameters (LoRA on nn.Parameter) is not supported")
+    tp = cfg.get("target_parameters")
+    if tp and not (isinstance(tp, list) and all(isinstance(t, str) and t.endswith(("experts.gate_up_proj",
+                                                                                    "experts.down_proj")) for t in tp)):
+        raise bad(f"target_parameters {tp!r}: qerl reads LoRA on MoE experts' gate_up_proj / down_proj only")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise bad(f"use_rslora must be true or false, got {rslora!r}")
@@ -304,6 +315,11 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
     dropout = float(cfg.get("lora_dropout", 0.0) or 0.0)
     rslora = bool(cfg.get("use_rslora", False))
 
+    from . import expert_lora
+
+    tensors, experts = expert_lora.split_peft_tensors(model, tensors)
+    if experts and not cfg.get("target_parameters"):
+        raise AdapterError(f"{path}: expert LoRA tensors but {cfg_path.name} has no target_parameters")
     modules = dict(model.named_modules())
     problems: list[str] = []
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -356,8 +372,9 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
         if strict:
             raise AdapterError(msg + reasons)
         warnings.warn(msg + reasons + "; those layers keep their current LoRA (strict=False)", stacklevel=2)
-    if not pairs:
+    if not pairs and not experts:
         raise AdapterError(f"{path}: no LoRA tensors for this model")
+    expert_lora.load_peft_tensors(model, experts, r, alpha, alpha / math.sqrt(r) if rslora else alpha / r, path)
 
     regroup = {}
     with torch.no_grad():

@@ -35,8 +35,11 @@ def unfused_lora():
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The base policy: every QLoRALinear of `model` without its adapter (the KL reference and the
-    parity gate's adapter-off side), on the training path and the engine's fused groups alike."""
-    layers = [m for m in model.modules() if isinstance(m, QLoRALinear)]
+    parity gate's adapter-off side), on the training path and the engine's fused groups alike; an MoE's
+    experts' LoRA (QuantExperts) too."""
+    from .quant_experts import QuantExperts
+
+    layers = [m for m in model.modules() if isinstance(m, (QLoRALinear, QuantExperts))]
     for m in layers:
         m.disable_adapters = True
     try:

@@ -13,11 +13,17 @@ fit a large MoE). The gating between the two projections is the HF module's own 
 (silu(g)·u on halves, or gpt-oss's clamped (u + 1)·g·σ(1.702 g) on interleaved columns). Routers stay
 in the model's dtype and are not touched.
 
-Not here yet: LoRA on the experts (PEFT's target_parameters), the GPU grouped path.
+LoRA on the experts (`add_lora`) has PEFT's per-expert factors, A [E, r, K] and B [E, N, r] for each
+of the two projections (checkpoint/expert_lora.py writes and reads PEFT's target_parameters files),
+and runs on each expert's own tokens as shrink and expand, (x·A_eᵀ)·B_eᵀ·scaling: W + BA is never
+formed in the forward (export merges it).
+
+Not here yet: the GPU grouped path.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -48,6 +54,34 @@ class QuantExperts(nn.Module):
         self.has_bias = bool(biases)
         for proj, b in (biases or {}).items():
             self.register_buffer(f"{proj}_bias", b.to(dtype))
+        self.r, self.lora_alpha, self.scaling = 0, 0.0, 0.0
+        self.lora_A = self.lora_B = None
+        self.disable_adapters = False  # layers.adapters_disabled: the base policy (KL reference, parity gate)
+
+    def add_lora(self, r: int, lora_alpha: float, dtype: torch.dtype | None = None) -> None:
+        """Trainable per-expert factors for both projections: A as PEFT initialises its flat
+        nn.Linear(K, r·E) (uniform ±1/√K), B zeros, so the adapter starts as the identity."""
+        dev = next(iter(self._buffers.values())).device
+        dtype = dtype or self.dtype
+        a, b = {}, {}
+        for proj in PROJECTIONS:
+            n, k = self.shapes[proj]
+            bound = 1 / math.sqrt(k)
+            a[proj] = nn.Parameter(torch.empty(self.num_experts, r, k, dtype=dtype, device=dev).uniform_(-bound, bound))
+            b[proj] = nn.Parameter(torch.zeros(self.num_experts, n, r, dtype=dtype, device=dev))
+        self.lora_A, self.lora_B = nn.ParameterDict(a), nn.ParameterDict(b)
+        self.r, self.lora_alpha, self.scaling = r, float(lora_alpha), float(lora_alpha) / r
+
+    def lora_delta(self, proj: str, e: int) -> torch.Tensor | None:
+        """scaling·B_e·A_e [N, K] of expert e (export merges it; the forward never forms it)."""
+        if not self.r:
+            return None
+        return (self.lora_B[proj][e].float() @ self.lora_A[proj][e].float()) * self.scaling
+
+    def merged_weight(self, proj: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.weight(proj, e, torch.float32)
+        d = self.lora_delta(proj, e)
+        return (w if d is None else w + d).to(dtype)
 
     @classmethod
     def quantize(cls, gate_up: torch.Tensor, down: torch.Tensor, fmt, glu, dtype, name="experts", biases=None,
@@ -100,8 +134,11 @@ class QuantExperts(nn.Module):
         """x times expert e's weight (+ bias), written as HF's module writes it (x·W or linear(x, W))."""
         w = self.weight(proj, e, x.dtype)
         y = x @ w.t() if self.transposed else nn.functional.linear(x, w)
-        b = self.bias(proj)
-        return y if b is None else y + b[e]
+        if self.r and not self.disable_adapters:  # shrink and expand on this expert's tokens only
+            a, b = self.lora_A[proj][e], self.lora_B[proj][e]
+            y = y + ((x.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype) * self.scaling
+        bias = self.bias(proj)
+        return y if bias is None else y + bias[e]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """transformers' experts loop (Qwen3MoeExperts / GptOssExperts.forward), expert by expert in the

@@ -73,7 +73,7 @@ class Family:
     rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
     rope_halves: bool = False           # the rotary module gives cos/sin for one half (gpt-oss), used on both
     sinks: bool = False                 # attention's per-head sink logit joins each softmax (gpt-oss)
-    experts: Experts | None = None      # an MoE's experts (4-bit QuantExperts; no LoRA on them yet)
+    experts: Experts | None = None      # an MoE's experts (4-bit QuantExperts; LoRA on them if targeted)
     renames: tuple[tuple[str, str], ...] = ()  # (module path piece, the checkpoint's): Mixtral's block_sparse_moe
     check: Callable | None = None       # check(config) -> None or the reason a config is not run
     tested_against: str = ""            # README: what the family's tests compare with
@@ -99,12 +99,19 @@ class Family:
             leaf = t.split(".")[-1]
             key = by_attr.get(leaf, leaf.removesuffix("_proj"))
             key = self.aliases.get(key, key)
-            if key is None:  # a projection this family keeps in its experts (no LoRA on experts yet)
-                continue
+            if key is None or (key == "experts" and self.experts is not None):
+                continue  # a projection kept in the experts, or the experts (LoRA on them: lora_on_experts)
+            if key == "experts":
+                raise ValueError(f"target 'experts': {self.name} has no MoE experts")
             if key not in self.projections:
                 raise ValueError(f"unknown target module {t!r} for {self.name}; choose from {', '.join(self.projections)}")
             out.append(key)
         return tuple(dict.fromkeys(out))
+
+    def lora_on_experts(self, targets) -> bool:
+        """Whether the targets name the experts ("experts"): LoRA on every expert's gate|up and down,
+        PEFT's target_parameters. Off unless asked: at r 32 it is ~1.3B parameters on Qwen3-30B-A3B."""
+        return self.experts is not None and any(t.split(".")[-1] == "experts" for t in targets)
 
     def windows(self, config) -> list[int | None]:
         """Each layer's sliding window (keys (q - w, q] are seen) or None (full causal)."""

@@ -217,6 +217,10 @@ def load_policy(
                          f"(re-quantizing {ckpt_fmt} to {quant} would compound two rounding errors)")
     fmt = get_format(quant, double_quant=nf4_double_quant)
     targets = family.normalize_targets(target_modules)
+    experts_lora = lora_rank if family.lora_on_experts(target_modules) else 0
+    if experts_lora and lora_dropout:
+        raise ValueError(f"lora_dropout {lora_dropout} with LoRA on the experts: PEFT's target_parameters LoRA has no "
+                         "dropout (x cannot be factored out of W + BA), so its adapter would not load; use 0")
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
     device = torch.device(device)
     model, cfg = _build_skeleton(config, dtype, trust_remote_code)
@@ -259,6 +263,8 @@ def load_policy(
                 raise ValueError(f"{folder}: a compressed-tensors {family.name} checkpoint; qerl reads MoE experts from "
                                  "dense checkpoints only so far")
             done.update(_load_experts(model, ckpt, family, i, fmt, device))
+            if experts_lora:
+                model.get_submodule(f"model.layers.{i}.{family.experts.path}").add_lora(experts_lora, alpha, dtype)
 
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in list(model.state_dict(keep_vars=True).items()):
@@ -281,7 +287,8 @@ def load_policy(
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     model.eval()
-    return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout, targets, fallback)
+    return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout,
+                  targets + (("experts",) if experts_lora else ()), fallback)
 
 
 def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
