@@ -27,7 +27,9 @@ CPU = dict(
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
-    output_dir="runs/default", save_steps=1000, save_total_limit=1, optim="adamw_torch",
+    # a checkpoint every 6 steps (the adapter and its optimizer state: a few MB, well under a second): an
+    # interrupt late in the run loses at most 5 steps, and `qerl train --resume runs/default` continues it
+    output_dir="runs/default", save_steps=6, save_total_limit=1, optim="adamw_torch",
     steps_per_generation=1,  # one update a step; the step's completions = 32 per rank (TRL's semantics)
     # the parity gate's start-of-run check costs ~40 s on two cores (two steps' worth of a 13-minute
     # budget); the GPU run keeps it, and `--parity_check_steps 50` turns it on here
