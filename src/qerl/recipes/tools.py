@@ -236,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"qerl tool recipe: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, in the shape of `qerl train`'s, and exit status 130
+        from ..cli import after_interrupt
+
+        after_interrupt()
+        print(f"qerl tool recipe: stopped by SIGINT; the recipe does not resume: start again with the same command "
+              f"and --overwrite_output_dir (deletes what {a.output_dir} holds)", file=sys.stderr, flush=True)
+        return 130
     print(res.table())
     if a.record:
         from ..bench.record import device_name
