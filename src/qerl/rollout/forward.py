@@ -201,7 +201,8 @@ def _check_rope_type(rotary, config, max_len: int) -> None:
                                     f"max_len {max_len} cannot follow it: use max_len <= {orig}")
 
 
-LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm", "MixtralRMSNorm")
+LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm", "MixtralRMSNorm",
+               "Qwen3MoeRMSNorm")
 
 
 def _rms_eps(m):
