@@ -18,7 +18,13 @@ of the two projections (checkpoint/expert_lora.py writes and reads PEFT's target
 and runs on each expert's own tokens as shrink and expand, (x·A_eᵀ)·B_eᵀ·scaling: W + BA is never
 formed in the forward (export merges it).
 
-Not here yet: the GPU grouped path.
+`grouped = True` runs the other path the issue designs for the GPU (prefill and update): tokens
+sorted by expert (as vLLM's moe_align_block_size, without the padding torch._grouped_mm does not
+need), the hit experts dequantized a chunk at a time (at most `expert_chunk` of them: a whole layer
+of gpt-oss-120b's experts is 6 GB in bf16) and one grouped matmul per projection, LoRA's shrink and
+expand grouped the same way. It equals the loop (tests/test_moe_grouped.py) but is not the default:
+not yet measured on a device. Decode as a grouped GEMV over the active experts reusing the W4 kernels
+is not built.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class QuantExperts(nn.Module):
         self.r, self.lora_alpha, self.scaling = 0, 0.0, 0.0
         self.lora_A = self.lora_B = None
         self.disable_adapters = False  # layers.adapters_disabled: the base policy (KL reference, parity gate)
+        self.grouped, self.expert_chunk = False, 16
 
     def add_lora(self, r: int, lora_alpha: float, dtype: torch.dtype | None = None) -> None:
         """Trainable per-expert factors for both projections: A as PEFT initialises its flat
@@ -143,6 +150,8 @@ class QuantExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """transformers' experts loop (Qwen3MoeExperts / GptOssExperts.forward), expert by expert in the
         same order and with the same operations, on each hit expert's dequantized weights."""
+        if self.grouped:
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -156,6 +165,46 @@ class QuantExperts(nn.Module):
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+
+    def _grouped_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert, one grouped matmul per projection per chunk of hit experts; each
+        token's contributions are added in expert order, as the loop adds them."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        ends = torch.cumsum(counts, 0)
+        hit = counts.nonzero()[:, 0].tolist()
+        tok_all, pos_all = order // k, order % k
+        out = torch.zeros_like(h)
+        for c in range(0, len(hit), self.expert_chunk):
+            experts = hit[c:c + self.expert_chunk]
+            lo, hi = int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]])
+            tok, pos = tok_all[lo:hi], pos_all[lo:hi]
+            group_ends = (torch.cumsum(counts[experts], 0)).to(torch.int32)
+            x = h[tok]
+            y = self._grouped_project("gate_up_proj", experts, x, group_ends)
+            y = self._grouped_project("down_proj", experts, self.glu(y), group_ends)
+            out.index_add_(0, tok, (y * wts[tok, pos, None]).to(out.dtype))
+        return out
+
+    def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        from .grouped_mm import grouped_mm
+
+        w = torch.stack([self.weight(proj, e, x.dtype) for e in experts])  # [c, N, K]
+        y = grouped_mm(x, w.transpose(-2, -1), ends)
+        if self.r and not self.disable_adapters:
+            ids = torch.tensor(experts, device=x.device)
+            a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
+            s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
+            y = y + (grouped_mm(s, b.transpose(-2, -1), ends)).to(y.dtype) * self.scaling
+        bias = self.bias(proj)
+        if bias is not None:
+            rows = torch.repeat_interleave(torch.tensor(experts, device=x.device),
+                                           torch.diff(ends, prepend=ends.new_zeros(1)))
+            y = y + bias[rows]
+        return y
 
 
 def quantize_experts(model: nn.Module, fmt="nvfp4") -> list[str]:
