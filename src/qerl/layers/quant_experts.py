@@ -64,6 +64,7 @@ class QuantExperts(nn.Module):
         self.lora_A = self.lora_B = None
         self.disable_adapters = False  # layers.adapters_disabled: the base policy (KL reference, parity gate)
         self.grouped, self.expert_chunk = False, 16
+        self.routing_log: list | None = None  # layers/routing.py: record_routing appends each call's choices
 
     def add_lora(self, r: int, lora_alpha: float, dtype: torch.dtype | None = None) -> None:
         """Trainable per-expert factors for both projections: A as PEFT initialises its flat
@@ -150,6 +151,8 @@ class QuantExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """transformers' experts loop (Qwen3MoeExperts / GptOssExperts.forward), expert by expert in the
         same order and with the same operations, on each hit expert's dequantized weights."""
+        if self.routing_log is not None:
+            self.routing_log.append(top_k_index.detach().clone())
         if self.grouped:
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
