@@ -131,7 +131,9 @@ class Engine:
         self.n_slots = slots_for_budget(self.view, max_len, int(kv_cache_gb * 2**30), max_slots, kv_cache_dtype)
         cuda = dev.type == "cuda"
         self.runner = ModelRunner(self.view, self.n_slots, max_len, kv_cache_dtype=kv_cache_dtype,
-                                  cuda_graphs=cuda if cuda_graphs is None else cuda_graphs,
+                                  # an MoE's experts loop reads its routing on the host: not capturable
+                                  cuda_graphs=(cuda and self.view.family.experts is None) if cuda_graphs is None
+                                  else cuda_graphs,
                                   compile=cuda if compile is None else compile, fused_attention=fused_attention)
         self.cache = self.runner.cache
         # without kernels (CPU), keep dequantized weights for the rollout's duration
