@@ -171,3 +171,26 @@ def test_one_grpo_step_changes_the_adapter_and_peft_loads_it(stock, tmp_path):
     for name, layer in quantized_layers(pol.model):
         theirs = pm.base_model.model.get_submodule(name)
         assert torch.equal(theirs.lora_B["default"].weight, layer.lora_B.weight), name
+
+
+def test_a_dense_checkpoint_loads_its_transposed_experts(tmp_path):
+    """gpt-oss saved dense by transformers (experts [E, K, N], as the BF16 re-uploads hold them): quantized
+    along K, per expert; the engine's greedy tokens equal HF generate on the merged export."""
+    from qerl.formats import get_format
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(gpt_oss_config()).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.08)
+    ref.save_pretrained(tmp_path / "dense")
+    pol = load_policy(str(tmp_path / "dense"), "nvfp4", lora_rank=4, dtype=torch.float32, progress=False)
+    q, w = pol.model.model.layers[1].mlp.experts, ref.model.layers[1].mlp.experts.down_proj
+    fmt = get_format("nvfp4")
+    t = fmt.quantize(w[2].t(), fmt.global_scale([w[2].t()]))
+    assert all(torch.equal(t[k].view(torch.uint8), q.tensors("down_proj", 2)[k].view(torch.uint8)) for k in t)
+    assert torch.equal(q.bias("down_proj"), ref.model.layers[1].mlp.experts.down_proj_bias)
+    export_merged(pol, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                  experts_implementation="eager").eval()
+    assert engine_greedy(pol.model) == [hf_greedy(merged, p) for p in PROMPTS]
