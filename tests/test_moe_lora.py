@@ -14,7 +14,8 @@ from qerl.checkpoint.export import export_merged
 from qerl.layers import adapters_disabled
 from qerl.layers.quant_experts import QuantExperts
 from qerl.model import load_policy
-from test_families import PROMPTS, engine_greedy, hf_greedy
+from qerl.rollout import Engine, SamplingParams
+from test_families import PROMPTS, hf_greedy
 from test_gpt_oss import hf_dequantized, write_stock_mxfp4
 from test_moe_experts import tiny_moe
 
@@ -107,12 +108,15 @@ def test_engine_greedy_with_expert_lora_equals_hf_generate_and_the_merged_export
     pol = load_policy(str(tmp_path / "base"), "nvfp4", lora_rank=4, target_modules=TARGETS, dtype=torch.float32,
                       progress=False)
     _live(pol)
-    got = engine_greedy(pol.model)
-    assert got == [hf_greedy(pol.model, p) for p in PROMPTS]
+    eng = Engine(pol.model, max_len=64, max_slots=2, sync_every=4)
+    prompts = PROMPTS[1:3]  # 12 and 25 tokens: enough to cross many routing choices, quick
+    got = [c.token_ids for c in eng.generate(prompts, params=SamplingParams(max_new_tokens=12, greedy=True,
+                                                                              ignore_eos=True))]
+    assert got == [hf_greedy(pol.model, p, 12) for p in prompts]
     export_merged(pol, tmp_path / "merged", dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
                                                   experts_implementation="eager").eval()
-    assert got == [hf_greedy(merged, p) for p in PROMPTS]
+    assert got == [hf_greedy(merged, p, 12) for p in prompts]
 
 
 def test_dropout_with_expert_lora_is_refused(tmp_path):
