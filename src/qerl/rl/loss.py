@@ -9,12 +9,48 @@ highest-entropy tokens (top_entropy_quantile) and an entropy bonus (TRL's entrop
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # sum over tokens / norm_tokens (the update's share of the tokens)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the policy loss is, fixed for a run (policy_loss's doc says what each field does): a GRPO
+    config's loss fields (`LossSettings.of`), or the settings under which it is SFT's NLL (`nll`)."""
+    loss_type: str
+    epsilon: float
+    epsilon_high: float | None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    importance_sampling_level: str = "token"
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_bias_correction_kl: bool = True
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    off_policy_mask_threshold: float | None = None
+    vespo: tuple = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg)
+
+    @classmethod
+    def of(cls, cfg) -> "LossSettings":
+        """A GRPOConfig's loss."""
+        return cls(cfg.loss_type, cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.max_completion_length,
+                   cfg.importance_sampling_level, cfg.top_entropy_quantile, cfg.entropy_coef,
+                   cfg.use_bias_correction_kl, cfg.delta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
+                   cfg.off_policy_mask_threshold, (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
+                                                   cfg.vespo_lambda_neg))
+
+    @classmethod
+    def nll(cls) -> "LossSettings":
+        """SFT's: with advantages 1 and old logprobs equal to the current ones (sft/batch.py), cispo with its
+        weight capped at 1 is -logp per token, token-mean: the negative log-likelihood; nothing else added."""
+        return cls("cispo", epsilon=0.2, epsilon_high=1.0, max_completion_length=512)
 
 
 def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, cap: float | None, cap_min: float | None = None):
@@ -75,14 +111,13 @@ def high_entropy_mask(entropies, mask, quantile: float, pool=None):
     return (entropies.detach() >= threshold) & mask.bool()
 
 
-def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, epsilon_high: float | None,
-                beta: float = 0.0, ref_logp=None, is_weights=None, norm_tokens: float | None = None,
-                max_completion_length: int | None = None, importance_sampling_level: str = "token",
-                entropies=None, top_entropy_quantile: float = 1.0, entropy_pool=None, entropy_coef: float = 0.0,
-                accumulation: float = 1.0, use_bias_correction_kl: bool = True, delta: float | None = None,
-                sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, rollout_logp=None,
-                off_policy_mask_threshold: float | None = None, vespo=(2.0, 3.0, 3.0, 2.0)):
+def policy_loss(logp, old_logp, adv, mask, settings: LossSettings | None = None, *, ref_logp=None, is_weights=None,
+                norm_tokens: float | None = None, entropies=None, entropy_pool=None, accumulation: float = 1.0,
+                rollout_logp=None, **fields):
     """Loss of one micro-batch (already divided for its share of the update) and its statistics.
+
+    settings: the run's LossSettings; or, for a one-off call, its fields as keywords (loss_type=...,
+    epsilon=..., epsilon_high=..., ...). The other keywords are this micro-batch's inputs.
 
     logp, old_logp [B, L] (old is the policy that sampled, detached), adv [B] (one advantage a
     completion), mask [B, L] bool. The importance ratio is, per importance_sampling_level,
@@ -118,6 +153,14 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
     every loss_type (TRL's). accumulation: the micro-batches of the update (all ranks' / world size);
     every loss but dapo/cispo and the entropy bonus are divided by it.
     """
+    if settings is None:
+        settings = LossSettings(**fields)
+    elif fields:
+        raise TypeError(f"policy_loss: settings and its fields {sorted(fields)} both given")
+    s = settings
+    loss_type, epsilon, epsilon_high, beta = s.loss_type, s.epsilon, s.epsilon_high, s.beta
+    importance_sampling_level, delta, vespo = s.importance_sampling_level, s.delta, s.vespo
+    top_entropy_quantile, entropy_coef = s.top_entropy_quantile, s.entropy_coef
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level: unknown {importance_sampling_level!r}")
     m = mask.to(logp.dtype)
@@ -131,7 +174,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
         per_tok = -torch.clamp(ratio, max=hi).detach() * a * logp
         clipped = (ratio > hi).expand_as(m)
     elif loss_type == "sapo":
-        tau = torch.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
+        tau = torch.where(a > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
         per_tok = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
         clipped = (((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))).expand_as(m)
     elif loss_type == "vespo":
@@ -147,10 +190,10 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
         clipped = (((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + hi) & (a > 0))).expand_as(m)
     else:
         raise ValueError(f"loss_type: unknown {loss_type!r}")
-    if off_policy_mask_threshold is not None:
+    if s.off_policy_mask_threshold is not None:
         if rollout_logp is None:
             raise ValueError("off_policy_mask_threshold needs the rollout's logprobs")
-        per_tok = per_tok * off_policy_mask(adv, logp, rollout_logp, mask, off_policy_mask_threshold)
+        per_tok = per_tok * off_policy_mask(adv, logp, rollout_logp, mask, s.off_policy_mask_threshold)
     emask = None
     if top_entropy_quantile < 1.0:
         if entropies is None:
@@ -163,7 +206,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
     if beta:
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
-        if use_bias_correction_kl:
+        if s.use_bias_correction_kl:
             kl = kl * ratio
         per_tok = per_tok + beta * kl
     if loss_type in ("grpo", "sapo"):
@@ -173,7 +216,7 @@ def policy_loss(logp, old_logp, adv, mask, *, loss_type: str, epsilon: float, ep
     elif loss_type in TOKEN_SUM_LOSSES:
         loss = (per_tok * m).sum() / (norm_tokens if norm_tokens else m.sum().clamp(min=1))
     elif loss_type == "dr_grpo":
-        loss = (per_tok * m).sum() / (m.shape[0] * (max_completion_length or m.shape[1])) / accumulation
+        loss = (per_tok * m).sum() / (m.shape[0] * (s.max_completion_length or m.shape[1])) / accumulation
     else:  # luspo
         loss = (per_tok * m).sum(1).mean() / accumulation
     if entropy_coef:

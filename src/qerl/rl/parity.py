@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -104,42 +105,72 @@ def engine_logprobs(engine, prompts: list[list[int]], completions: list[list[int
     return out
 
 
-class ParityGate:
-    def __init__(self, trainer):
-        self.tr = trainer
+@dataclass(frozen=True)
+class ParityInputs:
+    """What the gate reads: the two paths, the probe prompts, and the run's settings it checks under."""
+    model: torch.nn.Module      # the trainer's live policy
+    engine: object              # rollout.Engine (on the live policy, or an AdapterSnapshot's copy)
+    prompts: list               # the probe prompts' token ids (the first training prompts)
+    pad_id: int
+    temperature: float
+    logprob_chunk_size: int | None
+    max_completion_length: int
+    seed: int
+    limit: float | None         # parity_max_logprob_diff (None: log only)
+    dist: object                # train.distributed.Dist: every rank stops together
+    device: torch.device
+    sync_engine: Callable[[], None]  # let the engine read the live adapter now (max_staleness 1's copy)
+
+    @classmethod
+    def of(cls, trainer) -> "ParityInputs":
+        """A GRPOTrainer's."""
         cfg = trainer.cfg
         rows = trainer.train_rows[:min(PROBE_PROMPTS, trainer.engine.n_slots)]
-        self.prompts = [trainer.encode_prompt(r) for r in rows]
-        self.params = SamplingParams(max_new_tokens=min(cfg.max_completion_length, PROBE_TOKENS),
-                                     temperature=cfg.temperature, top_p=1.0, top_k=0, seed=cfg.seed)
+        return cls(trainer.model, trainer.engine, [trainer.encode_prompt(r) for r in rows],
+                   trainer.tok.pad_token_id or 0, cfg.temperature, cfg.logprob_chunk_size, cfg.max_completion_length,
+                   cfg.seed, cfg.parity_max_logprob_diff, trainer.dist, trainer.device,
+                   trainer.sync_rollout_adapter)
+
+
+class ParityGate:
+    """The gate's own state across checks (the seeded probe adapter, its calibrated scale); each check
+    reads the trainer's present state through the ParityInputs it is given."""
+
+    def __init__(self):
         self._probe = None  # per LoRA layer: the B added while probing
         self._scale = 1.0   # of the probe, calibrated on the trainer path at each check
         self._checked = False
 
-    def due(self, step: int) -> bool:
-        n = self.tr.cfg.parity_check_steps
+    def due(self, step: int, every: int) -> bool:
+        """every: parity_check_steps (0: off)."""
+        n = every
         return bool(n) and (step % n == 0 or not self._checked)  # and the first step of a resumed run
 
-    def _trainer_logprobs(self, comp) -> list:
+    @staticmethod
+    def _params(inp: ParityInputs) -> SamplingParams:
+        return SamplingParams(max_new_tokens=min(inp.max_completion_length, PROBE_TOKENS),
+                              temperature=inp.temperature, top_p=1.0, top_k=0, seed=inp.seed)
+
+    def _trainer_logprobs(self, inp: ParityInputs, comp) -> list:
         ids, att, pos, tg, mask = pad_batch([c.prompt_ids for c in comp], [c.token_ids for c in comp],
-                                            pad_id=self.tr.tok.pad_token_id or 0)
+                                            pad_id=inp.pad_id)
         with torch.no_grad(), unfused_lora():
-            lp, _ = completion_logprobs(self.tr.model, ids, att, pos, tg, mask, temperature=self.tr.cfg.temperature,
-                                        chunk=self.tr.cfg.logprob_chunk_size)
+            lp, _ = completion_logprobs(inp.model, ids, att, pos, tg, mask, temperature=inp.temperature,
+                                        chunk=inp.logprob_chunk_size)
         lp = lp.float().cpu()
         return [lp[i, :len(c.token_ids)].tolist() for i, c in enumerate(comp)]
 
-    def _layers(self):
-        return [m for m in self.tr.model.modules() if isinstance(m, QLoRALinear) and m.r]
+    def _layers(self, inp: ParityInputs):
+        return [m for m in inp.model.modules() if isinstance(m, QLoRALinear) and m.r]
 
-    def _probe_adapter(self):
+    def _probe_adapter(self, inp: ParityInputs):
         """Seeded B factors, sized per layer as if each update were PROBE_RELATIVE_SIZE of a weight
         of RMS 0.02 (typical of LLM linears; reading the real norms would dequantize every weight),
         then scaled as one by the calibration in `check`."""
         if self._probe is None:
-            g = torch.Generator().manual_seed(self.tr.cfg.seed + 12345)
+            g = torch.Generator().manual_seed(inp.seed + 12345)
             self._probe = []
-            for m in self._layers():
+            for m in self._layers(inp):
                 b = m.lora_B.weight
                 a = float(m.lora_A.weight.detach().float().norm())
                 w = 0.02 * math.sqrt(m.in_features * m.out_features)
@@ -148,57 +179,56 @@ class ParityGate:
         return self._probe
 
     @contextlib.contextmanager
-    def _with_probe(self, scale: float):
-        layers, probe = self._layers(), self._probe_adapter()
+    def _with_probe(self, inp: ParityInputs, scale: float):
+        layers, probe = self._layers(inp), self._probe_adapter(inp)
         saved = [m.lora_B.weight.detach().clone() for m in layers]
         try:
             with torch.no_grad():
                 for m, p in zip(layers, probe):
                     m.lora_B.weight.add_(p, alpha=scale)
-            self.tr.sync_rollout_adapter()  # the engine's own adapter copy (max_staleness 1) gets the probe too
+            inp.sync_engine()  # the engine's own adapter copy (max_staleness 1) gets the probe too
             yield
         finally:
             with torch.no_grad():
                 for m, s in zip(layers, saved):
                     m.lora_B.weight.copy_(s)  # bit for bit: training continues from the same adapter
-            self.tr.sync_rollout_adapter()
+            inp.sync_engine()
 
-    def check(self) -> ParityReport:
-        tr = self.tr
+    def check(self, inp: ParityInputs) -> ParityReport:
         self._checked = True
-        tr.sync_rollout_adapter()
-        comp = [c for c in tr.engine.generate(self.prompts, n=1, params=self.params) if c.token_ids]
+        inp.sync_engine()
+        params = self._params(inp)
+        comp = [c for c in inp.engine.generate(inp.prompts, n=1, params=params) if c.token_ids]
         if not comp:
             raise ParityError("parity gate: every probe completion is empty")
         prompts, toks = [c.prompt_ids for c in comp], [c.token_ids for c in comp]
-        sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(comp))
-        with adapters_disabled(tr.model), adapters_disabled(tr.engine.model):  # (one model unless max_staleness 1)
-            e_off = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
-            t_off = _flat(self._trainer_logprobs(comp))
+        sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(inp, comp))
+        with adapters_disabled(inp.model), adapters_disabled(inp.engine.model):  # (one model unless max_staleness 1)
+            e_off = _flat(engine_logprobs(inp.engine, prompts, toks, params))
+            t_off = _flat(self._trainer_logprobs(inp, comp))
         # a probe that moves the trainer's logprobs well past the limit, so that an adapter missing on
         # either path cannot hide under it (a few rescalings; the effect grows about linearly)
-        target = PROBE_EFFECT * (tr.cfg.parity_max_logprob_diff or 0.1)
+        target = PROBE_EFFECT * (inp.limit or 0.1)
         for i in range(4):
-            with self._with_probe(self._scale):
-                t_on = _flat(self._trainer_logprobs(comp))
+            with self._with_probe(inp, self._scale):
+                t_on = _flat(self._trainer_logprobs(inp, comp))
             effect = float((t_on - t_off).abs().mean())
             if 0.5 * target <= effect <= 2 * target or effect == 0 or i == 3:
                 break  # t_on stays the one measured at the scale the engine gets
             self._scale *= min(8.0, max(0.125, target / effect))
-        with self._with_probe(self._scale):
-            e_on = _flat(engine_logprobs(tr.engine, prompts, toks, self.params))
+        with self._with_probe(inp, self._scale):
+            e_on = _flat(engine_logprobs(inp.engine, prompts, toks, params))
         de, dt = e_on - e_off, t_on - t_off
         a, b, base = (sampled - trained).abs(), (de - dt).abs(), (e_off - t_off).abs()
         return ParityReport(float(a.mean()), float(a.max()), float(b.mean()), float(b.max()),
                             float(de.abs().mean()), float(dt.abs().mean()), float(base.mean()), float(base.max()))
 
-    def __call__(self, step: int) -> dict:
+    def __call__(self, step: int, inp: ParityInputs) -> dict:
         """Check, log, and stop (every rank together) past the threshold."""
-        tr = self.tr
-        rep = self.check()
-        limit = tr.cfg.parity_max_logprob_diff
+        rep = self.check(inp)
+        limit = inp.limit
         why = rep.failure(limit) if limit is not None else None
-        if tr.dist.max(1.0 if why else 0.0, tr.device):
+        if inp.dist.max(1.0 if why else 0.0, inp.device):
             raise ParityError(f"step {step}: parity gate: the rollout engine and the trainer disagree past "
                               f"parity_max_logprob_diff = {limit}: " + (why or "on another rank") +
                               ". Training stops: its rollouts would not come from the policy it trains.")

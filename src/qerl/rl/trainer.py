@@ -37,14 +37,15 @@ from .config import GRPOConfig
 from ..train.distributed import Dist
 from ..train.metrics import MetricsLog
 from ..train.optim import lr_lambda, make_optimizer
-from .parity import ParityGate
+from .parity import ParityGate, ParityInputs
 from ..train.profiling import Profiler
 from .rollout_metrics import rollout_metrics
 from .rollout_phase import RolloutInputs, StepRollouts, collect
 from ..train.sampler import PromptSampler
+from .rollout_source import RolloutSource
 from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
 from .step_context import StepContext, step_seed
-from .update import PolicyUpdate, TrainingError, UpdateInputs
+from .update import PolicyUpdate, TrainingError, UpdateInputs, UpdateSettings
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
@@ -140,14 +141,16 @@ class GRPOTrainer(TrainLoop):
                                       cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
             if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
-        self._in_flight: InFlight | None = None  # max_staleness 1: the next step's rollout
-        self._relaunch: tuple[StepContext, dict] | None = None  # a resumed checkpoint's in-flight rollout
+        # each step's rollout: collected at the step (max_staleness 0) or launched during the last update (1)
+        self.rollouts = RolloutSource(self.snapshot, context=self.step_context, inputs=self.rollout_inputs,
+                                      collect=self.collect_rollouts, sampler_state=lambda: self.sampler.state(),
+                                      warm=self._warm_decode_graphs, threaded=self.dist.world == 1,
+                                      device=self.device)
         self.sample_max_new_tokens = None
-        self._graphs_warm = False  # max_staleness 1 on a GPU: decode graphs captured before any overlap
         self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
-        self.update = PolicyUpdate(UpdateInputs(self.model, cfg, self.device, self.dtype, self.tok.pad_token_id or 0,
+        self.update = PolicyUpdate(UpdateInputs(self.model, UpdateSettings.of(cfg), self.device, self.dtype, self.tok.pad_token_id or 0,
                                                 self.dist, self.profiler, self.aqn, self.optimizer_step))
-        self.parity = ParityGate(self)
+        self.parity = ParityGate()  # checks with ParityInputs.of(self): the trainer's state at the time
         self.setup_loop(callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 
     # ---- construction ----------------------------------------------------------------------
@@ -241,11 +244,7 @@ class GRPOTrainer(TrainLoop):
             if self.dist.is_main:
                 print(f"qerl: {self.levers.describe()}", flush=True)
         if cfg.gradient_checkpointing:
-            kw = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            levers.enable_gradient_checkpointing(self.model)
         return cfg
 
     # ---- prompts ---------------------------------------------------------------------------
@@ -290,22 +289,8 @@ class GRPOTrainer(TrainLoop):
 
     def launch_rollout(self, step: int, ctx: StepContext | None = None) -> InFlight:
         """Start `step`'s rollout from the current adapter (copied into the engine's snapshot), or from
-        the adapter already in it when `ctx` is given (a resume)."""
-        if ctx is None:
-            self.snapshot.refresh(self.step)
-            ctx = self.step_context(step, self.step)
-        prof = Profiler()  # the worker's own: the main thread's profiler times the update meanwhile
-        inputs = self.rollout_inputs(prof)  # fixed at launch
-        data = self.sampler.state()
-        threaded = self.dist.world == 1  # several ranks: the rollout's collectives must not meet the update's
-        if threaded and self.device.type == "cuda" and not self._graphs_warm:
-            self._warm_decode_graphs()
-
-        def run():
-            ro = self.collect_rollouts(ctx, inputs)
-            return ro, prof.take()
-
-        return InFlight(ctx, data, run, threaded, self.device)
+        the adapter already in it when `ctx` is given (a resume): rl/rollout_source.py."""
+        return self.rollouts.launch(step, self.step, ctx)
 
     def train_step(self) -> dict:
         with self.scope():
@@ -315,24 +300,21 @@ class GRPOTrainer(TrainLoop):
         cfg, step, D, phase = self.cfg, self.step, self.dist, self.profiler.phase
         t0 = time.perf_counter()
         parity, times = {}, {}
-        if self.snapshot is None:
+        if not self.rollouts.ahead:
             ctx = self.step_context(step, step)
-            if self.parity.due(step):
+            if self.parity.due(step, cfg.parity_check_steps):
                 with phase("parity"):  # before the rollout: its engine seeding then starts the step's sampling afresh
-                    parity = self.parity(step)
+                    parity = self.parity(step, ParityInputs.of(self))
             with phase("rollout"):  # rewards included (dynamic sampling needs them to decide on more rounds)
                 ro = self.collect_rollouts(ctx)
         else:
-            if self._in_flight is None:  # the run's first step, or the first after a resume
-                self._in_flight = self._relaunch_or_launch(step)
             with phase("rollout_wait"):  # what the step waits for its rollout, launched during the last update
-                ro, times = self._in_flight.result()
-            self._in_flight = None
+                ro, times = self.rollouts.take(step, self.step)  # (launched now at a run's or resume's first step)
             ctx = ro.ctx
             times["time_rollout"] = ro.seconds
-            if self.parity.due(step):
+            if self.parity.due(step, cfg.parity_check_steps):
                 with phase("parity"):
-                    parity = self.parity(step)
+                    parity = self.parity(step, ParityInputs.of(self))
         with phase("advantages"):
             batch = rollout_batch(ro.groups, cfg.num_generations, cfg.scale_rewards, D)
         with phase("metrics"):  # over everything sampled this step (before filtering), over all ranks
@@ -349,8 +331,8 @@ class GRPOTrainer(TrainLoop):
                 measured = m["rollout_entropy"] if cfg.aqn_adaptive_signal == "entropy" else m["zero_variance_fraction"]
                 self.adaptive.update(measured)  # (a first step with no target set makes this its target)
                 m.update({"aqn_target": self.adaptive.target, "aqn_signal": measured})
-        if self.snapshot is not None and step + 1 < cfg.max_steps:
-            self._in_flight = self.launch_rollout(step + 1)  # samples from this adapter while the update trains
+        if self.rollouts.ahead and step + 1 < cfg.max_steps:
+            self.rollouts.launch(step + 1, self.step)  # samples from this adapter while the update trains
         # every rank enters the update: the gradient average is collective, even for an empty share
         if D.sum(len(batch), self.device):
             m.update(self.update(batch, ctx.sigma, ctx.seed))
@@ -361,16 +343,6 @@ class GRPOTrainer(TrainLoop):
         m["completions"] = int(D.sum(len(batch), self.device))
         self.step += 1
         return m
-
-    def _relaunch_or_launch(self, step: int) -> InFlight:
-        if self._relaunch is None:
-            return self.launch_rollout(step)
-        (ctx, tensors), self._relaunch = self._relaunch, None
-        if ctx.step != step:
-            raise ValueError(f"{self._resumed_from}: its in-flight rollout is for step {ctx.step}, "
-                             f"the run is at {step}")
-        self.snapshot.load(tensors, ctx.adapter_version, where=f"{self._resumed_from}/{ROLLOUT_ADAPTER}.safetensors")
-        return self.launch_rollout(ctx.step, ctx)
 
     def _warm_decode_graphs(self) -> None:
         """Capture every decode graph a training rollout can use (each batch bucket up to this rank's
@@ -383,23 +355,16 @@ class GRPOTrainer(TrainLoop):
         rows = min(self.engine.n_slots, self.plan.prompts_per_rank * cfg.num_generations)
         sizes = [b for b in BUCKETS if b < rows] + [rows]
         self.engine.warmup(sizes, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k))
-        self._graphs_warm = True
 
     def close(self) -> None:
         """Let a rollout still in flight (max_staleness 1, after a bare `train_step`) finish and drop it;
         `train()` needs no call: no rollout outlives it."""
-        if self._in_flight is not None:
-            self._in_flight.wait_quietly()
-            self._in_flight = None
+        self.rollouts.close()
 
     def sync_rollout_adapter(self) -> None:
         """Let the engine sample from the live adapter now (parity checks, evaluation): copies it into the
         engine's snapshot under max_staleness 1, after any rollout in flight has finished with it."""
-        if self.snapshot is None:
-            return
-        if self._in_flight is not None:
-            self._in_flight.result()  # kept for its step; the snapshot is free once it is done
-        self.snapshot.refresh(self.step)
+        self.rollouts.sync(self.step)
 
     # ---- evaluation ------------------------------------------------------------------------
     @staticmethod
@@ -455,16 +420,11 @@ class GRPOTrainer(TrainLoop):
     def checkpoint_contents(self) -> tuple[dict, dict | None]:
         # a rollout in flight is not waited for: the checkpoint holds what launches it again (its
         # adapter, context and the sampler's position before its draws), rl/staleness.py
-        fl = self._in_flight
-        extra = {"data": fl.data if fl is not None else self.sampler.state(), "config": self.cfg.to_dict(),
+        data, in_flight, tensors = self.rollouts.record()
+        extra = {"data": data if data is not None else self.sampler.state(), "config": self.cfg.to_dict(),
                  "world_size": self.dist.world, "updates_per_step": self._updates_per_step}
-        tensors = None
-        if fl is not None:
-            extra["in_flight"] = fl.record()
-            tensors = {ROLLOUT_ADAPTER: self.snapshot.tensors()}
-        elif self._relaunch is not None:  # resumed and saved again before its first step
-            extra["in_flight"] = {"ctx": dataclasses.asdict(self._relaunch[0])}
-            tensors = {ROLLOUT_ADAPTER: self._relaunch[1]}
+        if in_flight is not None:
+            extra["in_flight"] = in_flight
         if self.adaptive is not None:
             extra["aqn_adaptive"] = self.adaptive.state_dict()
         return extra, tensors
@@ -492,7 +452,7 @@ class GRPOTrainer(TrainLoop):
         # the rollout that was in flight is launched again from its own adapter by the next step (inside
         # the run, as every launch); with max_staleness 0 now the sampler stands before its draws and the
         # current adapter redraws it
-        self._relaunch = in_flight if self.snapshot is not None else None
+        self.rollouts.restore(in_flight, folder)
 
     def _read_in_flight(self, folder) -> tuple[StepContext, dict] | None:
         """The context and adapter of the rollout a checkpoint was written with in flight, or None."""
@@ -533,8 +493,7 @@ class GRPOTrainer(TrainLoop):
             bar.unpause()  # the evaluation's time is not a step's
 
     def stop_background(self) -> None:
-        if self._in_flight is not None:  # no rollout outlives train(); a later call joins its result
-            self._in_flight.wait_quietly()
+        self.rollouts.wait_quietly()  # no rollout outlives train(); a later call joins its result
 
     def _evaluate_on_main(self, log):
         """Rank 0 evaluates (its adapter is every rank's); the others wait at the barrier."""

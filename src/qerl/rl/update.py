@@ -24,15 +24,43 @@ from ..layers import adapters_disabled, unfused_lora
 from ..train.optim import TrainingError, step_optimizer  # noqa: F401 - re-exported
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
-from .loss import policy_loss, rollout_is_weights
+from .loss import LossSettings, policy_loss, rollout_is_weights
 from .packing import FLEX, PackedBatch, attention_kind, has_sliding_window, packed_micro_batches, use_flex_attention
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the update reads of a configuration, fixed for a run: a GRPOConfig's (`UpdateSettings.of`), or
+    the one SFT builds for itself (sft/trainer.py)."""
+    loss: LossSettings
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int = 1
+    num_iterations: int = 1
+    token_normalizer: str = "generation"
+    packed_update: bool = True
+    logprob_chunk_size: int | None = None
+    temperature: float = 1.0
+    mask_truncated_completions: bool = False
+    aqn_in_training: bool = False
+    importance_sampling_correction: bool = False
+    importance_sampling_mode: str = "sequence_mask"
+    importance_sampling_cap: float | None = 3.0
+    importance_sampling_cap_min: float | None = None
+
+    @classmethod
+    def of(cls, cfg) -> "UpdateSettings":
+        return cls(LossSettings.of(cfg), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                   cfg.num_iterations, cfg.token_normalizer, cfg.packed_update, cfg.logprob_chunk_size,
+                   cfg.temperature, cfg.mask_truncated_completions, cfg.aqn_in_training,
+                   cfg.importance_sampling_correction, cfg.importance_sampling_mode, cfg.importance_sampling_cap,
+                   cfg.importance_sampling_cap_min)
 
 
 @dataclass(frozen=True)
 class UpdateInputs:
     """What the update reads that does not change from step to step."""
     model: torch.nn.Module      # the live policy (trained in place)
-    cfg: object                 # rl.GRPOConfig
+    cfg: UpdateSettings
     device: torch.device
     dtype: torch.dtype
     pad_id: int
@@ -80,7 +108,7 @@ class PolicyUpdate:
             # the entropy bonus differentiates the entropies; otherwise they are statistics (and the
             # top-entropy token selection's input), detached
             return completion_logprobs(self.inp.model, **mb.model_inputs(), temperature=cfg.temperature,
-                                       chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.entropy_coef > 0)
+                                       chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.loss.entropy_coef > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
         """Train on `batch`, sampled under AQN noise (sigma, seed): metrics of the update."""
@@ -106,7 +134,7 @@ class PolicyUpdate:
                         lp, en = self.logprobs(b, grad=False)
                         old[k] = lp
                         ent.append(en[b.mask.to(dev)])
-            if cfg.beta:
+            if cfg.loss.beta:
                 with adapters_disabled(model):
                     ref = [self.logprobs(b, grad=False)[0] for b in batches]
 
@@ -139,7 +167,7 @@ class PolicyUpdate:
                     upd_loss, bad = 0.0, None
                     # top_entropy_quantile takes its threshold over every rank's micro-batch at the same place
                     # (TRL); a rank with fewer micro-batches joins the rest of the gathers with none
-                    slots = int(D.max(len(group), dev)) if cfg.top_entropy_quantile < 1.0 and D.world > 1 else 0
+                    slots = int(D.max(len(group), dev)) if cfg.loss.top_entropy_quantile < 1.0 and D.world > 1 else 0
                     for k in group:
                         b = batches[k]
                         mask = b.mask.to(dev)
@@ -169,21 +197,10 @@ class PolicyUpdate:
                             pool = None  # None: this micro-batch's tokens, all there are on one rank
                             if slots:
                                 pool = torch.cat([t.to(dev) for t in D.gather(en.detach()[lmask].cpu())])
-                            loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, loss_type=cfg.loss_type,
-                                                   epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                            loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, cfg.loss,
                                                    ref_logp=ref[k] if ref is not None else None, is_weights=isw,
-                                                   norm_tokens=norm_tokens, accumulation=n_micro,
-                                                   max_completion_length=cfg.max_completion_length,
-                                                   importance_sampling_level=cfg.importance_sampling_level,
-                                                   entropies=en, top_entropy_quantile=cfg.top_entropy_quantile,
-                                                   entropy_pool=pool, entropy_coef=cfg.entropy_coef,
-                                                   use_bias_correction_kl=cfg.use_bias_correction_kl, delta=cfg.delta,
-                                                   sapo_temperature_pos=cfg.sapo_temperature_pos,
-                                                   sapo_temperature_neg=cfg.sapo_temperature_neg,
-                                                   rollout_logp=b.rollout_logprobs,
-                                                   vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
-                                                          cfg.vespo_lambda_neg),
-                                                   off_policy_mask_threshold=cfg.off_policy_mask_threshold)
+                                                   norm_tokens=norm_tokens, accumulation=n_micro, entropies=en,
+                                                   entropy_pool=pool, rollout_logp=b.rollout_logprobs)
                             if not torch.isfinite(loss.detach()):
                                 bad = f"loss is {float(loss.detach())}"
                                 continue  # no backward; all ranks learn of it below and stop together

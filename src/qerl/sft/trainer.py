@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..rl.config import GRPOConfig
+from ..rl.loss import LossSettings
 from ..rl.trainer import resolve_device_dtype, set_lora_dtype
-from ..rl.update import PolicyUpdate, UpdateInputs
+from ..rl.update import PolicyUpdate, UpdateInputs, UpdateSettings
 from ..train import levers
 from ..train.distributed import Dist
 from ..train.loop import TrainLoop
@@ -33,21 +33,11 @@ from .data import Tokenizer, load_rows
 KEEP = ("loss", "grad_norm", "entropy")  # of the update's metrics (the others are RL's: clipping, mismatch)
 
 
-def update_settings(cfg: SFTConfig) -> GRPOConfig:
-    """The GRPOConfig the policy update reads: SFT's batch, optimizer and memory fields, and the loss
-    settings under which the policy loss is the NLL (sft/batch.py): cispo with its weight capped at 1,
-    one pass, no KL, no entropy terms, no noise, temperature 1."""
-    same = ("model_name_or_path", "quant", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "dtype",
-            "device", "lora_dtype", "trust_remote_code", "learning_rate", "lr_scheduler_type", "warmup_steps",
-            "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim",
-            "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-            "logprob_chunk_size", "seed", "output_dir")
-    return GRPOConfig(**{k: getattr(cfg, k) for k in same}, packed_update=cfg.packing, loss_type="cispo",
-                      epsilon_high=1.0, num_iterations=1, beta=0.0, temperature=1.0, entropy_coeff=0.0,
-                      top_entropy_quantile=1.0, importance_sampling_correction=False, aqn=False,
-                      aqn_in_training=False, mask_truncated_completions=False, generation_batch_size=None,
-                      steps_per_generation=2 * cfg.gradient_accumulation_steps, num_generations=2,
-                      parity_check_steps=0)
+def update_settings(cfg: SFTConfig) -> UpdateSettings:
+    """What the policy update reads for SFT: its batch and memory fields, one pass, temperature 1, and the
+    loss settings under which the policy loss is the NLL (LossSettings.nll, sft/batch.py)."""
+    return UpdateSettings(LossSettings.nll(), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                          packed_update=cfg.packing, logprob_chunk_size=cfg.logprob_chunk_size)
 
 
 class SFTTrainer(TrainLoop):
@@ -101,20 +91,17 @@ class SFTTrainer(TrainLoop):
         self.levers = levers.choose(levers.Shape.of(self.model.config), cfg.per_device_train_batch_size * longest,
                                     levers.free_memory(self.device), gradient_checkpointing=cfg.gradient_checkpointing,
                                     logprob_chunk_size=cfg.logprob_chunk_size)
+        checkpointing = cfg.gradient_checkpointing
         if self.levers.chosen:
-            self.update_cfg = ucfg = dataclasses.replace(ucfg, gradient_checkpointing=self.levers.gradient_checkpointing,
-                                                         logprob_chunk_size=self.levers.logprob_chunk_size)
+            checkpointing = self.levers.gradient_checkpointing
+            self.update_cfg = ucfg = dataclasses.replace(ucfg, logprob_chunk_size=self.levers.logprob_chunk_size)
             if self.dist.is_main and progress:
                 print(f"qerl sft: {self.levers.describe()}", flush=True)
-        if ucfg.gradient_checkpointing:
-            kw = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        if checkpointing:
+            levers.enable_gradient_checkpointing(self.model)
         self.max_steps = cfg.steps_for(len(self.examples), self.dist.world)
-        self.optimizer, self.optim_name = make_optimizer(ucfg, self.params, self.device, self.master_weights)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(ucfg, self.max_steps))
+        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device, self.master_weights)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.sampler = PromptSampler(len(self.examples), cfg.seed)
         self.progress = progress
         self.profiler = Profiler()

@@ -117,3 +117,12 @@ def available_ram(meminfo: str = "/proc/meminfo") -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute the decoder layers' activations in backward (non-reentrant, which LoRA's frozen inputs need)."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
