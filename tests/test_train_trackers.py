@@ -138,3 +138,24 @@ def test_trackio_local_store(tmp_path, model_dir):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     check({k: {d["step"]: d[k] for d in logs if k in d} for k in KEYS}, rows)
     assert (tmp_path / "trackio").is_dir()  # the local store, not the user's cache
+
+
+def test_trl_names_of_the_rollout_correction_and_the_clip_regions(tmp_path, model_dir):
+    """What TRL logs only with vLLM on a GPU (sampling/importance_sampling_ratio/*), and the clip ratios:
+    read from the update's own weights and clip masks, consistent with qerl's names of the same values."""
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-3, report_to="none", save_strategy="no",
+                      parity_check_steps=0, dynamic_sampling=False, num_iterations=2,
+                      vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                      vllm_importance_sampling_clip_max=2.0)
+    tr = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                     args=args, train_dataset=[{"prompt": f"{a}="} for a in range(4)], progress=False)
+    for m in tr.train():
+        lo, mean, hi = (m[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max"))
+        assert 0 < lo <= mean <= hi <= 2.0 and mean == m["is_weight_mean"]
+        assert m["clip_ratio/region_mean"] == m["clip_fraction"]
+        assert m["clip_ratio/low_min"] <= m["clip_ratio/low_mean"] and m["clip_ratio/high_mean"] <= m["clip_ratio/high_max"]
+        assert m["clip_ratio/region_mean"] == pytest.approx(m["clip_ratio/low_mean"] + m["clip_ratio/high_mean"])
+        assert m["sampling/sampling_logp_difference/mean"] == m["logprob_mismatch_mean"]
