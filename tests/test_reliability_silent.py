@@ -69,13 +69,19 @@ def test_checksums_name_the_changed_file(tmp_path):
 
 # ---- reward functions --------------------------------------------------------------------------
 @pytest.mark.parametrize("value, needle", [(math.nan, "nan"), (math.inf, "inf"), (1e308, "beyond"),
-                                           (None, "not a number"), ("1", "not a number")])
+                                           ("1", "not a number"), ([1.0], "not a number")])
 def test_a_reward_that_is_not_a_usable_number_is_a_counted_error(value, needle):
     def f(completions, **_):
         return [1.0, value, 0.5]
 
     sc = score([f], None, ["a", "b", "c"], {})
     assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 1 and needle in sc.first_error
+
+
+def test_a_reward_of_none_is_not_applicable_rather_than_an_error():
+    # TRL's convention: None where a function does not apply to a completion; it scores nothing there
+    sc = score([lambda completions, **_: [1.0, None, 0.5]], None, ["a", "b", "c"], {})
+    assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 0 and math.isnan(list(sc.per_func.values())[0][1])
 
 
 def test_a_reward_of_the_wrong_count_is_an_error_for_every_completion():

@@ -15,8 +15,8 @@ def _record(monkeypatch):
     calls, batches = [], []
     real_loss, real_mb = update.policy_loss, update.PolicyUpdate.micro_batches
 
-    def loss(lp, old, adv, mask, **kw):
-        out = real_loss(lp, old, adv, mask, **kw)
+    def loss(lp, old, adv, mask, settings=None, **kw):
+        out = real_loss(lp, old, adv, mask, settings, **kw)
         calls.append(dict(lp=lp.detach().clone(), old=old.detach().clone(), adv=adv.clone(), loss=float(out[0]), **kw))
         return out
 
