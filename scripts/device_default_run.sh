@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMI
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case "${1:-tune}" in
 tune)
-  VAL='{min_terms: 2, max_terms: 3, min_digits: 1, max_digits: 1, size: 1000, eval_size: 200, seed: 7, instruction: "\nGive only the final number."}'
+  VAL='{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2, size: 1000, eval_size: 200, seed: 7, instruction: "\nGive only the final number."}'
   CPUCFG="--per_device_train_batch_size 32 --eval_num_samples 2 --optim adamw_torch --dtype float32"
   END=${END:-530}
   run() {  # name, args...

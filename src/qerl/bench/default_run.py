@@ -5,7 +5,9 @@
 Each seed is one `qerl train --seed S` process (model load, both evaluations and the
 plot included in its wall time). Records per seed and the mean over seeds: wall time and the
 held-out pass@1 change (points, absolute), with a 95 % interval of the mean change. Targets
-(issue 23): CPU (2 cores) <= 13 min and >= +8 points; GPU (H200) <= 3 min and >= +12 points.
+(issue 42): CPU (2 cores) <= 10 min, >= +10 points and the interval's lower end >= +5; GPU
+(issue 23, H200) <= 3 min and >= +12 points. A timing counts only if nothing else ran on the
+machine: each row's note carries the 1-minute load average when the seed started.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -50,7 +53,7 @@ def main(argv=None):
 
     gpu = torch.cuda.is_available()
     case = "gpu" if gpu else "cpu"
-    target_time, target_gain = ("<=180", ">=12") if gpu else ("<=780", ">=8")
+    target_time, target_gain, target_low = ("<=180", ">=12", None) if gpu else ("<=600", ">=10", ">=5")
     out = Path(args.out)
     log = tee_log(out / "bench.log")
     extra = [a for a in args.extra if a != "--"]
@@ -63,6 +66,7 @@ def main(argv=None):
         run_dir = out / f"seed{seed}"
         cmd = [sys.executable, "-m", "qerl", "train", "--seed", str(seed), "--output_dir", str(run_dir), *extra]
         log(f"$ {' '.join(map(shlex.quote, cmd))}")
+        load = os.getloadavg()[0]  # others' work beside the run shows here
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -77,14 +81,15 @@ def main(argv=None):
         r = dict(seed=seed, wall_s=wall, before=100 * before["eval_pass_at_1"], after=100 * after["eval_pass_at_1"],
                  gain=gain, se=100 * (before["eval_stderr"] ** 2 + after["eval_stderr"] ** 2) ** 0.5,
                  steps=after["step"])
+        r["note"] = f"1-min load average {load:.2f} at the start (the run alone: ~0-1)"
         rows.append(r)
         log(f"seed {seed}: {wall / 60:.1f} min, held-out {r['before']:.1f} -> {r['after']:.1f} % "
             f"({gain:+.1f} ± {r['se']:.1f} points), {r['steps']} steps")
         if args.record:  # each seed as soon as it is measured (a run cut off keeps its finished seeds)
             record("default_run", f"{case} seed {seed}", "wall_time", round(wall, 1), "s", None, command=cmd_text,
-                   results_dir=rd)
+                   results_dir=rd, note=r["note"])
             record("default_run", f"{case} seed {seed}", "heldout_gain", round(gain, 2), "points", None,
-                   command=cmd_text, results_dir=rd)
+                   command=cmd_text, results_dir=rd, note=r["note"])
     n = len(rows)
     mean_wall = statistics.mean(r["wall_s"] for r in rows)
     mean_gain = statistics.mean(r["gain"] for r in rows)
@@ -98,10 +103,11 @@ def main(argv=None):
         f"{statistics.mean(r['after'] for r in rows):.1f} | {mean_gain:+.1f} [95 % CI {lo:+.1f}, {hi:+.1f}] |")
     if args.record:
         cmd = cmd_text
+        note = "; ".join(f"seed {r['seed']}: {r['note']}" for r in rows)
         record("default_run", f"{case} mean of {n} seeds", "wall_time", round(mean_wall, 1), "s", target_time,
-               command=cmd, results_dir=rd)
+               command=cmd, results_dir=rd, note=note)
         record("default_run", f"{case} mean of {n} seeds", "heldout_gain", round(mean_gain, 2), "points", target_gain,
-               command=cmd, results_dir=rd)
+               command=cmd, results_dir=rd, note=note)
         record("default_run", f"{case} mean of {n} seeds", "heldout_before", round(statistics.mean(r["before"] for r in rows), 2),
                "%", None, command=cmd, results_dir=rd)
         record("default_run", f"{case} mean of {n} seeds", "heldout_after", round(statistics.mean(r["after"] for r in rows), 2),
@@ -109,7 +115,7 @@ def main(argv=None):
         for what, v in (("low", lo), ("high", hi)):
             if math.isfinite(v):
                 record("default_run", f"{case} mean of {n} seeds", f"heldout_gain_ci95_{what}", round(v, 2), "points",
-                       None, command=cmd, results_dir=rd)
+                       target_low if what == "low" else None, command=cmd, results_dir=rd)
         if rd == RESULTS:
             render()
     return 0

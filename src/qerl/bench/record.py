@@ -57,13 +57,16 @@ def met(value: float, target: str | None) -> bool | None:
 
 
 def record(bench: str, case: str, metric: str, value: float, unit: str, target: str | None = None,
-           device: str | None = None, command: str | None = None, results_dir: Path = RESULTS) -> dict:
+           device: str | None = None, command: str | None = None, results_dir: Path = RESULTS,
+           note: str | None = None) -> dict:
     row = {
         "bench": bench, "case": case, "metric": metric, "value": value, "unit": unit, "target": target,
         "met": met(value, target), "device": device or device_name(),
         "date": _dt.date.today().isoformat(), "command": command or " ".join(map(shlex.quote, sys.argv)),
         "commit": _commit(),
     }
+    if note:  # e.g. what else ran on the machine (a wall time counts only measured alone)
+        row["note"] = note
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / f"{bench}.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -111,136 +111,139 @@ class PolicyUpdate:
                                        chunk=cfg.logprob_chunk_size, entropy_grad=grad and cfg.loss.entropy_coef > 0)
 
     def __call__(self, batch: RolloutBatch, sigma: float, seed: int) -> dict:
-        """Train on `batch`, sampled under AQN noise (sigma, seed): metrics of the update."""
+        """Train on `batch`, sampled under AQN noise (sigma, seed): metrics of the update.
+
+        Named steps: plan the updates, the reference logprobs (old policy, KL reference), the token
+        normaliser, then each update (its micro-batches' losses and backward, the optimizer step)."""
         inp = self.inp
-        cfg, dev, D, prof, model = inp.cfg, inp.device, inp.dist, inp.profiler, inp.model
-        N = len(batch)
-        # the ranks step the optimizer together: as many updates as the rank with the most completions
-        n_updates = int(D.max(max(1, math.ceil(math.ceil(N / cfg.per_device_train_batch_size) /
-                                               cfg.gradient_accumulation_steps)), dev))
+        cfg, prof = inp.cfg, inp.profiler
+        n_updates = self._n_updates(len(batch))
         single = cfg.num_iterations == 1 and n_updates == 1
-
-        def noise_train():  # the step's noise, the same Z as the rollout's, entered per pass
-            if cfg.aqn_in_training and inp.aqn is not None and sigma > 0:
-                return inp.aqn.applied(sigma, seed)
-            return contextlib.nullcontext()
-
+        noise = _Noise(inp, sigma, seed)
+        tally = _Tally()
         with prof.phase("logprob"):
             batches = self.micro_batches(batch)  # MicroBatch or packing.PackedBatch: the same [B, L] data
-            old, ref, ent = [None] * len(batches), None, []
-            with noise_train():
-                if not single:  # the sampling policy's logprobs before any update (PPO's old policy)
-                    for k, b in enumerate(batches):
-                        lp, en = self.logprobs(b, grad=False)
-                        old[k] = lp
-                        ent.append(en[b.mask.to(dev)])
-            if cfg.loss.beta:
-                with adapters_disabled(model):
-                    ref = [self.logprobs(b, grad=False)[0] for b in batches]
-
-        def loss_mask(b):  # the tokens the loss counts: mask_truncated_completions drops the cut completions
-            mask = b.mask.to(dev)
-            return mask & ~b.truncated.to(dev)[:, None] if cfg.mask_truncated_completions else mask
-
-        # dapo's (and cispo's) token normaliser, all ranks: gradients are averaged over the ranks, so each
-        # rank divides its token sum by (tokens / world size). "generation": the generation batch's tokens
-        # / its updates (TRL >= 1.9.2, every update of a generation weighs its tokens alike); "update":
-        # each update's own tokens. Both count only the loss mask's tokens (TRL 1.9.0's fix).
-        gen_tokens = D.sum(sum(int(loss_mask(b).sum()) for b in batches), dev) / D.world
-
+            old, ref = self._reference_logprobs(batches, single, noise, tally)
+        gen_tokens = self._tokens(batches)
         with prof.phase("update"):
-            model.train()
-            stats = {"clip_fraction": [], "kl": [], "loss": [], "grad_norm": [], "entropy_mask_fraction": [],
-                     "clip_low": [], "clip_high": [], "is_min": [], "is_max": []}
-            mism, mism_max, is_mean, ratios = [], 0.0, [], []
+            inp.model.train()
             for it in range(cfg.num_iterations):
                 for u in range(n_updates):
                     group = list(range(len(batches)))[u * cfg.gradient_accumulation_steps:
                                                       (u + 1) * cfg.gradient_accumulation_steps]
-                    if cfg.token_normalizer == "generation":
-                        norm_tokens = gen_tokens / n_updates
-                    else:
-                        norm_tokens = D.sum(sum(int(loss_mask(batches[k]).sum()) for k in group), dev) / D.world
-                    # the other losses (and the entropy bonus) average over the update's micro-batches, all
-                    # ranks' (a rank with fewer or none must not weigh its own more): their count / world size
-                    n_micro = D.sum(len(group), dev) / D.world
-                    upd_loss, bad = 0.0, None
-                    # top_entropy_quantile takes its threshold over every rank's micro-batch at the same place
-                    # (TRL); a rank with fewer micro-batches joins the rest of the gathers with none
-                    slots = int(D.max(len(group), dev)) if cfg.loss.top_entropy_quantile < 1.0 and D.world > 1 else 0
-                    for k in group:
-                        b = batches[k]
-                        mask = b.mask.to(dev)
-                        with noise_train():  # forward and backward see the same weights
-                            lp, en = self.logprobs(b, grad=True)
-                            old_k = lp.detach() if single else old[k]
-                            if it == 0:  # once per micro-batch: the pre-update policy vs the rollout's numbers
-                                diff = (old_k - b.rollout_logprobs)[mask]
-                                d = diff.abs()
-                                if d.numel():
-                                    mism.append(d)
-                                    mism_max = max(mism_max, float(d.max()))
-                                    ratios.append(diff.detach().float().exp())  # policy / behaviour, a token
-                                if single:
-                                    ent.append(en[mask].detach())
-                            lmask = loss_mask(b)
-                            isw = None
-                            if cfg.importance_sampling_correction:
-                                isw = rollout_is_weights(old_k, b.rollout_logprobs, lmask,
-                                                         cfg.importance_sampling_mode, cfg.importance_sampling_cap,
-                                                         cfg.importance_sampling_cap_min)
-                                w = isw.expand_as(lmask)[lmask]
-                                is_mean.append(float(w.mean()) if lmask.any() else 1.0)
-                                if w.numel():  # TRL's sampling/importance_sampling_ratio/min and /max
-                                    stats["is_min"].append(float(w.min()))
-                                    stats["is_max"].append(float(w.max()))
-                            pool = None  # None: this micro-batch's tokens, all there are on one rank
-                            if slots:
-                                pool = torch.cat([t.to(dev) for t in D.gather(en.detach()[lmask].cpu())])
-                            loss, st = policy_loss(lp, old_k, b.advantages.to(dev), lmask, cfg.loss,
-                                                   ref_logp=ref[k] if ref is not None else None, is_weights=isw,
-                                                   norm_tokens=norm_tokens, accumulation=n_micro, entropies=en,
-                                                   entropy_pool=pool, rollout_logp=b.rollout_logprobs)
-                            if not torch.isfinite(loss.detach()):
-                                bad = f"loss is {float(loss.detach())}"
-                                continue  # no backward; all ranks learn of it below and stop together
-                            loss.backward()
-                            upd_loss += float(loss.detach())
-                        stats["clip_fraction"].append(st["clip_fraction"])
-                        if "entropy_mask_fraction" in st:
-                            stats["entropy_mask_fraction"].append(st["entropy_mask_fraction"])
-                        if "kl" in st:
-                            stats["kl"].append(st["kl"])
-                        if "clip_low" in st:
-                            stats["clip_low"].append(st["clip_low"])
-                            stats["clip_high"].append(st["clip_high"])
-                    for _ in range(slots - len(group)):
-                        D.gather(torch.zeros(0))
-                    stats["grad_norm"].append(inp.optimizer_step(bad))
-                    stats["loss"].append(upd_loss)
-            model.eval()
-        return self._metrics(stats, mism, mism_max, is_mean, ent, ratios, cfg.num_iterations * n_updates)
+                    norm_tokens = (gen_tokens / n_updates if cfg.token_normalizer == "generation"
+                                   else self._tokens([batches[k] for k in group]))
+                    self._one_update(batches, group, old, ref, norm_tokens, first_pass=it == 0, single=single,
+                                     noise=noise, tally=tally)
+            inp.model.eval()
+        return self._metrics(tally, cfg.num_iterations * n_updates)
 
-    def _metrics(self, stats, mism, mism_max, is_mean, ent, ratios, updates) -> dict:
+    def _n_updates(self, n: int) -> int:
+        """Optimizer updates this step: the ranks step together, as many as the rank with the most completions."""
+        cfg, D = self.inp.cfg, self.inp.dist
+        return int(D.max(max(1, math.ceil(math.ceil(n / cfg.per_device_train_batch_size) /
+                                          cfg.gradient_accumulation_steps)), self.inp.device))
+
+    def _reference_logprobs(self, batches, single: bool, noise: "_Noise", tally: "_Tally"):
+        """The sampling policy's logprobs before any update (PPO's old policy; not needed for one update of
+        one pass, whose ratio is 1 at its own detached logprobs) and the KL reference's (adapters off)."""
+        inp = self.inp
+        old, ref = [None] * len(batches), None
+        with noise():
+            if not single:
+                for k, b in enumerate(batches):
+                    lp, en = self.logprobs(b, grad=False)
+                    old[k] = lp
+                    tally.ent.append(en[b.mask.to(inp.device)])
+        if inp.cfg.loss.beta:
+            with adapters_disabled(inp.model):
+                ref = [self.logprobs(b, grad=False)[0] for b in batches]
+        return old, ref
+
+    def _loss_mask(self, b):
+        """The tokens the loss counts: mask_truncated_completions drops the cut completions."""
+        mask = b.mask.to(self.inp.device)
+        return mask & ~b.truncated.to(self.inp.device)[:, None] if self.inp.cfg.mask_truncated_completions else mask
+
+    def _tokens(self, batches) -> float:
+        """dapo's (and cispo's) token normaliser over all ranks: gradients are averaged over the ranks, so each
+        rank divides its token sum by (tokens / world size). "generation" takes the generation batch's tokens /
+        its updates (TRL >= 1.9.2, every update of a generation weighs its tokens alike), "update" each update's
+        own; both count only the loss mask's tokens (TRL 1.9.0's fix)."""
+        D = self.inp.dist
+        return D.sum(sum(int(self._loss_mask(b).sum()) for b in batches), self.inp.device) / D.world
+
+    def _one_update(self, batches, group, old, ref, norm_tokens, *, first_pass, single, noise, tally):
+        """One optimizer update: the losses and backward of the micro-batches in `group`, then the step."""
+        inp = self.inp
+        cfg, D = inp.cfg, inp.dist
+        # the other losses (and the entropy bonus) average over the update's micro-batches, all
+        # ranks' (a rank with fewer or none must not weigh its own more): their count / world size
+        n_micro = D.sum(len(group), inp.device) / D.world
+        upd_loss, bad = 0.0, None
+        # top_entropy_quantile takes its threshold over every rank's micro-batch at the same place
+        # (TRL); a rank with fewer micro-batches joins the rest of the gathers with none
+        slots = int(D.max(len(group), inp.device)) if cfg.loss.top_entropy_quantile < 1.0 and D.world > 1 else 0
+        for k in group:
+            with noise():  # forward and backward see the same weights
+                loss, st = self._micro_batch_loss(batches[k], old[k], ref[k] if ref is not None else None,
+                                                  norm_tokens, n_micro, slots, first_pass, single, tally)
+                if not torch.isfinite(loss.detach()):
+                    bad = f"loss is {float(loss.detach())}"
+                    continue  # no backward; all ranks learn of it below and stop together
+                loss.backward()
+                upd_loss += float(loss.detach())
+            tally.add_loss_stats(st)
+        for _ in range(slots - len(group)):
+            D.gather(torch.zeros(0))
+        tally.grad_norm.append(inp.optimizer_step(bad))
+        tally.loss.append(upd_loss)
+
+    def _micro_batch_loss(self, b, old_k, ref_k, norm_tokens, n_micro, slots, first_pass, single, tally):
+        """The loss of one micro-batch (with gradient) and its statistics; on the first pass also how far the
+        pre-update policy is from the rollout's numbers."""
+        inp = self.inp
+        cfg, dev = inp.cfg, inp.device
+        lp, en = self.logprobs(b, grad=True)
+        old_k = lp.detach() if single else old_k
+        if first_pass:  # once per micro-batch: the pre-update policy vs the rollout's numbers
+            mask = b.mask.to(dev)
+            tally.add_mismatch((old_k - b.rollout_logprobs)[mask])
+            if single:
+                tally.ent.append(en[mask].detach())
+        lmask = self._loss_mask(b)
+        isw = None
+        if cfg.importance_sampling_correction:
+            isw = rollout_is_weights(old_k, b.rollout_logprobs, lmask, cfg.importance_sampling_mode,
+                                     cfg.importance_sampling_cap, cfg.importance_sampling_cap_min)
+            tally.add_is_weights(isw.expand_as(lmask)[lmask], lmask.any())
+        pool = None  # None: this micro-batch's tokens, all there are on one rank
+        if slots:
+            pool = torch.cat([t.to(dev) for t in inp.dist.gather(en.detach()[lmask].cpu())])
+        return policy_loss(lp, old_k, b.advantages.to(dev), lmask, cfg.loss, ref_logp=ref_k, is_weights=isw,
+                           norm_tokens=norm_tokens, accumulation=n_micro, entropies=en, entropy_pool=pool,
+                           rollout_logp=b.rollout_logprobs)
+
+    def _metrics(self, t: "_Tally", updates: int) -> dict:
+        """The update's metrics over every rank."""
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        allm = torch.cat(mism) if mism else torch.zeros(0)
-        ent_t = torch.cat(ent) if ent else torch.zeros(0)
-        rat = torch.cat(ratios).double() if ratios else torch.zeros(0, dtype=torch.float64)
+        allm = torch.cat(t.mism) if t.mism else torch.zeros(0)
+        ent_t = torch.cat(t.ent) if t.ent else torch.zeros(0)
+        rat = torch.cat(t.ratios).double() if t.ratios else torch.zeros(0, dtype=torch.float64)
         ratio = (float(rat.sum()), rat.numel(), float(rat.min()) if rat.numel() else math.inf,
                  float(rat.max()) if rat.numel() else -math.inf)
         parts = self.inp.dist.gather({"ratio": ratio,
-                                      "loss": stats["loss"], "clip": stats["clip_fraction"], "kl": stats["kl"],
-                                      "emask": stats["entropy_mask_fraction"], "clip_low": stats["clip_low"],
-                                      "clip_high": stats["clip_high"], "is_min": stats["is_min"],
-                                      "is_max": stats["is_max"],
-                                      "is": is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
-                                      "mism": (float(allm.sum()), allm.numel()), "mism_max": mism_max})
+                                      "loss": t.loss, "clip": t.clip_fraction, "kl": t.kl,
+                                      "emask": t.entropy_mask_fraction, "clip_low": t.clip_low,
+                                      "clip_high": t.clip_high, "is_min": t.is_min, "is_max": t.is_max,
+                                      "is": t.is_mean, "ent": (float(ent_t.sum()), ent_t.numel()),
+                                      "mism": (float(allm.sum()), allm.numel()), "mism_max": t.mism_max})
         # each rank's update loss is its share of the global mean (gradients are averaged): average them
-        losses = [mean([q["loss"][i] for q in parts]) for i in range(len(stats["loss"]))]
+        losses = [mean([q["loss"][i] for q in parts]) for i in range(len(t.loss))]
         cat = lambda k: [x for q in parts for x in q[k]]  # noqa: E731
         tot = lambda k: (sum(q[k][0] for q in parts), sum(q[k][1] for q in parts))  # noqa: E731
         (es, en), (ms, mn) = tot("ent"), tot("mism")
-        out = {"loss": mean(losses), "clip_fraction": mean(cat("clip")), "grad_norm": mean(stats["grad_norm"]),
+        out = {"loss": mean(losses), "clip_fraction": mean(cat("clip")), "grad_norm": mean(t.grad_norm),
                "entropy": es / en if en else 0.0,
                "logprob_mismatch_mean": ms / mn if mn else 0.0,
                "logprob_mismatch_max": max(q["mism_max"] for q in parts), "updates": updates}
@@ -257,6 +260,54 @@ class PolicyUpdate:
                        policy_ratio_min=min(q["ratio"][2] for q in parts),
                        policy_ratio_max=max(q["ratio"][3] for q in parts))
         return out
+
+class _Noise:
+    """The step's AQN noise for training passes (aqn_in_training): the same Z as the rollout's, entered per pass."""
+
+    def __init__(self, inp: UpdateInputs, sigma: float, seed: int):
+        self.on = inp.cfg.aqn_in_training and inp.aqn is not None and sigma > 0
+        self.aqn, self.sigma, self.seed = inp.aqn, sigma, seed
+
+    def __call__(self):
+        return self.aqn.applied(self.sigma, self.seed) if self.on else contextlib.nullcontext()
+
+
+@dataclass
+class _Tally:
+    """What a step's updates collect across their micro-batches, for its metrics (this rank's)."""
+    loss: list = field(default_factory=list)          # an update's summed micro-batch losses
+    grad_norm: list = field(default_factory=list)
+    clip_fraction: list = field(default_factory=list)
+    kl: list = field(default_factory=list)
+    entropy_mask_fraction: list = field(default_factory=list)
+    clip_low: list = field(default_factory=list)
+    clip_high: list = field(default_factory=list)
+    is_mean: list = field(default_factory=list)       # a micro-batch's mean rollout-correction weight
+    is_min: list = field(default_factory=list)
+    is_max: list = field(default_factory=list)
+    ent: list = field(default_factory=list)           # token entropies of the pre-update policy
+    mism: list = field(default_factory=list)          # |pre-update policy - rollout| logprob, a token
+    mism_max: float = 0.0
+    ratios: list = field(default_factory=list)        # policy / behaviour probability, a token
+
+    def add_loss_stats(self, st: dict) -> None:
+        self.clip_fraction.append(st["clip_fraction"])
+        for k in ("entropy_mask_fraction", "kl", "clip_low", "clip_high"):
+            if k in st:
+                getattr(self, k).append(st[k])
+
+    def add_mismatch(self, diff: torch.Tensor) -> None:
+        d = diff.abs()
+        if d.numel():
+            self.mism.append(d)
+            self.mism_max = max(self.mism_max, float(d.max()))
+            self.ratios.append(diff.detach().float().exp())
+
+    def add_is_weights(self, w: torch.Tensor, any_token) -> None:
+        self.is_mean.append(float(w.mean()) if any_token else 1.0)
+        if w.numel():  # TRL's sampling/importance_sampling_ratio/min and /max
+            self.is_min.append(float(w.min()))
+            self.is_max.append(float(w.max()))
 
 
 def trl_names(out: dict, cat, mean) -> dict:
