@@ -115,26 +115,34 @@ def test_save_total_limit_below_one_is_refused(cli, tmp_path, limit, no_model_lo
     assert rc == 2 and "'save_total_limit'" in err and "delete every checkpoint" in err
 
 
-def test_the_offline_alias_is_written_as_a_base_peft_can_load(tmp_path, monkeypatch, base, adapter):
-    """base_model_name_or_path 'smollm2' is no model PEFT knows: the converted folder (when present) or
-    the hub id is written; AutoPeftModelForCausalLM then loads base + adapter."""
-    from peft import AutoPeftModelForCausalLM
-
-    from qerl.checkpoint.peft_adapter import peft_base_name
-
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
-    assert peft_base_name("smollm2") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert peft_base_name("/some/folder") == "/some/folder"
+def test_the_offline_alias_is_named_by_its_hub_id_and_loads_from_the_copy_it_was_trained_on(tmp_path, monkeypatch,
+                                                                                            base, adapter):
+    """The offline default's adapter names the hub model its GGUF was made from (portable: PEFT finds it on
+    any machine online) and records the converted folder it was trained on: qerl loads that exact copy while
+    it exists, PEFT loads the adapter on it, and on a machine without it the hub id is what is left."""
     import shutil
 
-    shutil.copytree(base, tmp_path / "cache" / "SmolLM2-135M-Instruct")  # stands in for the converted model
-    from qerl.checkpoint import load_adapter, save_adapter
-    from qerl.model import load_policy
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-    pol = load_policy(str(base), "nvfp4", lora_rank=4, device="cpu", dtype=torch.float32, progress=False)
+    from qerl.checkpoint import load_adapter, save_adapter
+    from qerl.checkpoint.peft_adapter import peft_base_name, recorded_base_local
+    from qerl.model import load_policy
+    from qerl.model.adapter_start import base_of, base_to_load
+
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
+    assert peft_base_name("smollm2") == hub and peft_base_name("/some/folder") == "/some/folder"
+    local = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    shutil.copytree(base, local)  # stands in for the converted model
+    pol = load_policy(str(local), "nvfp4", lora_rank=4, device="cpu", dtype=torch.float32, progress=False)
     load_adapter(pol, adapter)
     save_adapter(pol.model, tmp_path / "a", base_model_name_or_path="smollm2")  # as the trainer saves
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
-    assert cfg["base_model_name_or_path"] == str((tmp_path / "cache" / "SmolLM2-135M-Instruct").resolve())
-    m = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "a"))
+    assert cfg["base_model_name_or_path"] == hub
+    assert recorded_base_local(tmp_path / "a") == local.resolve()
+    assert base_to_load(tmp_path / "a") == str(local.resolve()) and base_of(tmp_path / "a") == hub
+    m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_to_load(tmp_path / "a")), tmp_path / "a")
     assert m.peft_config["default"].r == 4
+    shutil.rmtree(local)  # the adapter on another machine
+    assert recorded_base_local(tmp_path / "a") is None and base_to_load(tmp_path / "a") == hub

@@ -64,6 +64,24 @@ def test_a_fresh_run_into_a_used_folder_is_refused_and_nothing_changes(run):
     assert not (run / LOCK).exists()
 
 
+def test_the_used_folders_resume_hint_is_the_command_as_the_user_ran_it(tmp_path, monkeypatch):
+    """The README runs `.venv/bin/qerl`, whose folder is not on the PATH: the hint must paste as is."""
+    import sys
+
+    from qerl.train.run_folder import refuse_or_clear
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "qerl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(venv / "qerl"), "train"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RunFolderError) as e:
+        refuse_or_clear(tmp_path, overwrite=False)
+    assert f"`venv/bin/qerl train --resume {tmp_path}`" in str(e.value), str(e.value)
+
+
 def test_overwrite_output_dir_replaces_the_earlier_run_entirely(run):
     _trainer(run, max_steps=1, overwrite_output_dir=True).train()
     # the old checkpoint-2 would outrank the new run's checkpoint-1 in rotation and resume

@@ -28,7 +28,7 @@ from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-INFO_NAME = "qerl_adapter.json"  # what PEFT's config has no field for: the base format the adapter was trained on
+INFO_NAME = "qerl_adapter.json"  # what PEFT's config has no field for: the base's format and the folder it was read from
 HUB_IDS = dict.fromkeys(("smollm2", "smollm2-135m-instruct"), "HuggingFaceTB/SmolLM2-135M-Instruct")
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 PREFIX = "base_model.model."
@@ -75,17 +75,31 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str] | str:
 
 
 def peft_base_name(name: str | None) -> str | None:
-    """A base_model_name_or_path PEFT can load: qerl's offline alias becomes its converted folder when
-    present (the exact base), else its hub id; a local folder becomes absolute; hub ids pass through."""
+    """A base_model_name_or_path PEFT can load anywhere: qerl's offline alias becomes its hub id (the
+    model the offline GGUF was made from); a local folder becomes absolute; hub ids pass through. The
+    folder the base was really loaded from is kept beside the adapter (`base_local`, qerl_adapter.json)."""
     if name is None:
         return None
-    if name.lower() not in HUB_IDS:
-        local = Path(name).expanduser()
-        return str(local.resolve()) if local.is_dir() else name  # absolute: PEFT reads it from any folder
-    from ..model.smollm2 import cache_dir
+    if name.lower() in HUB_IDS:
+        return HUB_IDS[name.lower()]
+    local = Path(name).expanduser()
+    return str(local.resolve()) if local.is_dir() else name  # absolute: PEFT reads it from any folder
 
-    local = cache_dir() / "SmolLM2-135M-Instruct"
-    return str(local.resolve()) if (local / "config.json").is_file() else HUB_IDS[name.lower()]
+
+def recorded_base_local(adapter_dir) -> Path | None:
+    """The local folder the adapter's base was loaded from when it was trained (the offline model's
+    converted copy, exactly the weights it saw), if recorded and still there; else None."""
+    info = _read_info(adapter_dir)
+    p = info.get("base_local")
+    return Path(p) if isinstance(p, str) and (Path(p) / "config.json").is_file() else None
+
+
+def _read_info(adapter_dir) -> dict:
+    try:
+        info = json.loads((Path(adapter_dir) / INFO_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _base_quant(layers: dict[str, QLoRALinear]) -> str | None:
@@ -95,11 +109,7 @@ def _base_quant(layers: dict[str, QLoRALinear]) -> str | None:
 
 def recorded_base_quant(adapter_dir) -> str | None:
     """The base format `save_adapter` recorded next to the adapter (None: not recorded, e.g. PEFT's own)."""
-    try:
-        info = json.loads((Path(adapter_dir) / INFO_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    q = info.get("base_quant") if isinstance(info, dict) else None
+    q = _read_info(adapter_dir).get("base_quant")
     return q if isinstance(q, str) else None
 
 
@@ -139,10 +149,14 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     else:
         raise ValueError(f"save_adapter: scaling {scaling} is neither lora_alpha/r ({alpha / r}) nor "
                          f"lora_alpha/sqrt(r) (rsLoRA, {alpha / math.sqrt(r)}); PEFT cannot express it")
+    src = getattr(policy, "source", None) if policy is not None else None
+    src = src or getattr(getattr(model, "config", None), "_name_or_path", None)  # a bare model: its config's
     if base_model_name_or_path is None:
-        src = getattr(policy, "source", None) if policy is not None else None
-        base_model_name_or_path = str(src) if src else getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        base_model_name_or_path = str(src) if src else None
     base_model_name_or_path = peft_base_name(base_model_name_or_path)
+    # where the base was loaded from, when the config names it otherwise (the offline model: its hub id)
+    base_local = str(Path(src).resolve()) if src and Path(src).is_dir() else None
+    base_local = base_local if base_local != base_model_name_or_path else None
 
     config = {
         "peft_type": "LORA",
@@ -183,9 +197,9 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     with atomic_folder(out_dir, keep_existing=True) as tmp:
         write_safetensors(tmp / WEIGHTS_NAME, entries(tensors))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        quant = _base_quant(layers)
-        if quant:
-            (tmp / INFO_NAME).write_text(json.dumps({"base_quant": quant}) + "\n")
+        info = {k: v for k, v in (("base_quant", _base_quant(layers)), ("base_local", base_local)) if v}
+        if info:
+            (tmp / INFO_NAME).write_text(json.dumps(info) + "\n")
         if checksums:
             from .checksums import write_checksums
 

@@ -61,11 +61,11 @@ def check_length(positions: int | None, prompt_tokens: int, new_tokens: int, wha
 def split_adapter_start(model: str, adapter: str | None) -> tuple[str, str | None]:
     """MODEL given as an adapter folder (`runs/sft/adapter`, or the model a run started from): its base,
     with that adapter unless another is given (an adapter trained from an adapter holds the whole LoRA)."""
-    from ..model.adapter_start import adapter_folder, base_of
+    from ..model.adapter_start import adapter_folder, base_to_load
 
     if adapter_folder(model) is None:
         return model, adapter
-    return base_of(model), adapter or str(model)
+    return base_to_load(model), adapter or str(model)
 
 
 def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None, new_tokens: int | None = None,

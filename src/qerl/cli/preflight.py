@@ -79,7 +79,7 @@ def model_to_check(name: str) -> str:
     """The model folder (or hub id) behind `model_name_or_path`: an adapter folder (`qerl sft`'s
     runs/sft/adapter) is its base, after its adapter_config.json is read (the trainer starts from the
     adapter on that base; the folder itself has no config.json)."""
-    from ..model.adapter_start import adapter_folder, base_of
+    from ..model.adapter_start import adapter_folder, base_to_load
 
     folder = adapter_folder(name)
     if folder is None:
@@ -87,7 +87,7 @@ def model_to_check(name: str) -> str:
     from ..checkpoint.peft_adapter import _read_config
 
     _read_config(folder)
-    return base_of(name)
+    return base_to_load(name)
 
 
 def preflight(cfg):

@@ -30,6 +30,20 @@ def base_of(name_or_path) -> str:
     return str(name_or_path)
 
 
+def base_to_load(name_or_path) -> str:
+    """The folder to load an adapter folder's base from: the one it was trained on when recorded and still
+    here (qerl_adapter.json's base_local: the offline model's converted copy, which its config names by hub
+    id), else the base its config names (base_of). Any other name unchanged."""
+    folder = adapter_folder(name_or_path)
+    if folder is not None:
+        from ..checkpoint.peft_adapter import recorded_base_local
+
+        local = recorded_base_local(folder)
+        if local is not None:
+            return str(local)
+    return base_of(name_or_path)
+
+
 def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
     """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it."""
     from ..checkpoint.peft_adapter import _read_config, load_adapter
@@ -50,6 +64,9 @@ def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
         base = _read_config(inner).get("base_model_name_or_path")
         if not base:
             raise ValueError(f"{inner}/adapter_config.json: no base_model_name_or_path")
+    from ..checkpoint.peft_adapter import recorded_base_local
+
+    base = str(recorded_base_local(folder) or base)  # the exact weights it was trained on, when still here
     r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
     asked = (kw.get("lora_rank"), kw.get("lora_alpha"))
     if asked != (r, alpha) and kw.get("progress", True):

@@ -156,8 +156,11 @@ def refuse_or_clear(folder, overwrite: bool) -> None:
     if not found:
         return
     if not overwrite:
+        from ..cli.invocation import qerl_command  # the hint as the user can paste it (.venv/bin/qerl, python -m qerl)
+
         shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-        raise RunFolderError(f"{folder} already holds a run ({shown}); continue it with `qerl train --resume {folder}`"
+        raise RunFolderError(f"{folder} already holds a run ({shown}); continue it with `{qerl_command()} train --resume "
+                             f"{folder}`"
                              f", start afresh there with --overwrite_output_dir (deletes that run), or choose "
                              f"another --output_dir")
     for n in found + ["config.yaml"]:
