@@ -5,6 +5,9 @@ unary + and -, parentheses); anything else (names, calls, attributes, strings) i
 type. Work is bounded before it happens: the text's length, the tree's depth, every intermediate
 value's magnitude, and a power's result size estimated from its operands before it is computed
 (so 9**9**9 is refused, not attempted).
+
+`one_operation_calculator` is the same arithmetic limited to one binary operation per call (a sign on
+a number is no operation): the chained tool task offers it, so longer expressions take a chain of calls.
 """
 
 from __future__ import annotations
@@ -119,3 +122,37 @@ def calculator(expression: str) -> str:
         expression: An arithmetic expression using numbers, + - * / // % ** and parentheses, e.g. "(12 + 7) * 3".
     """
     return format_number(evaluate(expression))
+
+
+def operations(expression: str) -> list[str]:
+    """The binary operators of an arithmetic expression, in the tree's order ('7 * 3 - 2' -> ['-', '*']);
+    a sign on a number is no operation. CalculatorError when it does not parse."""
+    text = expression.strip().replace("×", "*").replace("÷", "/").replace("−", "-")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise CalculatorError(f"cannot parse {text[:80]!r}: {getattr(e, 'msg', e)}") from None
+    return [_SYMBOL.get(type(n.op), type(n.op).__name__) for n in ast.walk(tree) if isinstance(n, ast.BinOp)]
+
+
+_SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**"}
+
+
+def one_operation_calculator(expression: str) -> str:
+    """One arithmetic operation on two numbers.
+
+    Args:
+        expression: One operation, e.g. "12 * 7" or "-5 + 30".
+    """
+    # the chained tool task's calculator (tasks/tool_arithmetic.py, dataset chain_arithmetic): a whole
+    # expression is refused, so the model must order the operations and carry each result into the next call
+    if not isinstance(expression, str):
+        raise CalculatorError(f"the expression must be a string, got {type(expression).__name__}")
+    if len(expression) > MAX_CHARS:
+        raise CalculatorError(f"the expression is {len(expression)} characters long (at most {MAX_CHARS})")
+    ops = operations(expression)
+    if len(ops) != 1:
+        raise CalculatorError(f"one operation per call: {expression.strip()[:80]!r} has {len(ops)}"
+                              + (f" ({', '.join(ops)})" if ops else "")
+                              + "; call once per operation and write earlier results as numbers")
+    return calculator(expression)
