@@ -23,8 +23,13 @@ sorted by expert (as vLLM's moe_align_block_size, without the padding torch._gro
 need), the hit experts dequantized a chunk at a time (at most `expert_chunk` of them: a whole layer
 of gpt-oss-120b's experts is 6 GB in bf16) and one grouped matmul per projection, LoRA's shrink and
 expand grouped the same way. It equals the loop (tests/test_moe_grouped.py) but is not the default:
-not yet measured on a device. Decode as a grouped GEMV over the active experts reusing the W4 kernels
-is not built.
+not yet measured on a device.
+
+Decode (`KernelSettings.moe_gemv`, off by default): a no-grad call of at most moe_gemv.MAX_TOKENS tokens
+on CUDA runs each projection as one grouped 4-bit GEMV over the hit experts (kernels/moe_gemv.py: only
+their bytes read, each once, decoded in registers, no host sync), with LoRA, biases, gating and the
+combine in torch around it. It equals the loop in Triton's interpreter (tests/test_moe_gemv.py); not
+yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -153,6 +158,8 @@ class QuantExperts(nn.Module):
         same order and with the same operations, on each hit expert's dequantized weights."""
         if self.routing_log is not None:
             self.routing_log.append(top_k_index.detach().clone())
+        if self._gemv_applies(hidden_states):
+            return self._gemv_forward(hidden_states, top_k_index, top_k_weights)
         if self.grouped:
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
@@ -208,6 +215,48 @@ class QuantExperts(nn.Module):
                                            torch.diff(ends, prepend=ends.new_zeros(1)))
             y = y + bias[rows]
         return y
+
+    def _gemv_applies(self, h: torch.Tensor) -> bool:
+        """The decode GEMV: switched on, no autograd (the kernel has no backward), a format and batch it takes."""
+        from ..kernels import settings, triton_backend
+
+        ks = settings.current()
+        if not (ks.moe_gemv and ks.kernels and triton_backend.HAVE_TRITON) or torch.is_grad_enabled():
+            return False
+        from ..kernels import moe_gemv
+
+        return moe_gemv.supports(h, self.fmt)
+
+    def _gemv_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert, one grouped GEMV per projection; each token's contributions are added
+        in expert order, as _grouped_forward adds them. Pairs of the "no expert" index E add nothing."""
+        from ..kernels import moe_gemv
+
+        rt = moe_gemv.route(idx, self.num_experts)
+        y = self._gemv_project("gate_up_proj", h, rt.token, rt)
+        y = self._gemv_project("down_proj", self.glu(y), None, rt)
+        y = y * wts.reshape(-1)[rt.order, None]
+        y = torch.where(rt.valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))  # unwritten rows
+        out = torch.zeros_like(h)
+        out.index_add_(0, rt.token, y.to(out.dtype))
+        return out
+
+    def _gemv_project(self, proj: str, x: torch.Tensor, rows: torch.Tensor | None, rt) -> torch.Tensor:
+        """[P, N]: pair p's input (x[rows[p]], or x[p] if rows is None) times its expert's weight, + LoRA, + bias."""
+        from ..kernels import moe_gemv
+
+        y = moe_gemv.grouped_gemv(x, rows, rt, self.fmt, self.stacked(proj), self.shapes[proj])
+        if self.r and not self.disable_adapters:  # per-expert shrink and expand on the slots' rows (as grouped)
+            from .grouped_mm import grouped_mm
+
+            xs = x if rows is None else x[rows]
+            # One more group past the slots holds the "no expert" pairs (any factors: their rows are dropped).
+            ids = torch.cat([rt.slot_expert, rt.slot_expert[:1]]).long()
+            a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [S+1, r, K], [S+1, N, r]
+            s = grouped_mm(xs.to(a.dtype), a.transpose(-2, -1), rt.ends)
+            y = y + grouped_mm(s, b.transpose(-2, -1), rt.ends).to(y.dtype) * self.scaling
+        bias = self.bias(proj)
+        return y if bias is None else y + bias[rt.expert]
 
 
 def quantize_experts(model: nn.Module, fmt="nvfp4") -> list[str]:

@@ -1,0 +1,219 @@
+"""A grouped 4-bit GEMV for MoE decode: y = x_t·W_eᵀ for every (token t, chosen expert e), one launch
+per projection, reading only the chosen experts' packed bytes.
+
+What it does. The token-expert pairs of a step (top_k_index [T, k]) are sorted by expert with torch
+ops (`route`, no host sync). The grid is (slot, N block): a slot is one hit expert, and each program
+streams its BLOCK_N rows of that expert's NVFP4 (or MXFP4) codes and block scales once, decoding them
+in registers (w4_decode, as the dense W4 kernel in w4_matmul does), and multiplies them against all of
+that expert's tokens at once (at most BLOCK_M = 64 a chunk; decode has a handful), in fp32. NVFP4's
+per-expert 1/global-scale multiplies the accumulator. The slots are padded to min(E, T·k), the most
+experts a step can hit, so the grid is known without reading the routing on the host; a padding slot
+has no tokens and its programs do nothing. QuantExperts keeps the rest in torch (the LoRA shrink and
+expand, biases, the gating, the combine with routing weights).
+
+Why. QuantExperts' loop (transformers' own) dequantizes each hit expert to bf16 and then multiplies:
+the 4-bit bytes are read, 2 bytes a weight written, and read again by the matmul, 3.6 + 3.6 + 1 =
+~8.1x the bytes of the 4-bit expert (more in practice: the torch dequantize makes fp32 temporaries),
+and one host sync per layer to list the hit experts. Decode is bandwidth-bound, so the bytes are the time.
+
+Roofline for one decode step of Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8, hidden 2048, expert
+intermediate 768), NVFP4 experts (0.5 byte a weight + 1/16 byte of FP8 scale):
+  one expert: gate_up [1536, 2048] 1.77 MB + down [2048, 768] 0.88 MB = 2.65 MB (bf16: 9.44 MB).
+  batch 1: 8 experts x 48 layers = 384 expert reads = 1.02 GB -> 0.21 ms at 4.8 TB/s (H200).
+           Dequantize-per-hit moves >= 384 x (2.65 + 2 x 9.44) MB = 8.3 GB -> >= 1.7 ms.
+  batch 64: 512 pairs a layer; uniform routing hits 128·(1 - (120/128)^64) = 125.9 experts a layer
+           (nearly all), 125.9 x 2.65 MB x 48 = 16.0 GB -> 3.3 ms, each expert read once for its ~4
+           tokens. Per hit it would be >= 130 GB -> >= 27 ms. FLOPs: 512 x 2 x 4.72 M x 48 = 0.23 TFLOP,
+           ~0.25 ms of the H200's bf16 tensor cores: still bandwidth-bound.
+Activations (x, y: at most 64 x 2048 x 2 bytes a projection) are under 1 % of these bytes.
+
+Status: tested on the CPU in Triton's interpreter only (tests/test_moe_gemv.py: float64 reference,
+NVFP4 and MXFP4, and QuantExperts with the switch on equal to off). It has NOT yet been run on a GPU:
+the PTX decode branch (ASM, bf16 on CUDA) and the tile sizes are untested and unmeasured. Off by
+default (KernelSettings.moe_gemv). No split-K: at batch 1, 8 experts x 24-32 N blocks give 192-256
+programs for the 132 SMs of an H100/H200; a measurement should decide whether it needs one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
+from .w4_decode_consts import ASM_SHIFT
+from .weight_state import WeightState
+
+FMT_IDS = {"nvfp4": 0, "mxfp4": 1}
+MAX_TOKENS = 64  # decode batches; above this the grouped or per-expert path dequantizes once per expert anyway
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
+# Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
+RUN_ON_CPU_INTERPRETER = False
+_STATE: WeightState[tuple] = WeightState()
+
+
+def supports(x: torch.Tensor, fmt) -> bool:
+    """Standard-layout NVFP4/MXFP4 experts, a decode-sized batch, on CUDA (or the interpreter in tests)."""
+    if fmt.layout != "standard" or fmt.name not in FMT_IDS:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_TOKENS:
+        return False
+    return x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+
+
+@dataclass
+class Routing:
+    """Token-expert pairs sorted by expert (P = T·k pairs, S = min(E, P) slots), all on the device.
+
+    A pair whose index is E (transformers' "no expert" class, which its loop skips) sorts last, is in no
+    slot and has valid = False: its rows of a projection's output are never written."""
+
+    order: torch.Tensor        # [P] the pair's flat index into top_k_index
+    token: torch.Tensor        # [P] its token
+    expert: torch.Tensor       # [P] its expert (clamped to E-1 for invalid pairs, so gathers stay in range)
+    valid: torch.Tensor        # [P] bool
+    slot_expert: torch.Tensor  # [S] int32: hit experts ascending, then unhit ones (count 0)
+    slot_start: torch.Tensor   # [S] int32: first sorted pair of the slot
+    slot_count: torch.Tensor   # [S] int32
+    ends: torch.Tensor         # [S + 1] int32: cumulative slot counts, then P (grouped_mm's offsets)
+    tokens: int                # T: no expert has more pairs (top-k picks an expert at most once a token)
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Sort a step's pairs by expert with torch ops only (no host sync, so decode can stay asynchronous)."""
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).clamp(0, num_experts)
+    p = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    # Not bincount: on CUDA it reads the largest index back to the host to size its output.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))[:num_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    slots = min(num_experts, p)
+    # Stable sort on "unhit": the hit experts first, in ascending order, so the slots' rows are consecutive.
+    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)[:slots]
+    slot_count = counts[slot_expert].to(torch.int32)
+    expert = flat[order]
+    ends = torch.cat([torch.cumsum(slot_count, 0, dtype=torch.int32), slot_count.new_full((1,), p)])
+    return Routing(order, order // k, expert.clamp(max=num_experts - 1), expert < num_experts,
+                   slot_expert.to(torch.int32), starts[slot_expert].to(torch.int32), slot_count, ends, p // k)
+
+
+def prepare(fmt, tensors: dict[str, torch.Tensor]) -> tuple:
+    """(fmt_id, packed [E, N, K/2], raw scales [E, N, K/G], factor [E] or None, asm factor [E], MXFP4 shift),
+    once per stacked weight: the epilogue factor is NVFP4's 1/global-scale per expert, times 2^ASM_SHIFT
+    (NVFP4) or 2^shift (MXFP4) for the PTX decode (w4_decode), as triton_backend prepares dense weights."""
+    return _STATE.get(tensors["weight_packed"], lambda: _build(fmt, tensors))
+
+
+def _build(fmt, tensors):
+    fid = FMT_IDS[fmt.name]
+    packed, scale = tensors["weight_packed"], tensors["weight_scale"].view(torch.uint8)
+    if fid == 0:
+        inv = 1.0 / tensors["weight_global_scale"].to(torch.float32).reshape(-1)
+        return fid, packed, scale, inv, inv * 2.0**ASM_SHIFT, 0
+    shift = max(0, int(scale.max()) - 128)  # one sync per weight, as the dense MXFP4 path
+    return fid, packed, scale, None, torch.full((packed.shape[0],), 2.0**shift, device=packed.device), shift
+
+
+@triton.jit
+def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
+                         slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
+                         FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
+                         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    G: tl.constexpr = 16 if FMT == 0 else 32
+    slot = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_count_ptr + slot)
+    rows_n = offs_n.to(tl.int64)
+    q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
+    s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
+    offs_kh = tl.arange(0, BLOCK_K // 2)
+    offs_kg = tl.arange(0, BLOCK_K // G)
+    offs_k = tl.arange(0, BLOCK_K)
+    for m0 in range(0, count, BLOCK_M):  # one pass in decode (count <= T <= BLOCK_M); none for a padding slot
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        pair = start + offs_m
+        if GATHER:  # x row of each pair (gate_up reads the token's hidden state)
+            xr = tl.load(rows_ptr + pair, mask=m_mask, other=0).to(tl.int64)
+        else:  # x already in pair order (down reads the gated gate_up output)
+            xr = pair.to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kh = k0 // 2 + offs_kh
+            p = tl.load(q_rows + kh[None, :], mask=n_mask[:, None] & (kh[None, :] < K // 2), other=0,
+                        eviction_policy="evict_first")
+            kg = k0 // G + offs_kg
+            s = tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G), other=0,
+                        eviction_policy="evict_first")
+            if ASM:  # GPU bf16: PTX decode, even and odd k in two dots (as w4_matmul's fused kernel)
+                w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
+                ke = k0 + 2 * offs_kh
+                xmask = m_mask[:, None] & (ke[None, :] < K)
+                xe = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
+                xo = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
+                acc += tl.dot(w_even, tl.trans(xe))
+                acc += tl.dot(w_odd, tl.trans(xo))
+            else:
+                w = decode_tile(p, s, s_ptr, FMT, BF16, BLOCK_N, BLOCK_K)  # (lut unused for FP4)
+                kk = k0 + offs_k
+                x = tl.load(x_ptr + xr[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                            other=0)
+                acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+        if HAS_FAC:
+            acc = acc * tl.load(fac_ptr + e)
+        ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _use_asm(x: torch.Tensor) -> bool:
+    from . import settings
+
+    return settings.current().ptx_decode and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, fmt, tensors: dict[str, torch.Tensor],
+                 shape: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [P, N] in x's dtype, row p = x[rows[p]]·W_{e(p)}ᵀ for each sorted pair p in a slot (other rows
+    untouched). x [M, K] with contiguous rows; rows [P] (None: x is already [P, K] in pair order);
+    tensors: the format's tensors stacked over experts; shape: one expert's (N, K)."""
+    n, k = shape
+    fid, packed, scale, fac, fac_asm, mx_shift = prepare(fmt, tensors)
+    g = GROUP[fid]
+    if k % g or packed.shape[1:] != (n, k // 2) or scale.shape[1:] != (n, k // g):
+        raise ValueError(f"{fmt.name} experts of shape {shape}: expected packed [E, {n}, {k // 2}] and scales "
+                         f"[E, {n}, {k // g}] with K a multiple of {g} "
+                         f"(got {tuple(packed.shape)}, {tuple(scale.shape)})")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    pairs = routing.order.numel()
+    y = out if out is not None else torch.empty(pairs, n, device=x.device, dtype=x.dtype)
+    asm = _use_asm(x)
+    factor = fac_asm if asm else fac
+    grid = (routing.slot_expert.numel(), triton.cdiv(n, BLOCK_N))
+    block_k = min(BLOCK_K, max(g, triton.next_power_of_2(k)))
+    block_m = min(BLOCK_M, max(16, triton.next_power_of_2(routing.tokens)))  # 16: tl.dot's least N
+    _grouped_gemv_kernel[grid](
+        x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
+        routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
+        FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
+    return y
+
+
+def roofline_bytes(num_hit: int, fmt_id: int, shapes: list[tuple[int, int]]) -> int:
+    """Fewest weight bytes one layer's decode moves: codes + block scales of each hit expert, all projections."""
+    return num_hit * sum(n * k // 2 + n * k // GROUP[fmt_id] for n, k in shapes)
+
+
+__all__ = ["route", "grouped_gemv", "supports", "prepare", "Routing", "roofline_bytes", "MAX_TOKENS"]
