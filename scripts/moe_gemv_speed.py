@@ -1,0 +1,70 @@
+"""One Qwen3-30B-A3B MoE layer's experts on the GPU: the grouped 4-bit GEMV (KernelSettings.moe_gemv)
+against QuantExperts' loop (each hit expert dequantized), batch 1 / 8 / 64, top-8 of 128 experts, random
+weights and routing; first their outputs compared. Prints µs a layer, bytes of the hit experts and the
+bandwidth that implies.
+
+    python scripts/moe_gemv_speed.py [--experts 128] [--hidden 2048] [--inter 768] [--top-k 8]
+"""
+
+import argparse
+
+import torch
+
+from qerl.kernels import settings
+from qerl.layers.quant_experts import QuantExperts
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--experts", type=int, default=128)
+ap.add_argument("--hidden", type=int, default=2048)
+ap.add_argument("--inter", type=int, default=768)
+ap.add_argument("--top-k", type=int, default=8)
+ap.add_argument("--batches", default="1,8,64")
+ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
+a = ap.parse_args()
+dt = getattr(torch, a.dtype)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+e, h, i = a.experts, a.hidden, a.inter
+g = torch.Generator(device=dev).manual_seed(0)
+gate_up = torch.randn(e, 2 * i, h, device=dev, generator=g, dtype=dt) * 0.02
+down = torch.randn(e, h, i, device=dev, generator=g, dtype=dt) * 0.02
+q = QuantExperts.quantize(gate_up, down, "nvfp4", lambda x: torch.nn.functional.silu(x[..., :i]) * x[..., i:],
+                          dt)
+del gate_up, down
+expert_bytes = 0.5625 * (2 * i * h + h * i)  # NVFP4: 4 bits + an FP8 scale per 16 weights
+
+
+def timed(fn, reps=20):
+    fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        t.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(t) * 1000 / reps
+    import time
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / reps
+
+
+print(f"{torch.cuda.get_device_name(0) if dev == 'cuda' else 'CPU'}; experts {e} x (gate_up {2 * i}x{h}, down {h}x{i}) "
+      f"NVFP4, top-{a.top_k}")
+print(f"{'T':>4} {'hit':>4} {'loop µs':>9} {'gemv µs':>9} {'x':>6} {'GB/s gemv':>10} {'max |diff|':>11}")
+with torch.no_grad():
+    for t in map(int, a.batches.split(",")):
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        idx = torch.stack([torch.randperm(e, device=dev)[: a.top_k] for _ in range(t)])
+        wts = torch.softmax(torch.randn(t, a.top_k, device=dev), -1).to(dt)
+        hit = idx.unique().numel()
+        want = q(x, idx, wts)
+        with settings.use(moe_gemv=True):
+            got = q(x, idx, wts)
+            us_gemv = timed(lambda: q(x, idx, wts))
+        us_loop = timed(lambda: q(x, idx, wts))
+        diff = (got.float() - want.float()).abs().max().item()
+        print(f"{t:>4} {hit:>4} {us_loop:>9.1f} {us_gemv:>9.1f} {us_loop / us_gemv:>5.2f}x "
+              f"{hit * expert_bytes / us_gemv / 1e3:>10.0f} {diff:>11.2e}")
