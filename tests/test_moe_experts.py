@@ -38,6 +38,18 @@ def tiny_moe(family):
     return m
 
 
+def add_random_expert_lora(model, seed: int = 2) -> None:
+    """Rank-4 LoRA on every QuantExperts with random B (PEFT's zero B would make the LoRA path a no-op)."""
+    from qerl.layers.quant_experts import QuantExperts
+
+    g = torch.Generator().manual_seed(seed)
+    for q in (x for x in model.modules() if isinstance(x, QuantExperts)):
+        q.add_lora(4, 8.0, torch.float32)
+        with torch.no_grad():
+            for p in q.lora_B.values():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.3)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_quantized_experts_equal_hf_on_the_dequantized_experts(family):
     """Same routing, same per-expert arithmetic: the whole model's logits are bit-identical to HF's with

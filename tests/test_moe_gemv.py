@@ -165,17 +165,12 @@ def _count_calls(monkeypatch):
 def test_model_logits_with_the_switch_on_equal_off(family, monkeypatch):
     """Whole tiny models (Qwen3-MoE; gpt-oss: transposed experts, biases, clamped interleaved gating), LoRA on
     the experts; and with autograd on the switch is ignored (the kernel has no backward)."""
-    from test_moe_experts import tiny_moe
+    from test_moe_experts import add_random_expert_lora, tiny_moe
     from test_moe_grouped import IDS
 
     m = tiny_moe(family).to(DEV)
     quantize_experts(m, "nvfp4")
-    g = torch.Generator().manual_seed(2)
-    for q in (x for x in m.modules() if isinstance(x, QuantExperts)):
-        q.add_lora(4, 8.0, torch.float32)
-        with torch.no_grad():
-            for p in q.lora_B.values():
-                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.3)
+    add_random_expert_lora(m)
     ids = IDS[:1].to(DEV)
     calls = _count_calls(monkeypatch)
     with torch.no_grad():

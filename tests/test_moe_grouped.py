@@ -9,7 +9,7 @@ from qerl.layers.grouped_mm import grouped_mm
 from qerl.layers.quant_experts import QuantExperts, quantize_experts
 from qerl.rollout import Engine, SamplingParams
 from test_families import PROMPTS
-from test_moe_experts import tiny_moe
+from test_moe_experts import add_random_expert_lora, tiny_moe
 
 IDS = torch.tensor([[5, 9, 30, 31, 32, 70, 100, 3, 4, 8, 12, 140, 7, 7, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
 
@@ -39,12 +39,7 @@ def test_grouped_mm_equals_per_group_matmuls_with_gradients():
 def test_grouped_path_equals_the_loop(family):
     m = tiny_moe(family)
     quantize_experts(m, "nvfp4")
-    g = torch.Generator().manual_seed(2)
-    for q in (x for x in m.modules() if isinstance(x, QuantExperts)):
-        q.add_lora(4, 8.0, torch.float32)
-        with torch.no_grad():
-            for p in q.lora_B.values():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    add_random_expert_lora(m)
     out = {}
     for grouped in (False, True):
         _set(m, grouped)
