@@ -1,16 +1,18 @@
-"""One Qwen3-30B-A3B MoE layer's experts on the GPU: the grouped 4-bit GEMV (KernelSettings.moe_gemv)
-against QuantExperts' loop (each hit expert dequantized), batch 1 / 8 / 64, top-8 of 128 experts, random
-weights and routing; first their outputs compared. Prints µs a layer, bytes of the hit experts and the
+"""One Qwen3-30B-A3B MoE layer's experts on the GPU: QuantExperts' loop (each hit expert dequantized),
+its grouped path (`grouped`: hit experts dequantized a chunk at a time, torch._grouped_mm) and, for
+decode batches, the grouped 4-bit GEMV (KernelSettings.moe_gemv), at 1 / 8 / 64 / 512 / 2048 tokens,
+top-8 of 128 experts, random weights and routing; the outputs compared with the loop's. Prints µs a layer, bytes of the hit experts and the
 bandwidth that implies.
 
     python scripts/moe_gemv_speed.py [--experts 128] [--hidden 2048] [--inter 768] [--top-k 8]
+    python scripts/moe_gemv_speed.py --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4  # gpt-oss-20b
 """
 
 import argparse
 
 import torch
 
-from qerl.kernels import settings
+from qerl.kernels import moe_gemv, settings
 from qerl.layers.quant_experts import QuantExperts
 
 ap = argparse.ArgumentParser()
@@ -18,7 +20,8 @@ ap.add_argument("--experts", type=int, default=128)
 ap.add_argument("--hidden", type=int, default=2048)
 ap.add_argument("--inter", type=int, default=768)
 ap.add_argument("--top-k", type=int, default=8)
-ap.add_argument("--batches", default="1,8,64")
+ap.add_argument("--batches", default="1,8,64,512,2048")
+ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
 ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
 a = ap.parse_args()
 dt = getattr(torch, a.dtype)
@@ -27,10 +30,10 @@ e, h, i = a.experts, a.hidden, a.inter
 g = torch.Generator(device=dev).manual_seed(0)
 gate_up = torch.randn(e, 2 * i, h, device=dev, generator=g, dtype=dt) * 0.02
 down = torch.randn(e, h, i, device=dev, generator=g, dtype=dt) * 0.02
-q = QuantExperts.quantize(gate_up, down, "nvfp4", lambda x: torch.nn.functional.silu(x[..., :i]) * x[..., i:],
+q = QuantExperts.quantize(gate_up, down, a.format, lambda x: torch.nn.functional.silu(x[..., :i]) * x[..., i:],
                           dt)
 del gate_up, down
-expert_bytes = 0.5625 * (2 * i * h + h * i)  # NVFP4: 4 bits + an FP8 scale per 16 weights
+expert_bytes = (0.5625 if a.format == "nvfp4" else 0.53125) * 3 * i * h  # 4 bits + a scale per 16 (32) weights
 
 
 def timed(fn, reps=20):
@@ -52,19 +55,29 @@ def timed(fn, reps=20):
 
 
 print(f"{torch.cuda.get_device_name(0) if dev == 'cuda' else 'CPU'}; experts {e} x (gate_up {2 * i}x{h}, down {h}x{i}) "
-      f"NVFP4, top-{a.top_k}")
-print(f"{'T':>4} {'hit':>4} {'loop µs':>9} {'gemv µs':>9} {'x':>6} {'GB/s gemv':>10} {'max |diff|':>11}")
+      f"{a.format}, top-{a.top_k}")
+print(f"{'T':>5} {'hit':>4} {'loop µs':>9} {'grouped µs':>10} {'gemv µs':>9} {'best/loop':>9} {'GB/s best':>10} "
+      f"{'|d| grouped':>11} {'|d| gemv':>9}")
 with torch.no_grad():
     for t in map(int, a.batches.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
         idx = torch.stack([torch.randperm(e, device=dev)[: a.top_k] for _ in range(t)])
         wts = torch.softmax(torch.randn(t, a.top_k, device=dev), -1).to(dt)
         hit = idx.unique().numel()
+        reps = 20 if t <= 64 else 5
         want = q(x, idx, wts)
-        with settings.use(moe_gemv=True):
-            got = q(x, idx, wts)
-            us_gemv = timed(lambda: q(x, idx, wts))
-        us_loop = timed(lambda: q(x, idx, wts))
-        diff = (got.float() - want.float()).abs().max().item()
-        print(f"{t:>4} {hit:>4} {us_loop:>9.1f} {us_gemv:>9.1f} {us_loop / us_gemv:>5.2f}x "
-              f"{hit * expert_bytes / us_gemv / 1e3:>10.0f} {diff:>11.2e}")
+        us_loop = timed(lambda: q(x, idx, wts), reps)
+        q.grouped = True
+        got_g = q(x, idx, wts)
+        us_grouped = timed(lambda: q(x, idx, wts), reps)
+        q.grouped = False
+        us_gemv, d_gemv = float("nan"), float("nan")
+        if t <= moe_gemv.MAX_TOKENS:
+            with settings.use(moe_gemv=True):
+                got = q(x, idx, wts)
+                us_gemv = timed(lambda: q(x, idx, wts), reps)
+            d_gemv = (got.float() - want.float()).abs().max().item()
+        d_grouped = (got_g.float() - want.float()).abs().max().item()
+        best = min(us_grouped, us_gemv) if us_gemv == us_gemv else us_grouped
+        print(f"{t:>5} {hit:>4} {us_loop:>9.1f} {us_grouped:>10.1f} {us_gemv:>9.1f} {us_loop / best:>8.2f}x "
+              f"{hit * expert_bytes / best / 1e3:>10.0f} {d_grouped:>11.2e} {d_gemv:>9.2e}", flush=True)
