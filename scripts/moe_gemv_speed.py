@@ -70,7 +70,7 @@ with torch.no_grad():
         q.grouped = True
         got_g = q(x, idx, wts)
         us_grouped = timed(lambda: q(x, idx, wts), reps)
-        q.grouped = False
+        q.grouped = None
         us_gemv, d_gemv = float("nan"), float("nan")
         if t <= moe_gemv.MAX_TOKENS:
             with settings.use(moe_gemv=True):

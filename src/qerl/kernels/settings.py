@@ -37,6 +37,10 @@ class KernelSettings:
     """CPU rollouts: fold unshrunk adapters into the cached dequantized weights and pack them for oneDNN."""
     ptx_decode: bool = True
     """The Triton kernels decode NVFP4/MXFP4 with inline PTX for bf16 (False: the portable decode)."""
+    moe_grouped: bool = False
+    """MoE forwards on CUDA (`kernels` on) take QuantExperts' grouped path: tokens sorted by expert, the hit
+    experts dequantized a chunk at a time, one torch._grouped_mm per projection (False: transformers' loop,
+    one matmul per hit expert). A module's own `grouped` (True/False) overrides this."""
     moe_gemv: bool = False
     """No-grad MoE forwards of few tokens (CUDA, T <= moe_gemv.MAX_TOKENS, `kernels` on) run each expert
     projection as one grouped 4-bit GEMV over the hit experts (kernels/moe_gemv.py) instead of dequantizing

@@ -18,9 +18,9 @@ of the two projections (checkpoint/expert_lora.py writes and reads PEFT's target
 and runs on each expert's own tokens as shrink and expand, (x·A_eᵀ)·B_eᵀ·scaling: W + BA is never
 formed in the forward (export merges it).
 
-`grouped = True` runs the other path the issue designs for the GPU (prefill and update): tokens
-sorted by expert (as vLLM's moe_align_block_size, without the padding torch._grouped_mm does not
-need), the hit experts dequantized a chunk at a time (at most `expert_chunk` of them: a whole layer
+`KernelSettings.moe_grouped` (or `grouped = True` on a module) runs the other path the issue designs
+for the GPU (prefill and update): tokens sorted by expert (as vLLM's moe_align_block_size, without
+the padding torch._grouped_mm does not need), the hit experts dequantized a chunk at a time (at most `expert_chunk` of them: a whole layer
 of gpt-oss-120b's experts is 6 GB in bf16) and one grouped matmul per projection, LoRA's shrink and
 expand grouped the same way. It equals the loop (tests/test_moe_grouped.py) but is not the default:
 not yet measured on a device.
@@ -68,7 +68,8 @@ class QuantExperts(nn.Module):
         self.r, self.lora_alpha, self.scaling = 0, 0.0, 0.0
         self.lora_A = self.lora_B = None
         self.disable_adapters = False  # layers.adapters_disabled: the base policy (KL reference, parity gate)
-        self.grouped, self.expert_chunk = False, 16
+        self.grouped: bool | None = None  # None: KernelSettings.moe_grouped decides; tests force one path
+        self.expert_chunk = 16
         self.routing_log: list | None = None  # layers/routing.py: record_routing appends each call's choices
 
     def add_lora(self, r: int, lora_alpha: float, dtype: torch.dtype | None = None) -> None:
@@ -160,7 +161,7 @@ class QuantExperts(nn.Module):
             self.routing_log.append(top_k_index.detach().clone())
         if self._gemv_applies(hidden_states):
             return self._gemv_forward(hidden_states, top_k_index, top_k_weights)
-        if self.grouped:
+        if self._grouped_applies(hidden_states):
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
@@ -215,6 +216,14 @@ class QuantExperts(nn.Module):
                                            torch.diff(ends, prepend=ends.new_zeros(1)))
             y = y + bias[rows]
         return y
+
+    def _grouped_applies(self, h: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        from ..kernels import settings
+
+        ks = settings.current()
+        return ks.moe_grouped and ks.kernels and h.is_cuda
 
     def _gemv_applies(self, h: torch.Tensor) -> bool:
         """The decode GEMV: switched on, no autograd (the kernel has no backward), a format and batch it takes."""
