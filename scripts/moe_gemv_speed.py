@@ -22,6 +22,7 @@ ap.add_argument("--inter", type=int, default=768)
 ap.add_argument("--top-k", type=int, default=8)
 ap.add_argument("--batches", default="1,8,64,512,2048")
 ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
+ap.add_argument("--profile", action="store_true", help="torch.profiler of the GEMV at T = 1 and 64 (GPU)")
 ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
 a = ap.parse_args()
 dt = getattr(torch, a.dtype)
@@ -81,3 +82,22 @@ with torch.no_grad():
         best = min(us_grouped, us_gemv) if us_gemv == us_gemv else us_grouped
         print(f"{t:>5} {hit:>4} {us_loop:>9.1f} {us_grouped:>10.1f} {us_gemv:>9.1f} {us_loop / best:>8.2f}x "
               f"{hit * expert_bytes / best / 1e3:>10.0f} {d_grouped:>11.2e} {d_gemv:>9.2e}", flush=True)
+
+if a.profile and dev == "cuda":  # where a decode call's time goes: GPU kernels against the host's launches
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), settings.use(moe_gemv=True):
+        for t in (1, 64):
+            x = torch.randn(t, h, device=dev, dtype=dt)
+            idx = torch.stack([torch.randperm(e, device=dev)[: a.top_k] for _ in range(t)])
+            wts = torch.softmax(torch.randn(t, a.top_k, device=dev), -1).to(dt)
+            q(x, idx, wts)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    q(x, idx, wts)
+                torch.cuda.synchronize()
+            ev = prof.key_averages()
+            gpu = sum(x.self_device_time_total for x in ev) / 10
+            print(f"== T={t} gemv: GPU kernel time {gpu:.1f} µs a call, {sum(x.count for x in ev if x.self_device_time_total > 0) // 10} kernels")
+            print(ev.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))

@@ -146,7 +146,8 @@ def test_quant_experts_switch_on_equals_off(fmt, monkeypatch):
         want = q(x, idx, wts)
         with settings.use(moe_gemv=True):
             got = q(x, idx, wts)
-    assert calls == [2] and torch.allclose(got, want, atol=1e-5)
+    # fp32 on a GPU: tl.dot multiplies in TF32 (10-bit mantissa), the loop's cuBLAS in full fp32
+    assert calls == [2] and torch.allclose(got, want, atol=1e-5 if not CUDA else 2e-3, rtol=0 if not CUDA else 2e-3)
 
 
 def _count_calls(monkeypatch):

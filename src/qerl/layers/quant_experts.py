@@ -144,6 +144,20 @@ class QuantExperts(nn.Module):
         """Expert e's dequantized [N, K] weight of `proj`."""
         return self.fmt.dequantize(self.tensors(proj, e), self.shapes[proj], dtype or self.dtype)
 
+    def weights(self, proj: str, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """[len(experts), N, K]: those experts' dequantized weights of `proj`, in one launch on the GPU
+        (kernels/moe_dequant.py, bit-equal to the format's dequantize), else one expert at a time."""
+        from ..kernels import settings, triton_backend
+
+        dev = next(iter(self.stacked(proj).values())).device
+        if dev.type == "cuda" and settings.current().kernels and triton_backend.HAVE_TRITON:
+            from ..kernels import moe_dequant
+
+            if self.fmt.name in moe_dequant.FMT_IDS:
+                ids = torch.tensor(experts, dtype=torch.int32).to(dev, non_blocking=True)
+                return moe_dequant.dequantize_experts(self.fmt, self.stacked(proj), ids, self.shapes[proj], dtype)
+        return torch.stack([self.weight(proj, e, dtype) for e in experts])
+
     def _project(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
         """x times expert e's weight (+ bias), written as HF's module writes it (x·W or linear(x, W))."""
         w = self.weight(proj, e, x.dtype)
@@ -201,10 +215,9 @@ class QuantExperts(nn.Module):
         return out
 
     def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        from .grouped_mm import grouped_mm
+        from .grouped_mm import frozen_grouped_mm, grouped_mm
 
-        w = torch.stack([self.weight(proj, e, x.dtype) for e in experts])  # [c, N, K]
-        y = grouped_mm(x, w.transpose(-2, -1), ends)
+        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, x.dtype), ends)
         if self.r and not self.disable_adapters:
             ids = torch.tensor(experts, device=x.device)
             a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
