@@ -13,9 +13,9 @@ kernels)
   timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe_dequant.py tests/test_moe_gemv.py tests/test_moe_grouped.py \
     tests/test_moe_gpu.py 2>&1 | tee $OUT/pytest_moe.log | tail -15
   echo "== Qwen3-30B-A3B expert layer (nvfp4, 128 experts, top-8)"
-  timeout 150 python3 scripts/moe_gemv_speed.py --profile 2>&1 | grep -v -i warn | tee $OUT/speed_qwen3.log
+  timeout 150 python3 scripts/moe_gemv_speed.py --profile --record --results-dir $R 2>&1 | grep -v -i warn | tee $OUT/speed_qwen3.log
   echo "== gpt-oss-20b expert layer (mxfp4, 32 experts, top-4)"
-  timeout 150 python3 scripts/moe_gemv_speed.py --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4 \
+  timeout 150 python3 scripts/moe_gemv_speed.py --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4 --record --results-dir $R \
     2>&1 | grep -v -i warn | tee $OUT/speed_gptoss.log ;;
 esac
 ls $R

@@ -22,6 +22,8 @@ ap.add_argument("--inter", type=int, default=768)
 ap.add_argument("--top-k", type=int, default=8)
 ap.add_argument("--batches", default="1,8,64,512,2048")
 ap.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4"])
+ap.add_argument("--record", action="store_true", help="append the figures to <results-dir>/moe.jsonl")
+ap.add_argument("--results-dir", default="benchmarks/results")
 ap.add_argument("--profile", action="store_true", help="torch.profiler of the GEMV at T = 1 and 64 (GPU)")
 ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
 a = ap.parse_args()
@@ -80,6 +82,15 @@ with torch.no_grad():
             d_gemv = (got.float() - want.float()).abs().max().item()
         d_grouped = (got_g.float() - want.float()).abs().max().item()
         best = min(us_grouped, us_gemv) if us_gemv == us_gemv else us_grouped
+        if a.record:
+            from pathlib import Path
+
+            from qerl.bench.record import record
+
+            case = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k} T={t}"
+            for metric, v in (("loop_us", us_loop), ("grouped_us", us_grouped), ("gemv_us", us_gemv)):
+                if v == v:
+                    record("moe", case, metric, v, "µs", results_dir=Path(a.results_dir))
         print(f"{t:>5} {hit:>4} {us_loop:>9.1f} {us_grouped:>10.1f} {us_gemv:>9.1f} {us_loop / best:>8.2f}x "
               f"{hit * expert_bytes / best / 1e3:>10.0f} {d_grouped:>11.2e} {d_gemv:>9.2e}", flush=True)
 
