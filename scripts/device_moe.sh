@@ -2,7 +2,8 @@
 # On the device: issue 39's GPU steps for MoE.
 #   bash scripts/device_moe.sh kernels   # GPU tests of the MoE paths (loop, grouped, decode GEMV), then one
 #                                        # expert layer's speed: loop vs grouped vs GEMV (Qwen3-30B-A3B, gpt-oss-20b)
-#   bash scripts/device_moe.sh step      # GRPO steps of random-weight MoE models in real shapes: peak memory
+#   SHAPE=qwen3-30b-a3b NEW=256 KV=3.4 bash scripts/device_moe.sh step   # one GRPO step of a random-weight
+#                                        # MoE in its real shape (fast MoE paths): time and peak memory
 # Logs go to $OUT, rows to $OUT/results/*.jsonl.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -17,5 +18,12 @@ kernels)
   echo "== gpt-oss-20b expert layer (mxfp4, 32 experts, top-4)"
   timeout 150 python3 scripts/moe_gemv_speed.py --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4 --record --results-dir $R \
     2>&1 | grep -v -i warn | tee $OUT/speed_gptoss.log ;;
+step)  # SHAPE (qwen3-30b-a3b | gpt-oss-120b), NEW tokens, KV GB: one GRPO step's peak memory, fast MoE paths
+  J=$OUT/json; mkdir -p $J
+  left=$((${LIMIT:-560} - SECONDS))
+  timeout $left python3 -m qerl.bench.step --shape ${SHAPE:-qwen3-30b-a3b} --prompts 8 --num-generations 8 \
+    --prompt-len 256 --max-new-tokens ${NEW:-256} --micro-batch 2 --steps 1 --optim adamw_torch \
+    --kv-cache-gb ${KV:-3.4} --json $J/${SHAPE:-qwen3-30b-a3b}.json --record --results-dir $R --out /tmp/bs_moe \
+    2>&1 | grep -v -i warn | tee $OUT/step.log | grep -E "^(== |   )" | tail -12 ;;
 esac
 ls $R

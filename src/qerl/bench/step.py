@@ -48,7 +48,9 @@ CMD = "qerl bench step"
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     """The arguments qerl's step and the TRL baseline share (same names, same defaults)."""
-    ap.add_argument("--shape", default="qwen2.5-7b", help="qwen2.5-0.5b | 7b | 14b | 32b | 72b (random weights)")
+    ap.add_argument("--shape", default="qwen2.5-7b",
+                    help="random weights in a model's shape: dense qwen2.5-0.5b | 7b | 14b | 32b | 72b, MoE "
+                         "qwen3-30b-a3b | gpt-oss-20b | gpt-oss-120b; toy: tiny | qwen3-moe-tiny | gpt-oss-tiny")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--num-generations", type=int, default=8, help="G: completions per prompt")
@@ -75,9 +77,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 
 
 def shape_config(a):
-    from ..model import qwen25_config
+    from ..model import shape_config as config_of
 
-    cfg = qwen25_config(a.shape, a.layers)
+    cfg = config_of(a.shape, a.layers)  # dense Qwen2.5 or MoE (model/random_init.py: QWEN25, MOE)
     cfg.eos_token_id = 1  # the synthetic tokenizer's <eos>
     return cfg
 
@@ -100,6 +102,8 @@ def case_name(a, quant: str) -> str:
         lv.append(VARIED_CASE)
     if getattr(a, "max_staleness", 0):
         lv.append(f"stale{a.max_staleness}")
+    if getattr(a, "moe_path", "fast") == "loop":
+        lv.append("moe-loop")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -152,6 +156,7 @@ WARMUP_NEW_TOKENS = 16  # the warm-up step's completions: kernels compile and gr
 
 
 def _run_case(a, pol, build_s) -> dict:
+    from ..model.family import family_of_model
     from ..rl import GRPOConfig, GRPOTrainer
     from ..rollout import SamplingParams
     from .synthetic import random_prompts, synthetic_verifier, varied_limits
@@ -178,6 +183,8 @@ def _run_case(a, pol, build_s) -> dict:
         if off is not None and getattr(pol.model, "is_gradient_checkpointing", False):
             off()  # a reused policy: the case decides
         n_rows = a.prompts * a.num_generations
+        # AQN noises Llama-style RMSNorms (w * x_hat); gpt-oss's norms, (w * x_hat).to(dtype), it refuses
+        res["aqn"] = aqn = family_of_model(pol.model).llama_norm
         kv_gb = a.kv_cache_gb
         if getattr(a, "kv_fraction", None):  # a KV budget holding this fraction of the step's rows at once
             from ..rollout.forward import ModelView
@@ -192,14 +199,18 @@ def _run_case(a, pol, build_s) -> dict:
             gradient_accumulation_steps=max(1, n_rows // _world() // a.micro_batch),  # one update a step
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
             gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
-            rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo",
+            rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo", aqn=aqn,
             # no parity gate: its 0.1-nat threshold is for trained weights. On random weights 48-80 layers
             # deep (14B-72B) the engine's and the trainer's bf16 roundings part by 0.13-0.3 nats
             # (H200, 2026-12-04), while the 7B shape passes; parity is tested on real weights (tests/)
             parity_check_steps=0, max_staleness=getattr(a, "max_staleness", 0),
             learning_rate=1e-5, save_steps=10**9, report_to="none", output_dir=str(Path(a.out) / "run"), seed=a.seed)
         phase = "setup"
+        from ..kernels.settings import KernelSettings
+
+        fast_moe = getattr(a, "moe_path", "fast") == "fast"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
+                         kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe),
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
@@ -422,6 +433,9 @@ def main(argv=None):
     ap.add_argument("--optim", default="adamw_8bit", help="adamw_8bit (bitsandbytes) | adamw_torch")
     ap.add_argument("--max-staleness", type=int, default=0, choices=[0, 1],
                     help="1: the next step's rollout runs during the update (GRPOConfig.max_staleness)")
+    ap.add_argument("--moe-path", default="fast", choices=["fast", "loop"],
+                    help="MoE experts: fast = the decode GEMV and the grouped prefill/update "
+                         "(KernelSettings.moe_gemv, moe_grouped); loop = transformers' loop over hit experts")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step with its logprob and update phases under torch.profiler (table in the log)")
     ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")
