@@ -7,8 +7,8 @@ optimizer state, the rollout's KV cache (allocated once, kept through the update
 the rollout's and the update's working memory (the update with gradient checkpointing: each layer's
 input kept, one layer recomputed at a time, the logits chunked). Quantized bytes come from the
 formats' own tensor shapes (`WeightFormat.nbytes`), so they are what the loader allocates; the
-working sets are upper-bound estimates. The figures are projections until `qerl bench step` measures
-an MoE step on a device (it builds dense Qwen2.5 shapes only so far).
+working sets are upper-bound estimates. The figures are projections; `qerl bench step --shape
+qwen3-30b-a3b` (or gpt-oss-20b / 120b) builds the shape with random weights on a GPU and measures a step.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class StepSettings:
     lora_rank: int = 32           # on attention (q, k, v, o); LoRA on experts is not in the trainer yet
     lora_bytes_per_param: int = 16  # fp32 factor, fp32 gradient, two fp32 AdamW moments (the worst case)
     prefill_chunk: int = 2048     # the engine's prefill chunk (tokens)
+    expert_chunk: int = 16        # experts dequantized at once by the grouped path (QuantExperts.expert_chunk),
+                                  # made again in the backward rather than saved (layers/grouped_mm.py)
     runtime_bytes: int = GIB      # CUDA context, cuBLAS workspaces, allocator slack (outside torch's count)
 
 
@@ -126,13 +128,14 @@ def plan_step(s: MoEShape, st: StepSettings = StepSettings()) -> StepMemory:
     kv = st.kv_rows * seq * kv_per_token
     q_kv = s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim
     moe_act = s.top_k * 3 * s.expert_intermediate            # gate|up out and the gated product, per token
-    one_expert = sum(o * i for o, i in expert_shapes(s)) * BF16  # dequantized when hit (CPU/torch path)
-    rollout = (st.prefill_chunk * (4 * s.hidden + q_kv + moe_act + s.experts) * BF16 + one_expert
+    one_expert = sum(o * i for o, i in expert_shapes(s)) * BF16
+    dequantized = min(st.expert_chunk, s.experts) * one_expert  # the grouped path's chunk (decode: none, GEMV)
+    rollout = (st.prefill_chunk * (4 * s.hidden + q_kv + moe_act + s.experts) * BF16 + dequantized
                + st.kv_rows * s.vocab * 4)
     tokens = st.micro_batch * seq
     checkpoints = s.layers * tokens * s.hidden * BF16
     # one layer recomputed with its gradients (x3: values, their gradients, autograd's saved copies)
-    layer = 3 * tokens * (4 * s.hidden + q_kv + moe_act + 2 * s.experts) * BF16 + 2 * one_expert
+    layer = 3 * tokens * (4 * s.hidden + q_kv + moe_act + 2 * s.experts) * BF16 + dequantized
     logits = 2 * st.logprob_chunk * s.vocab * 4             # fp32 logits of a chunk and their gradient
     update = checkpoints + layer + logits + 2 * tokens * s.hidden * BF16
     return StepMemory(experts, attention, dense, lora, kv, rollout, update, st.runtime_bytes)
