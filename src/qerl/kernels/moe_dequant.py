@@ -23,7 +23,7 @@ from .w4_decode import _e2m1_f32
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1}
 BLOCK_N, BLOCK_K = 32, 256
-_TWO_POW_M127 = 5.877471754111438e-39  # E8M0 code 0: 2^-127, a subnormal the bit shift below cannot make
+_TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # E8M0 code 0: 2^-127, a subnormal the bit shift below cannot make
 
 
 @triton.jit

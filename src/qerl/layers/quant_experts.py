@@ -193,26 +193,27 @@ class QuantExperts(nn.Module):
 
 
     def _grouped_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-        """Tokens sorted by expert, one grouped matmul per projection per chunk of hit experts; each
-        token's contributions are added in expert order, as the loop adds them."""
-        k = idx.shape[1]
+        """Tokens sorted by expert, one grouped matmul per projection per chunk of hit experts. Each
+        (token, slot) pair's output gets its own row and a token's k rows are summed at the end: an
+        index_add_ of repeated tokens sums by atomics on a GPU, in any order, so a recompute under
+        gradient checkpointing could route the next layer differently (and checkpoint refuses that)."""
+        t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         ends = torch.cumsum(counts, 0)
-        hit = counts.nonzero()[:, 0].tolist()
-        tok_all, pos_all = order // k, order % k
-        out = torch.zeros_like(h)
+        hit = [e for e in counts.nonzero()[:, 0].tolist() if e < self.num_experts]  # E: "no expert", sorted last
+        tok_all, w_all = order // k, wts.reshape(-1)[order]
+        ys = []
         for c in range(0, len(hit), self.expert_chunk):
             experts = hit[c:c + self.expert_chunk]
             lo, hi = int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]])
-            tok, pos = tok_all[lo:hi], pos_all[lo:hi]
             group_ends = (torch.cumsum(counts[experts], 0)).to(torch.int32)
-            x = h[tok]
+            x = h[tok_all[lo:hi]]
             y = self._grouped_project("gate_up_proj", experts, x, group_ends)
             y = self._grouped_project("down_proj", experts, self.glu(y), group_ends)
-            out.index_add_(0, tok, (y * wts[tok, pos, None]).to(out.dtype))
-        return out
+            ys.append((y * w_all[lo:hi, None]).to(h.dtype))
+        return _sum_pairs(ys, order, t, k, h)
 
     def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         from .grouped_mm import frozen_grouped_mm, grouped_mm
@@ -250,8 +251,8 @@ class QuantExperts(nn.Module):
         return moe_gemv.supports(h, self.fmt)
 
     def _gemv_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-        """Pairs sorted by expert, one grouped GEMV per projection; each token's contributions are added
-        in expert order, as _grouped_forward adds them. Pairs of the "no expert" index E add nothing."""
+        """Pairs sorted by expert, one grouped GEMV per projection; each pair's output in its own row, a
+        token's slots summed after, as _grouped_forward does. Pairs of the "no expert" index E add nothing."""
         from ..kernels import moe_gemv
 
         rt = moe_gemv.route(idx, self.num_experts)
@@ -259,9 +260,8 @@ class QuantExperts(nn.Module):
         y = self._gemv_project("down_proj", self.glu(y), None, rt)
         y = y * wts.reshape(-1)[rt.order, None]
         y = torch.where(rt.valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))  # unwritten rows
-        out = torch.zeros_like(h)
-        out.index_add_(0, rt.token, y.to(out.dtype))
-        return out
+        t, k = idx.shape
+        return _sum_pairs([y.to(h.dtype)], rt.order, t, k, h)
 
     def _gemv_project(self, proj: str, x: torch.Tensor, rows: torch.Tensor | None, rt) -> torch.Tensor:
         """[P, N]: pair p's input (x[rows[p]], or x[p] if rows is None) times its expert's weight, + LoRA, + bias."""
@@ -279,6 +279,14 @@ class QuantExperts(nn.Module):
             y = y + grouped_mm(s, b.transpose(-2, -1), rt.ends).to(y.dtype) * self.scaling
         bias = self.bias(proj)
         return y if bias is None else y + bias[rt.expert]
+
+
+def _sum_pairs(ys: list[torch.Tensor], order: torch.Tensor, t: int, k: int, h: torch.Tensor) -> torch.Tensor:
+    """[T, H]: pair outputs given in sorted order (ys, concatenated: the first rows of `order`; pairs past
+    them add nothing) put back in (token, slot) order and summed over each token's k slots."""
+    y = torch.cat(ys) if ys else h.new_zeros(0, h.shape[-1])
+    per_pair = h.new_zeros(t * k, h.shape[-1]).index_copy(0, order[: y.shape[0]], y)
+    return per_pair.view(t, k, -1).sum(1)
 
 
 def quantize_experts(model: nn.Module, fmt="nvfp4") -> list[str]:

@@ -119,9 +119,25 @@ def available_ram(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _forward_kernel_settings():
+    """torch.utils.checkpoint's context_fn: the recompute in the backward runs under the KernelSettings the
+    forward ran under. They live in a ContextVar, which autograd's CUDA thread does not see: the recompute
+    took other paths (the MoE loop instead of the grouped path) and checkpoint refused its tensors."""
+    import contextlib
+
+    from ..kernels import settings
+
+    return contextlib.nullcontext(), settings.use(settings.current())
+
+
+def checkpoint_kwargs() -> dict:
+    """Non-reentrant (LoRA's frozen inputs need it), the forward's kernel choices kept for the recompute."""
+    return {"use_reentrant": False, "context_fn": _forward_kernel_settings}
+
+
 def enable_gradient_checkpointing(model) -> None:
-    """Recompute the decoder layers' activations in backward (non-reentrant, which LoRA's frozen inputs need)."""
-    kw = {"use_reentrant": False}
+    """Recompute the decoder layers' activations in backward (checkpoint_kwargs says how)."""
+    kw = checkpoint_kwargs()
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
