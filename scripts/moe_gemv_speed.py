@@ -68,12 +68,12 @@ with torch.no_grad():
         wts = torch.softmax(torch.randn(t, a.top_k, device=dev), -1).to(dt)
         hit = idx.unique().numel()
         reps = 20 if t <= 64 else 5
-        want = q(x, idx, wts)
-        us_loop = timed(lambda: q(x, idx, wts), reps)
-        q.grouped = True
-        got_g = q(x, idx, wts)
-        us_grouped = timed(lambda: q(x, idx, wts), reps)
-        q.grouped = None
+        with settings.use(moe_gemv=False, moe_grouped=False):  # transformers' loop: the reference
+            want = q(x, idx, wts)
+            us_loop = timed(lambda: q(x, idx, wts), reps)
+        with settings.use(moe_gemv=False, moe_grouped=True):
+            got_g = q(x, idx, wts)
+            us_grouped = timed(lambda: q(x, idx, wts), reps)
         us_gemv, d_gemv = float("nan"), float("nan")
         if t <= moe_gemv.MAX_TOKENS:
             with settings.use(moe_gemv=True):

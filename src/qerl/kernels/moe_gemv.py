@@ -167,7 +167,10 @@ def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_exp
                 kk = k0 + offs_k
                 x = tl.load(x_ptr + xr[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
                             other=0)
-                acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+                if BF16:
+                    acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+                else:  # fp32 weights (fp16/fp32 activations): full fp32 products, as cuBLAS's default (no TF32)
+                    acc += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision="ieee")
         if HAS_FAC:
             acc = acc * tl.load(fac_ptr + e)
         ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
