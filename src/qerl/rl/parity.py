@@ -10,6 +10,12 @@ training prompts, one seeded sample each, no AQN noise):
 and, to tell the sides apart, the adapters-off logprobs of both paths (the base weights).
 All go to the metrics (`parity_*`); a mean |difference| past `parity_max_logprob_diff` stops the
 run with a message naming the side and the part that diverged.
+
+For an MoE, also (c): the experts each path's routers chose for the same tokens (the engine's
+teacher-forced prefill and decode against the trainer's forward, trained adapter on; layers/routing.py).
+The update re-routes rather than replaying the rollout's choices, so a token sent to other experts on
+the two paths moves its importance ratio with no weight changed; past MAX_ROUTING_MISMATCH of the
+(token, layer) choices the gate stops the run.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Callable
 import torch
 
 from ..layers import QLoRALinear, adapters_disabled, unfused_lora
+from ..layers.quant_experts import QuantExperts
+from ..layers.routing import record_routing
 from ..rollout import SamplingParams, processed_logprobs
 from ..rollout.forward import decode, prefill
 from .logprobs import completion_logprobs, pad_batch
@@ -31,6 +39,10 @@ PROBE_PROMPTS = 4
 PROBE_TOKENS = 32
 PROBE_RELATIVE_SIZE = 0.1  # the probe adapter's starting ||scaling·B·A|| relative to a typical ||W||
 PROBE_EFFECT = 5.0  # the probe is scaled until it moves the trainer's logprobs by this many times the limit
+# (c): fraction of (token, MoE layer) expert sets allowed to differ between the paths. Their bf16 roundings
+# differ (decode GEMV against the update's grouped matmul), so a router with near-tied scores may flip a
+# rare choice; a path that routes from other hidden states flips most of them.
+MAX_ROUTING_MISMATCH = 0.05
 
 
 class ParityError(TrainingError):
@@ -47,9 +59,10 @@ class ParityReport:
     adapter_effect_trainer: float
     base_diff_mean: float      # adapters off: engine path vs trainer path (the base weights)
     base_diff_max: float
+    routing_mismatch: float | None = None  # (c) MoE: fraction of (token, layer) expert sets that differ
 
     def metrics(self) -> dict:
-        return {f"parity_{k}": v for k, v in asdict(self).items()}
+        return {f"parity_{k}": v for k, v in asdict(self).items() if v is not None}
 
     def failure(self, limit: float) -> str | None:
         """What diverged, by side, or None."""
@@ -72,7 +85,47 @@ class ParityReport:
         elif self.logprob_diff_mean > limit:
             why.append(f"engine vs trainer logprobs of the engine's samples: mean |difference| "
                        f"{self.logprob_diff_mean:.3g} (max {self.logprob_diff_max:.3g})")
+        if self.routing_mismatch is not None and self.routing_mismatch > MAX_ROUTING_MISMATCH:
+            why.append(f"the MoE routing: {100 * self.routing_mismatch:.1f} % of the tokens' expert choices differ "
+                       f"between the engine path and the trainer path (at most {100 * MAX_ROUTING_MISMATCH:g} %): "
+                       f"the two run the routers on different hidden states")
         return "; ".join(why) or None
+
+
+def routing_by_token(log, name: str, rows: int, width: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One experts module's choices on the engine path, split as `engine_logprobs` made them: the prefill's
+    calls ([rows, chunk] tokens each, row-major, chunk by chunk along the prompt: [rows, width, k]) and then
+    one decode call per step ([steps, rows, k])."""
+    calls, pre, used = log.calls[name], [], 0
+    while used < width:
+        c = calls[len(pre)]
+        pre.append(c.view(rows, -1, c.shape[-1]))
+        used += pre[-1].shape[1]
+    dec = calls[len(pre):]
+    if used != width or len(dec) != steps:
+        raise ValueError(f"{name}: {len(calls)} routing calls do not split into a prefill of {width} tokens and "
+                         f"{steps} decode steps")
+    k = calls[0].shape[-1]
+    return torch.cat(pre, 1), (torch.stack(dec) if dec else torch.zeros(0, rows, k, dtype=calls[0].dtype))
+
+
+def routing_mismatch_of(engine_log, trainer_log, prompts: list, completions: list) -> float:
+    """Fraction of (token, MoE layer) expert sets that differ: each prompt token and each completion token
+    the engine fed back (all but the last), on the engine path against the trainer's one forward over
+    prompt + completion rows (pad_batch's right-padded layout)."""
+    from ..layers.routing import routing_mismatch
+
+    rows, width, steps = len(prompts), max(map(len, prompts)), max(map(len, completions)) - 1
+    differ = total = 0
+    for name, calls in trainer_log.calls.items():
+        pre, dec = routing_by_token(engine_log, name, rows, width, steps)
+        t = calls[0].view(rows, -1, calls[0].shape[-1])
+        for r, (p, c) in enumerate(zip(prompts, completions)):
+            e = torch.cat([pre[r, :len(p)], dec[:len(c) - 1, r]])
+            n = e.shape[0]
+            differ += routing_mismatch(e, t[r, :n]) * n
+            total += n
+    return differ / max(1, total)
 
 
 @torch.no_grad()
@@ -202,7 +255,16 @@ class ParityGate:
         if not comp:
             raise ParityError("parity gate: every probe completion is empty")
         prompts, toks = [c.prompt_ids for c in comp], [c.token_ids for c in comp]
-        sampled, trained = _flat([c.logprobs for c in comp]), _flat(self._trainer_logprobs(inp, comp))
+        routing = None
+        if any(isinstance(m, QuantExperts) for m in inp.model.modules()):
+            with record_routing(inp.model) as tlog:
+                trained = _flat(self._trainer_logprobs(inp, comp))
+            with record_routing(inp.engine.model) as elog:
+                engine_logprobs(inp.engine, prompts, toks, params)
+            routing = routing_mismatch_of(elog, tlog, prompts, toks)
+        else:
+            trained = _flat(self._trainer_logprobs(inp, comp))
+        sampled = _flat([c.logprobs for c in comp])
         with adapters_disabled(inp.model), adapters_disabled(inp.engine.model):  # (one model unless max_staleness 1)
             e_off = _flat(engine_logprobs(inp.engine, prompts, toks, params))
             t_off = _flat(self._trainer_logprobs(inp, comp))
@@ -221,7 +283,8 @@ class ParityGate:
         de, dt = e_on - e_off, t_on - t_off
         a, b, base = (sampled - trained).abs(), (de - dt).abs(), (e_off - t_off).abs()
         return ParityReport(float(a.mean()), float(a.max()), float(b.mean()), float(b.max()),
-                            float(de.abs().mean()), float(dt.abs().mean()), float(base.mean()), float(base.max()))
+                            float(de.abs().mean()), float(dt.abs().mean()), float(base.mean()), float(base.max()),
+                            routing)
 
     def __call__(self, step: int, inp: ParityInputs) -> dict:
         """Check, log, and stop (every rank together) past the threshold."""
