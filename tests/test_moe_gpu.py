@@ -1,6 +1,7 @@
 """The MoE families on a GPU (skipped without one): the engine's greedy tokens equal HF generate on the
-same modules (experts dequantized per hit expert, attention through the W4 kernels; no CUDA graphs: the
-experts' loop reads its routing on the host), and the grouped path (torch._grouped_mm) equals the loop."""
+same modules (experts through the grouped GEMV in decode, attention through the W4 kernels), eager and
+replayed from CUDA graphs (Engine(cuda_graphs=True): capturable where the GEMV runs decode), and the
+grouped path (torch._grouped_mm) equals the loop."""
 
 import pytest
 import torch
@@ -42,6 +43,17 @@ def test_engine_greedy_equals_hf_generate_on_the_gpu(family, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.2)
     got = engine_greedy(pol.model)
     assert got == [hf_greedy(pol.model, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_engine_greedy_from_cuda_graphs_equals_hf_generate(family, tmp_path):
+    from qerl.rollout import Engine, SamplingParams
+
+    pol = _policy(family, tmp_path)
+    eng = Engine(pol.model, max_len=128, max_slots=3, sync_every=4, cuda_graphs=True)
+    outs = eng.generate(PROMPTS, n=1, params=SamplingParams(max_new_tokens=NEW, greedy=True, ignore_eos=True))
+    assert eng.runner.graphs_captured > 0
+    assert [c.token_ids for c in outs] == [hf_greedy(pol.model, p) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -104,6 +104,18 @@ class _Call:
     pending: dict[int, _Pending] = field(default_factory=dict)  # id(sequence) -> its running tool call
 
 
+def _moe_graph_max_batch(kernel_settings: KernelSettings | None) -> int:
+    """The largest MoE decode batch a graph can hold: the grouped GEMV's (no host sync), 0 where it is off."""
+    from ..kernels import triton_backend
+
+    s = kernel_settings or settings.current()
+    if not (s.moe_gemv and s.kernels and triton_backend.HAVE_TRITON):
+        return 0
+    from ..kernels import moe_gemv
+
+    return moe_gemv.MAX_TOKENS
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int | None = None,
@@ -130,10 +142,13 @@ class Engine:
             kv_cache_gb = free_bytes(dev) * 0.5 / 2**30 if dev.type == "cuda" else 1.0
         self.n_slots = slots_for_budget(self.view, max_len, int(kv_cache_gb * 2**30), max_slots, kv_cache_dtype)
         cuda = dev.type == "cuda"
+        moe = self.view.family.experts is not None
         self.runner = ModelRunner(self.view, self.n_slots, max_len, kv_cache_dtype=kv_cache_dtype,
-                                  # an MoE's experts loop reads its routing on the host: not capturable
-                                  cuda_graphs=(cuda and self.view.family.experts is None) if cuda_graphs is None
-                                  else cuda_graphs,
+                                  # an MoE's decode is capturable only where the grouped GEMV runs it (the loop
+                                  # and the grouped path read the routing on the host), so graphs for an MoE
+                                  # are asked for (not yet the default: untried on a GPU) and bounded by it
+                                  cuda_graphs=(cuda and not moe) if cuda_graphs is None else cuda_graphs,
+                                  graph_max_batch=_moe_graph_max_batch(kernel_settings) if moe else None,
                                   compile=cuda if compile is None else compile, fused_attention=fused_attention)
         self.cache = self.runner.cache
         # without kernels (CPU), keep dequantized weights for the rollout's duration
@@ -197,7 +212,8 @@ class Engine:
             while sched.has_work():
                 self._admit(call, sched, ids, keys, n, logits_of)
                 hi = sched.high()
-                b = sched.bucket() if run.cuda_graphs else hi  # buckets bound the graphs; eager steps run what is live
+                b = sched.bucket()  # buckets bound the graphs; eager steps run what is live
+                b = b if run.graphed(b) else hi
                 stats.max_batch = max(stats.max_batch, hi)
                 max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
                 key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)
@@ -232,6 +248,8 @@ class Engine:
         top = min(max_len or self.max_len, self.max_len)
         for n in batch_sizes:
             b = min(next((x for x in BUCKETS if x >= n), self.n_slots), self.n_slots)
+            if not self.runner.graphed(b):
+                continue
             for keys in range(128, top + 128, 128):
                 self.runner.step(b, min(keys, self.max_len), p)  # no slot is active: state is untouched
         torch.cuda.synchronize()

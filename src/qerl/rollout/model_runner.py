@@ -65,8 +65,11 @@ MAX_STOP_IDS = 16  # EOS ids, and stop token ids, a rollout may name
 
 class ModelRunner:
     def __init__(self, view, n_slots: int, max_len: int, *, kv_cache_dtype: str = "auto", cuda_graphs: bool,
-                 compile: bool, fused_attention: bool | None = None):
+                 compile: bool, fused_attention: bool | None = None, graph_max_batch: int | None = None):
+        """graph_max_batch: decode batches above it run eager even with cuda_graphs (an MoE's decode is
+        capturable only where the grouped GEMV takes it: moe_gemv.MAX_TOKENS tokens)."""
         self.view, self.n_slots, self.max_len = view, n_slots, max_len
+        self.graph_max_batch = graph_max_batch
         dev = view.device
         self.cache = KVCache(view, n_slots, max_len, kv_cache_dtype)
         self.rope = view.rope_tables(max_len)
@@ -201,9 +204,13 @@ class ModelRunner:
         st.reason[:b] = torch.where(newly, code, st.reason[:b])
         st.done[:b] |= newly
 
+    def graphed(self, b: int) -> bool:
+        """Whether a decode step of batch b replays a CUDA graph."""
+        return self.cuda_graphs and (self.graph_max_batch is None or b <= self.graph_max_batch)
+
     def step(self, b: int, keys: int, p: SamplingParams) -> None:
         """One decode step over slots [0, b) with keys [0, keys): replayed from a graph on CUDA."""
-        if not self.cuda_graphs:
+        if not self.graphed(b):
             return self._step(b, keys, p)
         g = self.graphs.get((self._graph_key, b, keys))
         if g is None:

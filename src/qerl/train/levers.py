@@ -92,8 +92,6 @@ def choose(shape: Shape, tokens: int, free_bytes: int, *, gradient_checkpointing
 
 def free_memory(device) -> int:
     """Bytes free for the update: the GPU's free memory under any cap, or the machine's available RAM."""
-    import os
-
     import torch
 
     if torch.device(device).type == "cuda":
