@@ -60,11 +60,16 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
 
 def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(tensors to write, names of Linear layers left dense). LoRA factors are not included."""
+    from ..layers.quant_experts import QuantExperts
+
     out: dict[str, torch.Tensor] = {}
     ignore: list[str] = []
     owned: set[str] = set()
     for name, m in model.named_modules():
-        if isinstance(m, QLoRALinear):
+        if isinstance(m, QuantExperts):
+            owned.add(name)
+            out.update(_expert_tensors(model, name, m, fmt))
+        elif isinstance(m, QLoRALinear):
             owned.add(name)
             if m.fmt.name == fmt:  # in the checkpoint's byte order (the layer may keep a kernel's)
                 for k, t in m.checkpoint_tensors().items():
@@ -86,9 +91,39 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
         if tied and k == "lm_head.weight":
             continue
         out[k] = t
+    if any(isinstance(m, QuantExperts) for m in model.modules()):  # an MoE: the stock names (Mixtral's
+        from ..model.family import family_of_model                   # block_sparse_moe), as its experts'
+
+        name = family_of_model(model).checkpoint_name
+        out, ignore = {name(k): t for k, t in out.items()}, [name(n) for n in ignore]
     # One owned copy each: group members' tensors are views into shared storage (their global
     # scale one tensor), which safetensors refuses or would write whole.
     return {k: standalone(v) for k, v in out.items()}, ignore
+
+
+def _expert_tensors(model, name: str, m, fmt: str) -> dict[str, torch.Tensor]:
+    """An MoE layer's 4-bit experts in the per-expert layout llm-compressor writes and vLLM reads
+    (`<path>.<e>.<gate>.weight_packed`, ...): gate|up split back into its halves, each half keeping the
+    expert's one global scale. LoRA on experts is not part of the base checkpoint."""
+    from ..model.family import family_of_model
+
+    family = family_of_model(model)
+    ex = family.experts
+    if m.fmt.name != fmt:
+        raise ValueError(f"{name}: experts are {m.fmt.name}; a {fmt} checkpoint cannot hold them")
+    if m.transposed or m.has_bias or not ex.per_expert:
+        raise ValueError(f"{name}: {family.name}'s experts (transposed, biased, interleaved gate|up) have no "
+                         "per-expert compressed-tensors layout; export them merged (qerl export --merged)")
+    base = family.checkpoint_name(name)
+    half = m.shapes["gate_up_proj"][0] // 2
+    out = {}
+    for e in range(m.num_experts):
+        gu, d = m.tensors("gate_up_proj", e), m.tensors("down_proj", e)
+        for proj, rows in ((ex.gate, slice(0, half)), (ex.up, slice(half, 2 * half))):
+            out.update({f"{base}.{e}.{proj}.{k}": (t if k == "weight_global_scale" else t[rows])
+                        for k, t in gu.items()})
+        out.update({f"{base}.{e}.{ex.down}.{k}": t for k, t in d.items()})
+    return out
 
 
 def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:

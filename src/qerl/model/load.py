@@ -259,10 +259,9 @@ def load_policy(
             if qgroup is not None:
                 install_group(model, names, qgroup)
         if family.experts is not None:
-            if ckpt_fmt:
-                raise ValueError(f"{folder}: a compressed-tensors {family.name} checkpoint; qerl reads MoE experts from "
-                                 "dense checkpoints only so far")
-            done.update(_load_experts(model, ckpt, family, i, fmt, device))
+            packed = ckpt_fmt and _compressed_experts_in(ckpt, family, i)
+            done.update(_load_compressed_experts(model, ckpt, family, i, fmt, device) if packed
+                        else _load_experts(model, ckpt, family, i, fmt, device))
             if experts_lora:
                 model.get_submodule(f"model.layers.{i}.{family.experts.path}").add_lora(experts_lora, alpha, dtype)
 
@@ -328,6 +327,62 @@ def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:
     q = QuantExperts.quantize(gate_up.to(dtype), down.to(dtype), fmt, skeleton._apply_gate, dtype, module, biases,
                               transposed)
     _install(model, module, q)
+    return keys
+
+
+def _compressed_experts_in(ckpt, family, i) -> bool:
+    """Whether layer i's experts are packed per expert, as llm-compressor writes an MoE for vLLM."""
+    ex = family.experts
+    base = family.checkpoint_name(f"model.layers.{i}.{ex.path}")
+    return ex.per_expert and f"{base}.0.{ex.gate}.weight_packed" in ckpt
+
+
+def _load_compressed_experts(model, ckpt, family, i, fmt, device) -> list[str]:
+    """Layer i's experts from a compressed-tensors checkpoint: each expert's packed gate, up and down
+    (`<path>.<e>.<gate>.weight_packed` / weight_scale / weight_global_scale) stacked as QuantExperts holds
+    them, the same bytes. gate|up is one projection with one global scale an expert, so an expert whose
+    gate and up scales differ is refused (vLLM's fused MoE kernels need them equal too; llm-compressor
+    writes them equal); re-quantizing would compound two rounding errors."""
+    from ..layers.quant_experts import QuantExperts
+
+    ex = family.experts
+    module = f"model.layers.{i}.{ex.path}"
+    base = family.checkpoint_name(module)
+    skeleton = model.get_submodule(module)
+    if getattr(skeleton, "has_bias", False) or getattr(skeleton, "is_transposed", False):
+        raise ValueError(f"{ckpt.folder}: compressed-tensors experts of {family.name} (biased or transposed experts) "
+                         "are not read; load the dense or stock checkpoint")
+    n = getattr(model.config, ex.count)
+    kinds = list(fmt.expected_shapes((1, fmt.block_size)))
+    keys = [f"{base}.{e}.{p}.{k}" for e in range(n) for p in (ex.gate, ex.up, ex.down) for k in kinds]
+    _require(ckpt, keys, family, n)
+
+    def read(e, p):
+        name = f"{base}.{e}.{p}"
+        return {k: ckpt.get(f"{name}.{k}", device) for k in kinds}, layer_shape(ckpt, name)
+
+    gate_up, down, shapes = [], [], {}
+    for e in range(n):
+        (g, gs), (u, us), (d, ds) = read(e, ex.gate), read(e, ex.up), read(e, ex.down)
+        if "weight_global_scale" in g and not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):
+            raise CheckpointError(f"{ckpt.path_of(f'{base}.{e}.{ex.gate}.weight_packed')}: expert {e}'s "
+                                  f"{ex.gate} and {ex.up} have different weight_global_scale "
+                                  f"({float(g['weight_global_scale'].reshape(-1)[0]):.6g} and "
+                                  f"{float(u['weight_global_scale'].reshape(-1)[0]):.6g}); qerl holds gate|up with one "
+                                  "global scale an expert (as vLLM's fused MoE does): re-export with them fused")
+        if gs[1] != us[1]:
+            raise CheckpointError(f"{ckpt.folder}: expert {e}'s {ex.gate} {list(gs)} and {ex.up} {list(us)} differ")
+        gate_up.append({k: (g[k] if k == "weight_global_scale" else torch.cat([g[k], u[k]])) for k in kinds})
+        down.append(d)
+        shapes = {"gate_up_proj": (gs[0] + us[0], gs[1]), "down_proj": ds}
+    want = tuple(skeleton.gate_up_proj.shape[1:])
+    if shapes["gate_up_proj"] != want:
+        raise CheckpointError(f"{ckpt.folder}: {base} holds experts of gate|up {list(shapes['gate_up_proj'])}; the "
+                              f"config gives {list(want)}")
+    tensors = {p: {k: torch.stack([t[k] for t in ts]) for k in kinds}
+               for p, ts in (("gate_up_proj", gate_up), ("down_proj", down))}
+    _install(model, module, QuantExperts(tensors, shapes, fmt, skeleton._apply_gate, skeleton.gate_up_proj.dtype,
+                                         module))
     return keys
 
 
