@@ -153,3 +153,27 @@ def test_one_grpo_step_trains_the_experts_lora(tmp_path):
     wrapped = pm.base_model.model.model.layers[0].mlp.experts
     assert torch.equal(wrapped.lora_B["default"].weight.reshape(64, 4, 8).permute(2, 0, 1),
                        pol.model.model.layers[0].mlp.experts.lora_B["down_proj"])
+
+
+def test_lora_dtype_converts_the_experts_factors_too(tmp_path):
+    """lora_dtype float32 under a bf16 model (the default run's CPU setting): expert factors in fp32, the
+    forward still in bf16, their gradients in fp32 and nonzero."""
+    from qerl.rl.trainer import set_lora_dtype
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path)
+    pol = load_policy(str(tmp_path), "nvfp4", lora_rank=4, target_modules=["q", "k", "v", "o", "experts"],
+                      dtype=torch.bfloat16, progress=False)
+    ex = [m for m in pol.model.modules() if isinstance(m, QuantExperts)]
+    assert ex and all(p.dtype == torch.bfloat16 for m in ex for p in m.lora_A.values())
+    set_lora_dtype(pol.model, torch.float32, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for m in ex for d in (m.lora_A, m.lora_B) for p in d.values())
+    with torch.no_grad():
+        for m in ex:
+            for p in m.lora_B.values():
+                p.normal_(0, 0.3)
+    ids = torch.tensor([[5, 9, 30, 31, 32, 70]])
+    out = pol.model(ids).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    out.float().sum().backward()
+    grads = [p.grad for m in ex for p in m.lora_B.values()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads) and any(g.abs().sum() > 0 for g in grads)

@@ -68,15 +68,18 @@ def set_lora_dtype(model, dtype: torch.dtype, device: torch.device) -> None:
     casts its input, and its output back). Fused groups are rebuilt on the converted factors."""
     from ..layers import QLoRALinear
     from ..layers.fused_group import fused_groups
+    from ..layers.quant_experts import QuantExperts
 
     layers = [m for m in model.modules() if isinstance(m, QLoRALinear) and m.r]
-    if not layers or all(m.lora_A.weight.dtype == dtype for m in layers):
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts) and m.r]  # cast x and back themselves
+    if (all(m.lora_A.weight.dtype == dtype for m in layers)
+            and all(p.dtype == dtype for m in experts for p in m.lora_A.values())):
         return
-    if device.type == "cuda" and dtype != layers[0].dtype:
+    if layers and device.type == "cuda" and dtype != layers[0].dtype:
         raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} differs from the compute dtype "
                          f"{str(layers[0].dtype).removeprefix('torch.')}: the CUDA kernels read adapters in the compute "
                          "dtype (set lora_dtype: auto on a GPU)")
-    for m in layers:
+    for m in layers + experts:
         m.lora_A.to(dtype)
         m.lora_B.to(dtype)
     for _, g in fused_groups(model):
