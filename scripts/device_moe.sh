@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On the device: issue 39's GPU steps for MoE.
-#   bash scripts/device_moe.sh kernels   # GPU tests of the MoE paths (loop, grouped, decode GEMV), then one
-#                                        # expert layer's speed: loop vs grouped vs GEMV (Qwen3-30B-A3B, gpt-oss-20b)
+#   bash scripts/device_moe.sh kernels   # GPU tests of the MoE paths (dequant, GEMV, grouped, engine greedy
+#                                        # eager and from CUDA graphs), then one expert layer's speed: loop vs
+#                                        # grouped vs GEMV (Qwen3-30B-A3B with a profile, gpt-oss-20b)
 #   SHAPE=qwen3-30b-a3b NEW=256 KV=3.4 bash scripts/device_moe.sh step   # one GRPO step of a random-weight
 #                                        # MoE in its real shape (fast MoE paths): time and peak memory
-# Logs go to $OUT, rows to $OUT/results/*.jsonl.
+# Still owed (2026-12-06): `kernels` at HEAD, then `step` for qwen3-30b-a3b (target <= 24 GiB at the plan's
+# settings) and SHAPE=gpt-oss-120b NEW=128 KV=2.6 (<= 80 GiB), each its own call (the build, a warm-up step and
+# the step take minutes). Logs go to $OUT, rows to $OUT/results/*.jsonl.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
 R=$OUT/results; mkdir -p $R
