@@ -13,14 +13,19 @@ TINY = ["--shape", "tiny", "--device", "cpu", "--prompts", "2", "--num-generatio
         "--max-new-tokens", "10", "--micro-batch", "4", "--optim", "adamw_torch"]
 
 
-def _args(extra=()):
+def step_parser():
+    """The arguments `qerl bench step` runs a case with (shared by the MoE shape tests)."""
     ap = argparse.ArgumentParser()
     bstep.add_shape_args(ap)
     ap.add_argument("--quant", default="nvfp4")
     ap.add_argument("--logprob-chunk", type=int, default=None)
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--optim", default="adamw_8bit")
-    return ap.parse_args(TINY + list(extra))
+    return ap
+
+
+def _args(extra=()):
+    return step_parser().parse_args(TINY + list(extra))
 
 
 def test_synthetic_tokenizer_decodes_every_id_and_counts_words():

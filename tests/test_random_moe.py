@@ -3,7 +3,6 @@ and at toy size: built as load_policy builds the family (experts a QuantExperts 
 its checkpoint's mxfp4; attention quantized with LoRA; routers, sinks, norms in the model dtype), their
 bytes those the step planner projects, and one GRPO step of `qerl bench step` on the CPU."""
 
-import argparse
 
 import pytest
 import torch
@@ -126,13 +125,9 @@ def test_lora_on_experts_when_the_targets_name_them():
 
 
 def _args(shape, extra=()):
-    ap = argparse.ArgumentParser()
-    bstep.add_shape_args(ap)
-    ap.add_argument("--quant", default="nvfp4")
-    ap.add_argument("--logprob-chunk", type=int, default=None)
-    ap.add_argument("--kv-cache-gb", type=float, default=None)
-    ap.add_argument("--optim", default="adamw_8bit")
-    return ap.parse_args(["--shape", shape, "--device", "cpu", "--prompts", "2", "--num-generations", "4",
+    from test_bench_step import step_parser
+
+    return step_parser().parse_args(["--shape", shape, "--device", "cpu", "--prompts", "2", "--num-generations", "4",
                           "--prompt-len", "8", "--max-new-tokens", "8", "--micro-batch", "4", "--optim", "adamw_torch",
                           "--steps", "1", *extra])
 
