@@ -27,7 +27,8 @@ from ..formats.nvfp4_mma import NVFP4Mma
 from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "triton", "tinygemm"]
+MODES = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
+         "humming", "humming_lora32", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -106,8 +107,25 @@ class Sets:
             self.mma.append(mma.from_checkpoint(std, (n, k)))
             if tinygemm:
                 self.int4.append(_tinygemm_pack(w))
+        self._humming = None
         self.lora_a = torch.randn(3 * 32, k, device="cuda", dtype=torch.bfloat16) * 0.01  # r = 32, <= 3 segments
         self.lora_b = torch.randn(n, 32, device="cuda", dtype=torch.bfloat16) * 0.01
+
+
+    @property
+    def humming(self):
+        """The same NVFP4 weights in humming-kernels' layout (built on first use; its repack time summed)."""
+        if self._humming is None:
+            from ..kernels.humming_backend import HummingWeight
+            self._humming = [HummingWeight.build("nvfp4", t, (self.n, self.k)) for t in self.std]
+        return self._humming
+
+
+def _lora32(sets, group):
+    """(A stacked for r = 32 on every member, segment starts) of a group."""
+    segs, r = SEGMENTS.get(group, 1), 32
+    starts = tuple(int(v) for v in torch.linspace(0, sets.n, segs + 1)[1:-1].div(16).floor().mul(16).tolist())
+    return sets.lora_a[: segs * r], starts
 
 
 def _tinygemm_pack(w, group=128):
@@ -184,6 +202,17 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
                 return w4_wgmma.matmul(x, t["weight_packed"], t["weight_scale"], f, n, lora=lo, config=c)
             out.append(call)
         return out
+    if mode == "dequant":  # dequantize the MMA-layout bytes + cuBLAS (the large-M path)
+        out = []
+        for t in sets.mma:
+            _, inv = mma_backend._prepare(t)
+            out.append(lambda t=t, inv=inv: w4_mma.dequant_matmul(x, t["weight_packed"], t["weight_scale"], inv, n))
+        return out
+    if mode in ("humming", "humming_lora32"):
+        if mode == "humming":
+            return [lambda h=h: h.matmul(x) for h in sets.humming]
+        a, starts = _lora32(sets, group)
+        return [lambda h=h: h.matmul(x, lora=dispatch.LoraTerm(None, sets.lora_b, 2.0, starts, a=a)) for h in sets.humming]
     if mode == "triton":
         return [lambda t=t: triton_backend.matmul(x, nv, t, shape) for t in sets.std]
     if mode == "tinygemm":
@@ -277,13 +306,15 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
     rows, final = [], []
     final.append(f"\n{model}: fused layer set (q|k|v, o, gate|up, down), µs summed over the groups")
     final.append(f"{'M':>6} {'bf16':>9} {'nvfp4':>9} {'speedup':>8} {'%copy':>6} {'lora32':>8} {'wgmma':>8} "
-                 f"{'wg x':>6} {'wg+lora':>8} {'wg+fuse':>8} {'triton':>8} {'tinygemm':>9}")
+                 f"{'wg x':>6} {'wg+lora':>8} {'dequant':>8} {'humming':>8} {'hum x':>6} {'hum+lora':>8} {'triton':>8} "
+                 f"{'tinygemm':>9}")
     for m in ms:
         g = lambda key: agg[(key, m)][0] if (key, m) in agg else float("nan")  # noqa: E731
         bf, q = g("bf16"), g("nvfp4")
         frac = agg[("nvfp4", m)][1] / q * 1e6 / bw
         final.append(f"{m:>6} {bf:>9.1f} {q:>9.1f} {bf / q:>8.2f} {frac:>6.1%} {g('nvfp4_lora32'):>8.1f} "
-                     f"{g('wgmma'):>8.1f} {bf / g('wgmma'):>6.2f} {g('wgmma_lora32'):>8.1f} {g('wgmma_lora32_fused'):>8.1f} "
+                     f"{g('wgmma'):>8.1f} {bf / g('wgmma'):>6.2f} {g('wgmma_lora32'):>8.1f} {g('dequant'):>8.1f} "
+                     f"{g('humming'):>8.1f} {bf / g('humming'):>6.2f} {g('humming_lora32'):>8.1f} "
                      f"{g('triton'):>8.1f} {g('tinygemm'):>9.1f}")
         case = f"{model} fused layer set M={m}"
         main_model = model == "qwen2.5-7b"
@@ -308,6 +339,13 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
         if ("wgmma_lora32", m) in agg:
             rows.append((case, "wgmma_lora32_overhead", g("wgmma_lora32") / g("wgmma") - 1, "",
                          ("<=0.10" if m <= 16 else "<=0.05")))
+        if ("dequant", m) in agg:
+            rows.append((case, "dequant_us", g("dequant"), "us", None))
+        if ("humming", m) in agg:
+            rows += [(case, "humming_us", g("humming"), "us", None),
+                     (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
+        if ("humming_lora32", m) in agg:
+            rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
         if ("nvfp4_lora32_cublas_shrink", m) in agg:
             rows.append((case, "lora32_overhead_cublas_shrink", g("nvfp4_lora32_cublas_shrink") / q - 1, "", None))
     return rows, final
@@ -396,7 +434,7 @@ def main(argv=None):
                 for mode in modes:
                     if mode == "triton" and m > 64:
                         continue
-                    if mode.startswith("nvfp4_lora32") and m not in (1, 16, 64, 256, 2048):
+                    if mode.endswith("lora32") and m not in (1, 16, 64, 256, 2048):
                         continue
                     if mode.startswith("wgmma") and not (w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M):
                         continue

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Issue 47's device steps in one call. Needs the humming-kernels wheel in .whl (carry it):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl humming-kernels==0.1.20
+# STEP=kernels: GPU tests of the humming backend, then every candidate side by side on the 7B layer set.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
+case "${STEP:-kernels}" in
+kernels)
+  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -x tests/test_humming_gpu.py 2>&1 | tee $OUT/pytest_humming.log | tail -15
+  timeout ${BENCH_S:-330} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT \
+    --models ${MODELS:-qwen2.5-7b} --ms ${MS:-1,8,16,32,64,128,256,512,2048} \
+    --modes ${MODES:-bf16,nvfp4,nvfp4_lora32,wgmma,dequant,humming,humming_lora32} > $OUT/bench_stdout.log 2>&1
+  tail -n 16 $OUT/bench_stdout.log
+  [ -n "${MOE_GRAPHS:-}" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=long -x tests/test_moe_gpu.py -k graphs 2>&1 | tee $OUT/pytest_moe_graphs.log | grep -E "Error|error|passed|failed|grouped_mm|\.py:[0-9]+" | head -30
+  ;;
+esac

@@ -1,0 +1,105 @@
+"""humming-kernels (the W4A16 library vLLM and SGLang use as a linear backend) as one of qerl's measured paths.
+
+Why a library here: on sm_90 it runs the weights as wgmma's register operand with TMA, warp
+specialization and stream-K, the Hopper structure our own kernels lack (../shared/docs/kernel-anchors.md);
+on the H200 it was 1.2-1.45x faster than our routed path at M 32-2048 (issue 47). We use it as it is
+and keep our effort for what it does not do: the LoRA term runs beside it (one shrink per fused group,
+one expand per segment, into its output).
+
+humming takes compressed-tensors' NVFP4/MXFP4 tensors (`weight_packed`, `weight_scale`, and NVFP4's
+`weight_global_scale`) and repacks them into its own layout once (`HummingWeight.build`, timed). The
+package is optional: the CPU install and tests run without it, and where it cannot import or JIT,
+`available()` says so in one line and qerl keeps its own kernels.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import LoraTerm
+
+PIN = "0.1.20"  # pyproject's `cuda` extra installs exactly this
+_AVAILABLE: dict[int, bool] = {}
+
+# compressed-tensors' description of each format, as humming's schema reads it.
+CT_CONFIGS = {
+    "nvfp4": dict(quant_method="compressed-tensors", format="nvfp4-pack-quantized", type="float", num_bits=4,
+                  strategy="tensor_group", group_size=16, symmetric=True),
+    "mxfp4": dict(quant_method="compressed-tensors", format="mxfp4-pack-quantized", type="float", num_bits=4,
+                  strategy="group", group_size=32, symmetric=True),
+}
+
+
+def available(device: torch.device | None = None) -> bool:
+    """humming imports and this GPU is sm_80+ (its NVRTC JIT needs a CUDA toolkit's headers). Said once."""
+    if not torch.cuda.is_available():
+        return False
+    idx = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if idx not in _AVAILABLE:
+        ok, why = False, ""
+        try:
+            import humming  # noqa: F401
+            from humming.layer import HummingLayer  # noqa: F401
+            major, _ = torch.cuda.get_device_capability(idx)
+            ok, why = major >= 8, f"sm_{major}x is below sm_80"
+        except Exception as e:  # not installed, or its launcher failed to build
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if not ok:
+            warnings.warn(f"qerl: humming-kernels unavailable ({why}); using qerl's own kernels", stacklevel=2)
+        _AVAILABLE[idx] = ok
+    return _AVAILABLE[idx]
+
+
+@dataclass
+class HummingWeight:
+    """One frozen weight in humming's layout, and how long the repack took."""
+
+    layer: torch.nn.Module
+    n: int
+    k: int
+    repack_s: float
+
+    @classmethod
+    def build(cls, fmt_name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+              dtype: torch.dtype = torch.bfloat16) -> "HummingWeight":
+        """Repack compressed-tensors tensors (on the GPU) into humming's layout. The inputs are not kept."""
+        from humming.layer import HummingLayer
+
+        if fmt_name not in CT_CONFIGS:
+            raise ValueError(f"humming backend: format {fmt_name!r} is not one of {sorted(CT_CONFIGS)}")
+        n, k = shape
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev = tensors["weight_packed"].device
+        with torch.device(dev):
+            layer = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(CT_CONFIGS[fmt_name]), torch_dtype=dtype)
+        layer.load_from_tensors({name: t.to(dev) for name, t in tensors.items()})
+        layer.transform()
+        torch.cuda.synchronize()
+        return cls(layer, n, k, time.perf_counter() - t0)
+
+    def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None):
+        """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16."""
+        y = self.layer(x2d)
+        if bias is not None:
+            y = y + bias
+        if lora is not None:
+            add_lora(y, lora.shrunk(x2d))
+        return y
+
+
+def add_lora(y: torch.Tensor, lora: LoraTerm) -> torch.Tensor:
+    """y[:, rows of s] += scaling * xa_s @ b_s.T in place: one cuBLAS GEMM per segment, written into y
+    (no temporary of y's size). xa must be given."""
+    r, n = lora.rank, lora.b.shape[0]
+    bounds = (0, *lora.seg_starts, n)
+    xa = lora.xa.to(y.dtype)
+    b = lora.b.to(y.dtype)
+    for s in range(len(bounds) - 1):
+        rows = slice(bounds[s], bounds[s + 1])
+        y[:, rows].addmm_(xa[:, s * r:(s + 1) * r], b[rows].t(), alpha=lora.scaling)
+    return y

@@ -1,0 +1,61 @@
+"""humming-kernels as a qerl backend (kernels/humming_backend.py) on the GPU, against a float64
+dequantize-then-matmul of the same compressed-tensors bytes (qerl's own formats, independent of humming).
+
+Fresh random inputs per case; 7B fused shapes and odd ones; NVFP4 and MXFP4; with LoRA on a fused
+group's segments it equals base + the unfused expand."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+humming = pytest.importorskip("humming")
+
+from qerl.formats import get_format  # noqa: E402
+from qerl.kernels import dispatch  # noqa: E402
+from qerl.kernels.humming_backend import HummingWeight, available  # noqa: E402
+
+SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1040, 1536)]
+
+
+def _weights(fmt, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * torch.rand(n, 1, device="cuda", generator=g) * 0.05
+    return get_format(fmt).quantize(w.to(torch.bfloat16))
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_available_on_this_gpu():
+    assert available()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_matmul_matches_the_dequantized_reference(fmt, n, k, m):
+    t = _weights(fmt, n, k, seed=n + k + m)
+    ref_w = get_format(fmt).dequantize(t, (n, k), torch.float64)
+    hw = HummingWeight.build(fmt, t, (n, k))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = hw.matmul(x)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert _rel(y, x.double() @ ref_w.T) < 8e-3  # bf16 output rounding (2^-9) plus fp32 accumulation
+
+
+def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
+    n, k, r = 4608, 3584, 32
+    starts = (3584, 4096)  # q | k | v
+    t = _weights("nvfp4", n, k, seed=1)
+    hw = HummingWeight.build("nvfp4", t, (n, k))
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(3 * r, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(n, r, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = hw.matmul(x, bias=bias, lora=dispatch.LoraTerm(None, b, 2.0, starts, a=a))
+    ref_w = get_format("nvfp4").dequantize(t, (n, k), torch.float64)
+    xa = x.double() @ a.double().T
+    lo = torch.cat([xa[:, 0:32] @ b[:3584].double().T, xa[:, 32:64] @ b[3584:4096].double().T,
+                    xa[:, 64:96] @ b[4096:].double().T], 1)
+    assert _rel(y, x.double() @ ref_w.T + bias.double() + 2.0 * lo) < 8e-3
