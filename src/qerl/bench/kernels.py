@@ -351,6 +351,22 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
     return rows, final
 
 
+def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log) -> None:
+    """Put this card's measured buckets into the routes table (other cards' entries kept)."""
+    import os
+
+    from ..kernels import routes
+
+    path = path or routes.TABLE_PATH
+    table = json.loads(path.read_text()) if path.exists() else {}
+    buckets = routes.from_timings(timings)
+    table[card] = {"source": f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
+                             f"{time.strftime('%Y-%m-%d')}", "nvfp4": buckets}
+    routes.parse(table)  # refuse to write a table the router could not read
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    log(f"routes for {card}: {buckets} -> {path}")
+
+
 LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\d+)x(\d+)\s+M=(\d+)\s+bf16\s+([\d.]+) \| nvfp4\s+([\d.]+) µs.*\| x\s*[\d.]+ \|(.*)$")
 
 
@@ -397,6 +413,10 @@ def main(argv=None):
     ap.add_argument("--from-log", default=None, help="record the figures of a run's bench_kernels.log (a run cut off "
                     "before it wrote them); --command names the command that ran")
     ap.add_argument("--command", default=None)
+    ap.add_argument("--write-routes", "--write_routes", action="store_true",
+                    help="write this card's fastest path per M (own vs humming, the first model's layer set) into "
+                         "the routes table kernels/routes.json (or --routes-path)")
+    ap.add_argument("--routes-path", "--routes_path", default=None)
     ap.add_argument("--device", default=None, help="with --from-log: the device the run was on")
     a = ap.parse_args(argv)
     if a.from_log:
@@ -424,6 +444,7 @@ def main(argv=None):
     ms = [int(v) for v in a.ms.split(",")]
     rows, final = [], []
     modes = ["bf16", "nvfp4"] + [m for m in a.modes.split(",") if m and m not in ("bf16", "nvfp4")]
+    route_timings: dict[int, dict[str, float]] = {}
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
@@ -455,6 +476,9 @@ def main(argv=None):
                     + " ".join(f"{kk}={v:.1f}" for kk, v in r.items() if kk not in ("bf16", "nvfp4") and v))
             del sets
             torch.cuda.empty_cache()
+        if not route_timings:  # the first model's layer set decides the table
+            route_timings = {m: {"own": agg[("nvfp4", m)][0], "humming": agg.get(("humming", m), [float("nan")])[0]}
+                             for m in ms}
         r_rows, r_final = summarize(model, agg, ms, bw)
         rows += r_rows
         final += r_final
@@ -469,6 +493,8 @@ def main(argv=None):
                + (" --wgmma-sweep" if a.wgmma_sweep else ""))
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
+    if a.write_routes:
+        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log)
     (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")

@@ -54,6 +54,12 @@ def available(device: torch.device | None = None) -> bool:
     return _AVAILABLE[idx]
 
 
+def supports_shape(shape: tuple[int, int]) -> bool:
+    """humming's repack tiles 64 output rows by 32 inputs (humming/transform.py transform_humming_weight)."""
+    n, k = shape
+    return n % 64 == 0 and k % 32 == 0
+
+
 @dataclass
 class HummingWeight:
     """One frozen weight in humming's layout, and how long the repack took."""
@@ -93,12 +99,13 @@ class HummingWeight:
 
 
 def add_lora(y: torch.Tensor, lora: LoraTerm) -> torch.Tensor:
-    """y[:, rows of s] += scaling * xa_s @ b_s.T in place: one cuBLAS GEMM per segment, written into y
-    (no temporary of y's size). xa must be given."""
+    """y[:, rows of s] += scaling * xa_s @ b_s.T in place, one cuBLAS GEMM per segment written into y's columns.
+    It reads B itself (no cached copy): a CUDA graph captured in one rollout replays in the next, after an
+    optimizer step has changed B in place. xa must be given."""
     r, n = lora.rank, lora.b.shape[0]
     bounds = (0, *lora.seg_starts, n)
     xa = lora.xa.to(y.dtype)
-    b = lora.b.to(y.dtype)
+    b = lora.b if lora.b.dtype == y.dtype else lora.b.to(y.dtype)
     for s in range(len(bounds) - 1):
         rows = slice(bounds[s], bounds[s + 1])
         y[:, rows].addmm_(xa[:, s * r:(s + 1) * r], b[rows].t(), alpha=lora.scaling)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from . import lora_shrink, w4_mma, w4_wgmma
+from . import humming_backend, lora_shrink, routes, settings, w4_mma, w4_wgmma
 from .dispatch import LoraTerm, lora_expand
 from .weight_state import WeightState
 
 _STATE: WeightState[tuple] = WeightState()
+_HUMMING: WeightState = WeightState()
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
@@ -37,6 +38,11 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
+    hw = _humming(tensors, shape, m, x2d.device)
+    if hw is not None:
+        if lora is not None and lora.xa is None:
+            lora = _shrunk(lora, x2d)
+        return hw.matmul(x2d.contiguous(), bias=b, lora=lora).view(*x.shape[:-1], n).to(dtype)
     if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
         # The shrink inside the launch only where the measured policy says it finishes in time
         # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
@@ -62,6 +68,20 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
         if lora is not None:
             y = y + lora_expand(lora.shrunk(x2d), y.dtype).reshape(y.shape)
     return y.view(*x.shape[:-1], n).to(dtype)
+
+
+def _humming(tensors, shape, m, device):
+    """The humming-kernels copy of this weight where the measured table routes M tokens to it, else None.
+    Built from these bytes on first use (a second copy of the weight, until humming's layout is the stored one)."""
+    if not (settings.current().humming and humming_backend.supports_shape(shape) and routes.pick(m, device) == "humming"
+            and humming_backend.available(device)):
+        return None
+
+    def build():
+        from ..formats.nvfp4_mma import NVFP4Mma
+
+        return humming_backend.HummingWeight.build("nvfp4", NVFP4Mma().to_checkpoint(tensors, shape), shape)
+    return _HUMMING.get(tensors["weight_packed"], build)
 
 
 def _shrunk(lora, x2d):

@@ -28,6 +28,10 @@ class KernelSettings:
     wgmma: bool = True
     """Route M = w4_wgmma.ROUTE_MIN_M..MAX_M tokens to the Hopper wgmma kernel (sm_90a only; its GPU tests,
     tests/test_w4_wgmma_gpu.py, passed on an H100 and H200, and it beat mma.sync from M = 64: w4_wgmma.py)."""
+    humming: bool = True
+    """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py) to it, where it
+    imports (pyproject's `cuda` extra). H100, 7B layer set vs cuBLAS bf16: 1.82 / 1.66 / 1.32 / 0.91x at M 32 / 64 /
+    128 / 256 against qerl's own 1.50 / 1.16 / 0.88 / 0.64 (bench kernels, 2026-12-06)."""
     fuse_lora: bool = True
     """No-grad forwards fuse the LoRA expand into the base kernel's epilogue (False: the training path's
     separate LoRA term, so a no-grad logprob pass gives the grad-enabled pass's bits: PPO's old policy)."""

@@ -265,10 +265,13 @@ class QuantExperts(nn.Module):
 
     def _gemv_project(self, proj: str, x: torch.Tensor, rows: torch.Tensor | None, rt) -> torch.Tensor:
         """[P, N]: pair p's input (x[rows[p]], or x[p] if rows is None) times its expert's weight, + LoRA, + bias."""
-        from ..kernels import moe_gemv
+        from ..kernels import moe_gemv, moe_lora
 
         y = moe_gemv.grouped_gemv(x, rows, rt, self.fmt, self.stacked(proj), self.shapes[proj])
-        if self.r and not self.disable_adapters:  # per-expert shrink and expand on the slots' rows (as grouped)
+        if self.r and not self.disable_adapters and moe_lora.supports(x):
+            # Per pair, by Triton kernels: torch._grouped_mm syncs with the host, which CUDA graphs refuse.
+            moe_lora.add_lora(y, x, rows, rt.expert, self.lora_A[proj], self.lora_B[proj], self.scaling)
+        elif self.r and not self.disable_adapters:  # CPU: per-expert shrink and expand on the slots' rows
             from .grouped_mm import grouped_mm
 
             xs = x if rows is None else x[rows]

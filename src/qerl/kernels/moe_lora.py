@@ -1,0 +1,127 @@
+"""The expert LoRA term of MoE decode, per routed pair, as two Triton kernels that CUDA graphs can capture.
+
+For each token-expert pair p (moe_gemv.route's sorted order, P = T·k rows):
+    y[p] += scaling · (x[row(p)]·A[e_p]ᵀ)·B[e_p]ᵀ,   A [E, r, K], B [E, N, r].
+
+Why. QuantExperts' decode path (`_gemv_project`) ran this as torch._grouped_mm over the slots, which
+copies its offsets to the host: under CUDA-graph capture it fails ("Cannot copy between CPU and CUDA
+tensors during CUDA graph capture"), so decode with expert LoRA could not run in graphs. Here the
+launch shapes depend on (P, r, K, N) only and the kernels read the routing on the device: no host sync,
+no CPU tensor.
+
+How. `shrink`: grid (pair, block of BLOCK_R adapter rows), each program streams its rows of A[e_p] over K
+against the pair's x row, fp32 accumulation, into s [P, r] fp32. `expand`: grid (pair, block of BLOCK_N
+outputs), s[p] times its rows of B[e_p], added into y in place. Pairs of one expert are adjacent, and a
+step's hit adapters are small (Qwen3-30B-A3B, r = 32, bf16: 128 x 2 x 0.2 MB = 50 MB a layer at most,
+L2-sized per expert), so re-reading an adapter per pair is cheap; no per-slot grouping. BLOCK_R is small
+so that batch 1 (8 pairs) still has r/8 programs a pair to stream A.
+
+Rounding follows the loop (`_project`): x in the adapter dtype, the shrink's and the expand's outputs
+rounded to the adapter dtype, then to y's dtype, times scaling, added in y's dtype; only the fp32
+accumulation order differs. Invalid pairs ("no expert", rt.valid False) compute with rt.expert's
+clamped index (in range) and produce values that the caller drops.
+
+Status: tested on the CPU in Triton's interpreter (tests/test_moe_lora_kernel.py); the CUDA-graph
+capture test (tests/test_moe_lora_kernel_gpu.py) and the block sizes are not yet run or measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R, BLOCK_K = 8, 256  # shrink: adapter rows x inputs a step
+BLOCK_N = 64               # expand: outputs a program
+# Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
+RUN_ON_CPU_INTERPRETER = False
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, stride_ae, stride_ar, stride_sm,
+                   GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    e = tl.load(expert_ptr + p).to(tl.int64)
+    if GATHER:  # gate_up reads the token's hidden state
+        xr = tl.load(rows_ptr + p).to(tl.int64)
+    else:  # down reads the gated gate_up output, already in pair order
+        xr = p.to(tl.int64)
+    a_rows = a_ptr + e * stride_ae + offs_r.to(tl.int64)[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        # x cast to the adapter dtype first, as the loop's x.to(a.dtype)
+        x = tl.load(x_ptr + xr * stride_xm + kk, mask=k_mask, other=0).to(a_ptr.dtype.element_ty).to(tl.float32)
+        a = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
+        acc += tl.sum(a * x[None, :], axis=1)
+    # The loop's shrink output is in the adapter dtype: round to it, keep fp32 storage.
+    s = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(s_ptr + p.to(tl.int64) * stride_sm + offs_r, s, mask=r_mask)
+
+
+@triton.jit
+def _expand_kernel(s_ptr, expert_ptr, b_ptr, y_ptr, N, R, scaling, stride_sm, stride_be, stride_bn, stride_br,
+                   stride_ym, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    e = tl.load(expert_ptr + p).to(tl.int64)
+    b_rows = b_ptr + e * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_mask = rr < R
+        s = tl.load(s_ptr + p.to(tl.int64) * stride_sm + rr, mask=r_mask, other=0)
+        b = tl.load(b_rows + rr[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
+        acc += tl.sum(b * s[None, :], axis=1)
+    # As the loop: expand output in the adapter dtype, .to(y dtype), * scaling (fp32 math, y-dtype result), y + it.
+    ydt = y_ptr.dtype.element_ty
+    d = acc.to(b_ptr.dtype.element_ty).to(ydt).to(tl.float32) * scaling
+    d = d.to(ydt).to(tl.float32)
+    y_ptrs = y_ptr + p.to(tl.int64) * stride_ym + offs_n
+    y = tl.load(y_ptrs, mask=n_mask, other=0).to(tl.float32)
+    tl.store(y_ptrs, (y + d).to(ydt), mask=n_mask)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert: torch.Tensor, a: torch.Tensor,
+             b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """y [P, N] += scaling·(x[row(p)]·A[expert[p]]ᵀ)·B[expert[p]]ᵀ in place, and returned. x [M, K] (rows [P]
+    its row of each pair; None: x is [P, K] in pair order); expert [P], every entry in [0, E) (route's
+    rt.expert is clamped so); a [E, r, K], b [E, N, r] of one dtype. All on one device; nothing read on the
+    host, so it can be captured in a CUDA graph."""
+    pairs, n = y.shape
+    e, r, k = a.shape
+    if b.shape != (e, n, r) or b.dtype != a.dtype:
+        raise ValueError(f"adapters A {tuple(a.shape)} {a.dtype} and B {tuple(b.shape)} {b.dtype}: expected "
+                         f"B [{e}, {n}, {r}] of A's dtype")
+    if x.shape[-1] != k or expert.shape != (pairs,) or (rows is None and x.shape[0] != pairs) or \
+            (rows is not None and rows.shape != (pairs,)):
+        raise ValueError(f"x {tuple(x.shape)}, rows {None if rows is None else tuple(rows.shape)}, expert "
+                         f"{tuple(expert.shape)} do not fit y [{pairs}, {n}] and A [{e}, {r}, {k}]")
+    if pairs == 0:
+        return y
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if y.stride(-1) != 1:
+        raise ValueError("y is added into in place: its rows must be contiguous")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    s = torch.empty(pairs, r, device=y.device, dtype=torch.float32)
+    block_r = min(BLOCK_R, triton.next_power_of_2(r))
+    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(k)))
+    _shrink_kernel[(pairs, triton.cdiv(r, block_r))](
+        x, rows if rows is not None else expert, expert, a, s, r, k, x.stride(0), a.stride(0), a.stride(1),
+        s.stride(0), GATHER=rows is not None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    _expand_kernel[(pairs, triton.cdiv(n, BLOCK_N))](
+        s, expert, b, y, n, r, float(scaling), s.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_R=min(32, triton.next_power_of_2(r)), num_warps=4)
+    return y
+
+
+__all__ = ["add_lora", "supports"]

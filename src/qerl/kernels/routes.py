@@ -1,0 +1,90 @@
+"""Which path serves a dense 4-bit matmul of M tokens on this card: a table measured side by side.
+
+`qerl bench kernels --write-routes` times every candidate on the card (qerl's own routed path, humming-kernels,
+...) and writes, per card, the fastest path for each measured M (`routes.json` beside this file); a call of M
+tokens takes the first bucket whose bound is >= M. The one owner of that choice: mma_backend asks `pick`.
+A card with no table of its own uses the first table in the file, and says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("routes.json")
+BACKENDS = ("own", "humming")  # own: qerl's mma.sync / wgmma / dequantize + cuBLAS, by mma_backend's thresholds
+
+
+@dataclass(frozen=True)
+class Bucket:
+    m_max: int | None  # None: every larger M
+    backend: str
+
+
+@dataclass(frozen=True)
+class Table:
+    card: str
+    buckets: tuple[Bucket, ...]
+    source: str  # command, commit and date of the measurement
+
+    def pick(self, m: int) -> str:
+        for b in self.buckets:
+            if b.m_max is None or m <= b.m_max:
+                return b.backend
+        return self.buckets[-1].backend
+
+
+def parse(obj: dict) -> dict[str, Table]:
+    tables = {}
+    for card, t in obj.items():
+        buckets = tuple(Bucket(m, name) for m, name in t["nvfp4"])
+        bad = [b.backend for b in buckets if b.backend not in BACKENDS]
+        if bad or not buckets:
+            raise ValueError(f"{TABLE_PATH.name}: card {card!r}: backends {bad} not in {BACKENDS}" if bad
+                             else f"{TABLE_PATH.name}: card {card!r} has no buckets")
+        tables[card] = Table(card, buckets, t.get("source", ""))
+    return tables
+
+
+@lru_cache(maxsize=None)
+def _tables() -> dict[str, Table]:
+    return parse(json.loads(TABLE_PATH.read_text())) if TABLE_PATH.exists() else {}
+
+
+@lru_cache(maxsize=None)
+def table_for(card: str) -> Table | None:
+    tables = _tables()
+    if card in tables:
+        return tables[card]
+    if not tables:
+        return None
+    first = next(iter(tables.values()))
+    warnings.warn(f"qerl: no measured kernel routes for {card!r}; using {first.card!r}'s "
+                  "(run `qerl bench kernels --write-routes` on this card)", stacklevel=2)
+    return first
+
+
+def pick(m: int, device: torch.device) -> str:
+    """The backend for M tokens on `device` ("own" where nothing was measured)."""
+    t = table_for(torch.cuda.get_device_name(device))
+    return "own" if t is None else t.pick(m)
+
+
+def from_timings(timings: dict[int, dict[str, float]]) -> list[list]:
+    """Buckets [[m_max, backend], ...] from {M: {backend: µs}}: the fastest backend at each measured M,
+    neighbours with the same winner merged, the last bucket open-ended."""
+    out: list[list] = []
+    for m in sorted(timings):
+        best = min((us, name) for name, us in timings[m].items() if us == us and name in BACKENDS)[1]
+        if out and out[-1][1] == best:
+            out[-1][0] = m
+        else:
+            out.append([m, best])
+    if out:
+        out[-1][0] = None
+    return out
