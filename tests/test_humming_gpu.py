@@ -16,7 +16,7 @@ from qerl.kernels import mma_backend, routes  # noqa: E402
 from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
 from qerl.kernels.humming_backend import HummingWeight, available, supports_shape  # noqa: E402
 
-SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1088, 1536)]
+SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1152, 1536)]
 
 
 def _weights(fmt, n, k, seed):
@@ -73,8 +73,9 @@ def test_the_routed_mma_backend_serves_humming_buckets_and_keeps_its_own_elsewhe
     for m in (1, 16, 64, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
-        if routes.pick(m, x.device) == "humming":
-            assert torch.equal(y, hw.matmul(x)), m
+        if routes.pick(m, x.device) == "humming":  # stream-K sums may differ in order: close, not bit-equal
+            assert _rel(y, hw.matmul(x)) < 2e-3, m
+            assert any(v[1] is not None for v in mma_backend._HUMMING._entries.values()), "humming was not used"
         ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
         assert _rel(y, ref) < 8e-3
-    assert not supports_shape((1040, 1536))
+    assert not supports_shape((1088, 1536)) and supports_shape((1152, 1536))

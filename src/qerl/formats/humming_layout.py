@@ -235,12 +235,14 @@ def _dequant_humming_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, FMT: tl.constex
 
 
 def dequantize_bf16(fmt_name: str, h: dict[str, torch.Tensor], shape: tuple[int, int],
-                    dtype: torch.dtype = torch.bfloat16, permute: bool = False,
+                    dtype: torch.dtype = torch.bfloat16, permute: bool = True,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] in `dtype` (bf16 by default) read straight from humming's tensors, equal bit for bit to
     `get_format(fmt_name).dequantize(original tensors, shape, dtype)`. NVFP4 needs the exact global
     scale: `weight_global_scale` when stored, else recovered from `weight_scale_2`.
-    `permute` picks the load scheme (coalesced block load + tl.permute, or per-element gathers)."""
+    `permute` picks the load scheme: True (default) loads the tile's words as they lie (16-B vector loads
+    on sm_90) and reorders them with tl.permute; False gathers each element's word (scalar loads, L1
+    serves the repeats). Both write 16-B vector stores along K; both are bit-exact."""
     n, k = _check_shape(fmt_name, shape)
     g = GROUP[fmt_name]
     w, s = h["weight"], h["weight_scale"]

@@ -55,9 +55,10 @@ def available(device: torch.device | None = None) -> bool:
 
 
 def supports_shape(shape: tuple[int, int]) -> bool:
-    """humming's repack tiles 64 output rows by 32 inputs (humming/transform.py transform_humming_weight)."""
+    """humming's repack tiles 64 output rows by 32 inputs (humming/transform.py transform_humming_weight), and its
+    sm_90 heuristics need blocks of 128 rows (tune/sm90_policies.py asserts it for N = 1088)."""
     n, k = shape
-    return n % 64 == 0 and k % 32 == 0
+    return n % 128 == 0 and k % 32 == 0
 
 
 @dataclass

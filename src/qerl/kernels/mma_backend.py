@@ -10,6 +10,8 @@ so no call syncs with the host after the first.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import humming_backend, lora_shrink, routes, settings, w4_mma, w4_wgmma
@@ -80,7 +82,12 @@ def _humming(tensors, shape, m, device):
     def build():
         from ..formats.nvfp4_mma import NVFP4Mma
 
-        return humming_backend.HummingWeight.build("nvfp4", NVFP4Mma().to_checkpoint(tensors, shape), shape)
+        try:
+            return humming_backend.HummingWeight.build("nvfp4", NVFP4Mma().to_checkpoint(tensors, shape), shape)
+        except Exception as e:  # its JIT or heuristics refuse this shape: this weight stays on qerl's kernels
+            warnings.warn(f"qerl: humming-kernels cannot take a {shape[0]}x{shape[1]} weight "
+                          f"({type(e).__name__}: {str(e)[:120]}); it stays on qerl's kernels", stacklevel=3)
+            return None
     return _HUMMING.get(tensors["weight_packed"], build)
 
 

@@ -246,12 +246,15 @@ class Engine:
         self._setup(p)
         before = self.runner.graphs_captured
         top = min(max_len or self.max_len, self.max_len)
-        for n in batch_sizes:
-            b = min(next((x for x in BUCKETS if x >= n), self.n_slots), self.n_slots)
-            if not self.runner.graphed(b):
-                continue
-            for keys in range(128, top + 128, 128):
-                self.runner.step(b, min(keys, self.max_len), p)  # no slot is active: state is untouched
+        # The graphs bake in the kernel choices made while capturing: capture under the engine's own settings.
+        kernels = settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
+        with kernels:
+            for n in batch_sizes:
+                b = min(next((x for x in BUCKETS if x >= n), self.n_slots), self.n_slots)
+                if not self.runner.graphed(b):
+                    continue
+                for keys in range(128, top + 128, 128):
+                    self.runner.step(b, min(keys, self.max_len), p)  # no slot is active: state is untouched
         torch.cuda.synchronize()
         return self.runner.graphs_captured - before
 
