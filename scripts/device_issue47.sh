@@ -23,3 +23,10 @@ rollout)  # the engine, 7B LoRA r32: routed NVFP4, qerl's own kernels alone, bf1
     --quants ${QUANTS:-nvfp4,nvfp4_own,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tail -40
   ;;
 esac
+case "${STEP:-kernels}" in
+check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kernel and MoE graphs; then the engine
+  timeout ${TEST_S:-260} python3 -m pytest -q -s -p no:cacheprovider --tb=short ${TESTS:-tests/test_humming_layout_gpu.py tests/test_humming_gpu.py tests/test_moe_lora_kernel_gpu.py tests/test_moe_gpu.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -40
+  [ -n "${BATCHES:-}" ] && timeout ${ROLLOUT_S:-300} python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
+    --quants ${QUANTS:-nvfp4,nvfp4_own} --batches $BATCHES --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tail -24
+  ;;
+esac

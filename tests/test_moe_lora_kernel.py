@@ -70,7 +70,7 @@ def test_add_lora_matches_float64_per_pair(r, k, n, lora, gather, act):
     got = y.double().cpu()[ok] - y0.double().cpu()[ok]  # the added term, so y0 cannot hide its error
     w = want[ok]
     # Rounding: x and both products in the adapter dtype, the sum in y's dtype (|y0| ~ |delta| here).
-    tol = 4 * (EPS[lora] + EPS[act]) + 1e-6
+    tol = EPS[lora] + EPS[act]
     assert ((got - w).norm() / w.norm()).item() < tol
 
 
@@ -108,7 +108,7 @@ def test_quant_experts_decode_with_lora_kernels_equals_the_loop(fmt, lora, monke
     """The whole decode path (_gemv_forward: GEMV, LoRA kernels, biases, "no expert" pairs) against the loop;
     bf16 factors under an fp32 model (lora_dtype != the model's) too."""
     g = torch.Generator().manual_seed(11)
-    e, h, i = 5, 64, 48
+    e, h, i = 5, 64, 32
     gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
     biases = {"gate_up_proj": torch.randn(e, 2 * i, generator=g) * 0.1,
               "down_proj": torch.randn(e, h, generator=g) * 0.1}
@@ -134,6 +134,8 @@ def test_quant_experts_decode_with_lora_kernels_equals_the_loop(fmt, lora, monke
         with settings.use(moe_gemv=True):
             got = q(x, idx, wts)
     assert calls == [2]  # both projections' LoRA by the kernels, not grouped_mm
-    lora_term = 0.3 * 16.0 / 8  # bf16 factors: a rounding flip of the LoRA term is ~2^-8 of it
+    # bf16 factors: the kernels round as the loop does (equal to ~1e-6 here), but another accumulation
+    # order (cuBLAS) may flip a bf16 rounding of the LoRA term, ~2^-8 of it.
+    lora_term = 0.3 * 16.0 / 8
     atol = 1e-5 if lora == torch.float32 else 1e-2 * lora_term
     assert torch.allclose(got, want, atol=atol), (got - want).abs().max()

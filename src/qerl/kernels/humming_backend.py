@@ -61,6 +61,25 @@ def supports_shape(shape: tuple[int, int]) -> bool:
     return n % 128 == 0 and k % 32 == 0
 
 
+# A humming copy is a second copy of the weight (until humming's layout is the stored one): never let the copies
+# take the memory a training step needs. A copy is made only while this share of the card stays free after it.
+KEEP_FREE = 0.25
+_SAID_FULL: set = set()
+
+
+def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
+    """Whether a humming copy of an [N, K] NVFP4 weight (0.5625 B a weight) leaves KEEP_FREE of the card free.
+    Said once per device when it stops fitting (the rest of the weights stay on qerl's kernels)."""
+    free, total = torch.cuda.mem_get_info(device)
+    need = shape[0] * shape[1] * 9 // 16
+    ok = free - need >= KEEP_FREE * total
+    if not ok and device not in _SAID_FULL:
+        _SAID_FULL.add(device)
+        warnings.warn(f"qerl: humming-kernels copies stop here ({free / 2**30:.1f} GiB free of {total / 2**30:.1f}): "
+                      f"further weights stay on qerl's kernels", stacklevel=3)
+    return ok
+
+
 @dataclass
 class HummingWeight:
     """One frozen weight in humming's layout, and how long the repack took."""

@@ -82,6 +82,8 @@ def _humming(tensors, shape, m, device):
     def build():
         from ..formats.nvfp4_mma import NVFP4Mma
 
+        if not humming_backend.copy_fits(shape, tensors["weight_packed"].device):
+            return None
         try:
             return humming_backend.HummingWeight.build("nvfp4", NVFP4Mma().to_checkpoint(tensors, shape), shape)
         except Exception as e:  # its JIT or heuristics refuse this shape: this weight stays on qerl's kernels

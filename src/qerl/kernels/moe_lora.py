@@ -4,16 +4,16 @@ For each token-expert pair p (moe_gemv.route's sorted order, P = T·k rows):
     y[p] += scaling · (x[row(p)]·A[e_p]ᵀ)·B[e_p]ᵀ,   A [E, r, K], B [E, N, r].
 
 Why. QuantExperts' decode path (`_gemv_project`) ran this as torch._grouped_mm over the slots, which
-copies its offsets to the host: under CUDA-graph capture it fails ("Cannot copy between CPU and CUDA
+makes a CPU-to-GPU copy: under CUDA-graph capture it fails ("Cannot copy between CPU and CUDA
 tensors during CUDA graph capture"), so decode with expert LoRA could not run in graphs. Here the
 launch shapes depend on (P, r, K, N) only and the kernels read the routing on the device: no host sync,
 no CPU tensor.
 
-How. `shrink`: grid (pair, block of BLOCK_R adapter rows), each program streams its rows of A[e_p] over K
-against the pair's x row, fp32 accumulation, into s [P, r] fp32. `expand`: grid (pair, block of BLOCK_N
+How. Shrink: grid (pair, block of BLOCK_R adapter rows), each program streams its rows of A[e_p] over K
+against the pair's x row, fp32 accumulation, into s [P, r] fp32. Expand: grid (pair, block of BLOCK_N
 outputs), s[p] times its rows of B[e_p], added into y in place. Pairs of one expert are adjacent, and a
-step's hit adapters are small (Qwen3-30B-A3B, r = 32, bf16: 128 x 2 x 0.2 MB = 50 MB a layer at most,
-L2-sized per expert), so re-reading an adapter per pair is cheap; no per-slot grouping. BLOCK_R is small
+step's hit adapters are small (Qwen3-30B-A3B, r = 32, bf16: 0.4 MB an expert for both projections,
+52 MB a layer if all 128 are hit), so re-reading an adapter per pair is cheap; no per-slot grouping. BLOCK_R is small
 so that batch 1 (8 pairs) still has r/8 programs a pair to stream A.
 
 Rounding follows the loop (`_project`): x in the adapter dtype, the shrink's and the expand's outputs
@@ -42,6 +42,19 @@ def supports(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _round(v, DT: tl.constexpr):
+    """fp32 v rounded to DT (to nearest even), kept in fp32. bf16 by integer ops (NaN payloads aside): the
+    GPU's cvt rounds so, Triton's interpreter truncates, and the CPU tests should see the GPU's rounding."""
+    if DT == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        out = u.to(tl.float32, bitcast=True)
+    else:
+        out = v.to(DT).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, stride_ae, stride_ar, stride_sm,
                    GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     p = tl.program_id(0)
@@ -58,11 +71,11 @@ def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, s
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         # x cast to the adapter dtype first, as the loop's x.to(a.dtype)
-        x = tl.load(x_ptr + xr * stride_xm + kk, mask=k_mask, other=0).to(a_ptr.dtype.element_ty).to(tl.float32)
+        x = _round(tl.load(x_ptr + xr * stride_xm + kk, mask=k_mask, other=0).to(tl.float32), a_ptr.dtype.element_ty)
         a = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
     # The loop's shrink output is in the adapter dtype: round to it, keep fp32 storage.
-    s = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+    s = _round(acc, a_ptr.dtype.element_ty)
     tl.store(s_ptr + p.to(tl.int64) * stride_sm + offs_r, s, mask=r_mask)
 
 
@@ -83,11 +96,10 @@ def _expand_kernel(s_ptr, expert_ptr, b_ptr, y_ptr, N, R, scaling, stride_sm, st
         acc += tl.sum(b * s[None, :], axis=1)
     # As the loop: expand output in the adapter dtype, .to(y dtype), * scaling (fp32 math, y-dtype result), y + it.
     ydt = y_ptr.dtype.element_ty
-    d = acc.to(b_ptr.dtype.element_ty).to(ydt).to(tl.float32) * scaling
-    d = d.to(ydt).to(tl.float32)
+    d = _round(_round(_round(acc, b_ptr.dtype.element_ty), ydt) * scaling, ydt)
     y_ptrs = y_ptr + p.to(tl.int64) * stride_ym + offs_n
     y = tl.load(y_ptrs, mask=n_mask, other=0).to(tl.float32)
-    tl.store(y_ptrs, (y + d).to(ydt), mask=n_mask)
+    tl.store(y_ptrs, _round(y + d, ydt).to(ydt), mask=n_mask)  # the last .to is exact
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert: torch.Tensor, a: torch.Tensor,
