@@ -28,7 +28,7 @@ check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kerne
   timeout ${TEST_S:-260} python3 -m pytest -q -s -p no:cacheprovider --tb=short ${TESTS:-tests/test_humming_layout_gpu.py tests/test_humming_gpu.py tests/test_moe_lora_kernel_gpu.py tests/test_moe_gpu.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -40
   if [ -n "${ROUTES:-}" ]; then  # this card's side-by-side table, written into the routes the rollout then reads
     timeout ${BENCH_S:-200} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
-      --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,nvfp4_lora32,humming,humming_lora32} \
+      --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_lora32} \
       > $OUT/bench_stdout.log 2>&1; tail -n 12 $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/
   fi
   [ -n "${BATCHES:-}" ] && timeout ${ROLLOUT_S:-300} python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \

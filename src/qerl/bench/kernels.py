@@ -27,7 +27,7 @@ from ..formats.nvfp4_mma import NVFP4Mma
 from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
+MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
          "humming", "humming_lora32", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
@@ -39,6 +39,10 @@ SEGMENTS = {"qkv": 3, "gate_up": 2}  # LoRA segments of a group (q, k, v rows; g
 # Issue 31's targets for the 7B layer set vs cuBLAS bf16 (the routed path, and the wgmma kernel alone).
 SPEEDUP_TARGETS = {1: ">=2.7", 2: ">=2.7", 4: ">=2.7", 8: ">=2.7", 16: ">=2.5", 32: ">=2.2", 64: ">=2.0",
                    128: ">=1.3", 256: ">=1.0"}
+
+
+# Issue 47's targets for the routed path (7B layer set vs cuBLAS bf16, H200).
+ROUTED_TARGETS = {32: ">=1.8", 64: ">=1.6", 128: ">=1.2", 256: ">=0.95", 2048: ">=0.95"}
 
 
 def time_calls(fns, min_calls=48, replays=7) -> float:
@@ -223,9 +227,13 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
 
 
 def _time(sets, mode, x, group, **cfg):
+    from ..kernels import settings
+
     try:
-        fns = _fns(sets, mode, x, group, **cfg)
-        return None if fns is None else time_calls(fns)
+        # "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
+        with settings.use(humming=mode == "routed"):
+            fns = _fns(sets, "nvfp4" if mode == "routed" else mode, x, group, **cfg)
+            return None if fns is None else time_calls(fns)
     except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
         print(f"  {mode} M={x.shape[0]} {sets.n}x{sets.k}: {type(e).__name__}: {str(e)[:200]}")
         return None
@@ -339,6 +347,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
         if ("wgmma_lora32", m) in agg:
             rows.append((case, "wgmma_lora32_overhead", g("wgmma_lora32") / g("wgmma") - 1, "",
                          ("<=0.10" if m <= 16 else "<=0.05")))
+        if ("routed", m) in agg:
+            rows += [(case, "routed_us", g("routed"), "us", None),
+                     (case, "routed_speedup_vs_bf16", bf / g("routed"), "x", ROUTED_TARGETS.get(m) if main_model else None)]
         if ("dequant", m) in agg:
             rows.append((case, "dequant_us", g("dequant"), "us", None))
         if ("humming", m) in agg:
