@@ -35,3 +35,8 @@ check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kerne
     --quants ${QUANTS:-nvfp4,nvfp4_own} --batches $BATCHES --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tail -24
   ;;
 esac
+case "${STEP:-kernels}" in
+moe)  # one Qwen3-30B-A3B GRPO step at defaults (MoE decode from graphs): rollout tok/s and peak memory
+  LIMIT=${LIMIT:-400} SHAPE=${SHAPE:-qwen3-30b-a3b} NEW=${NEW:-256} KV=${KV:-3.4} bash scripts/device_moe.sh step
+  ;;
+esac

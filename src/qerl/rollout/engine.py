@@ -104,6 +104,11 @@ class _Call:
     pending: dict[int, _Pending] = field(default_factory=dict)  # id(sequence) -> its running tool call
 
 
+# MoE decode from CUDA graphs by default: the expert LoRA runs in graph-safe kernels (kernels/moe_lora.py);
+# the capture failed before in torch._grouped_mm (a host copy), issue 47.
+MOE_GRAPHS_DEFAULT = True
+
+
 def _moe_graph_max_batch(kernel_settings: KernelSettings | None) -> int:
     """The largest MoE decode batch a graph can hold: the grouped GEMV's (no host sync), 0 where it is off."""
     from ..kernels import triton_backend
@@ -145,9 +150,10 @@ class Engine:
         moe = self.view.family.experts is not None
         self.runner = ModelRunner(self.view, self.n_slots, max_len, kv_cache_dtype=kv_cache_dtype,
                                   # an MoE's decode is capturable only where the grouped GEMV runs it (the loop
-                                  # and the grouped path read the routing on the host), so graphs for an MoE
-                                  # are asked for (not yet the default: untried on a GPU) and bounded by it
-                                  cuda_graphs=(cuda and not moe) if cuda_graphs is None else cuda_graphs,
+                                  # and the grouped path read the routing on the host): graphs bounded by it
+                                  # (MOE_GRAPHS_DEFAULT: on once tests/test_moe_gpu.py's graph tests pass)
+                                  cuda_graphs=(cuda and (MOE_GRAPHS_DEFAULT or not moe)) if cuda_graphs is None
+                                  else cuda_graphs,
                                   graph_max_batch=_moe_graph_max_batch(kernel_settings) if moe else None,
                                   compile=cuda if compile is None else compile, fused_attention=fused_attention)
         self.cache = self.runner.cache
