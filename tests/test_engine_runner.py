@@ -155,3 +155,21 @@ def test_stop_id_buffers_are_refilled_in_place():
     assert (run.eos_t.data_ptr(), run.stop_t.data_ptr()) == ptrs
     with pytest.raises(ValueError, match="stop token ids"):
         run.setup(SamplingParams(max_new_tokens=4, stop_token_ids=list(range(MAX_STOP_IDS + 1))), [1])
+
+
+def test_warmup_captures_under_the_engines_kernel_settings(monkeypatch):
+    """Graphs bake in the kernel choices made while they are captured: warmup must run under the engine's
+    KernelSettings, not the caller's (it ran under the caller's, so an engine with humming off captured
+    humming's kernels)."""
+    from qerl.kernels import settings
+    from qerl.kernels.settings import KernelSettings
+
+    eng = Engine(_model(), max_len=256, max_slots=2, kernel_settings=KernelSettings(humming=False, fuse_lora=False))
+    seen = []
+    monkeypatch.setattr(eng.runner, "cuda_graphs", True)
+    monkeypatch.setattr(eng.runner, "step", lambda b, keys, p: seen.append(settings.current()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # a CPU run of the GPU-only path
+    assert settings.current().humming  # the caller's defaults
+    eng.warmup([1])
+    assert seen and all(not s.humming and not s.fuse_lora for s in seen)
+    assert settings.current().humming  # and the caller's settings are back after it
