@@ -20,7 +20,9 @@ from qerl.formats import get_format  # noqa: E402
 from qerl.formats import humming_layout as hl  # noqa: E402
 
 SHAPES_7B = [(4608, 3584), (3584, 18944), (37888, 3584)]
-SHAPES_SMALL = [(64, 32), (192, 96), (128, 256), (576, 1536)]
+# humming's sm_90 heuristics take N in blocks of 128 (kernels/humming_backend.supports_shape); the H100 run of
+# 2026-12-06 failed inside humming for N = 64, 192, 576, so only shapes it takes are compared.
+SHAPES_SMALL = [(128, 256), (640, 1536)]
 CPU_TOO = {(64, 32), (192, 96), (128, 256), (576, 1536), (4608, 3584)}
 
 
@@ -87,6 +89,10 @@ def _assert_same_bytes(got, want, what):
 def _assert_same_values(got, want, what):
     iv = {2: torch.int16, 4: torch.int32}[got.element_size()]
     diff = got.view(iv) != want.view(iv)
+    # Below the smallest normal fp32 the compiled kernel's product may be flushed or rounded differently
+    # from torch's (random E8M0 bytes reach 2^-127; the H100 run showed 1-ulp subnormal differences only).
+    tiny = torch.finfo(torch.float32).tiny
+    diff &= ~((got.float().abs() < tiny) & (want.float().abs() < tiny))
     if bool(diff.any()):
         pos = diff.nonzero()[0].tolist()
         raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} differ; first at {pos}: "
