@@ -16,6 +16,27 @@ class QuantizationError(ValueError):
     """A weight cannot be stored in the requested format; the message names it."""
 
 
+class NonFiniteWeightError(ValueError):
+    """A stored weight holds NaN or inf (a scale, a code, a dense value): the model would generate nothing and
+    train on NaN. Not a QuantizationError, so no loader falls back to another layout and carries on."""
+
+
+def first_nonfinite(t: dict[str, torch.Tensor]) -> tuple[str, tuple[int, ...]] | None:
+    """(tensor name, index) of the first NaN/inf among a layer's stored tensors, or None. Float tensors
+    (FP8 scales included) by value; E8M0 scales stored as bytes by their NaN code 255 (`weight_scale` of a
+    uint8 format that has no global scale: MXFP4's)."""
+    for key, v in t.items():
+        if v.is_floating_point():
+            bad = ~torch.isfinite(v.float())
+        elif v.dtype == torch.uint8 and key == "weight_scale" and "weight_global_scale" not in t:
+            bad = v == 255
+        else:
+            continue
+        if bool(bad.any()):
+            return key, tuple(int(i) for i in bad.nonzero()[0])
+    return None
+
+
 class WeightFormat:
     name: ClassVar[str]
     block_size: ClassVar[int]

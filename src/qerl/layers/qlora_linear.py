@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..formats import WeightFormat, get_format
+from ..formats.base import NonFiniteWeightError, first_nonfinite
 from ..kernels import dispatch, settings
 
 
@@ -138,6 +139,11 @@ class QLoRALinear(nn.Module):
         any other layer adopts the tensors."""
         want = self.fmt.expected_shapes(self.weight_shape)
         missing = set(want) - set(tensors)
+        # (kernel layouts re-encode scales and refuse non-finite ones when they repack: formats/nvfp4_mma.py)
+        bad = first_nonfinite({k: v for k, v in tensors.items() if k in want}) if self.fmt.layout == "standard" else None
+        if bad is not None:
+            raise NonFiniteWeightError(f"{name}.{bad[0]} holds NaN or inf (first at index {list(bad[1])}): the "
+                                       "checkpoint's weight is corrupt; qerl will not train on it")
         if missing:
             raise KeyError(f"{name}: missing tensor(s) {sorted(missing)} for format {self.fmt.name}")
         for key, (shape, dt) in want.items():
