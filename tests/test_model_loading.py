@@ -77,19 +77,27 @@ def test_tied_embeddings_and_target_subset(tmp_path):
 
 def test_bad_layers_stay_bf16_with_a_warning(tmp_path):
     save_tiny(tmp_path, "llama", intermediate_size=136)  # down_proj in=136: not a multiple of 16
-    sd = load_file(tmp_path / "model.safetensors")
-    sd["model.layers.1.self_attn.o_proj.weight"][3, 3] = float("nan")
-    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning) as rec:
         pol = load_policy(tmp_path, "nvfp4", lora_rank=4, progress=False)
     msgs = " ".join(str(w.message) for w in rec)
     assert "model.layers.0.mlp.down_proj" in msgs and "not divisible" in msgs
-    assert "model.layers.1.self_attn.o_proj" in msgs and "NaN" in msgs
     assert pol.model.model.layers[0].mlp.down_proj.fmt.name == "bf16"
     assert pol.model.model.layers[0].mlp.down_proj.r == 4  # still gets its adapter
     assert pol.model.model.layers[0].mlp.up_proj.fmt.name == "nvfp4"
-    assert set(pol.bf16_fallback) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
-                                      "model.layers.1.self_attn.o_proj"}
+    assert set(pol.bf16_fallback) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+
+
+def test_a_nonfinite_base_weight_is_refused_by_layer(tmp_path):
+    """NaN in a base weight: not kept in bf16 to generate nothing and pass the parity gate (issue 50), refused."""
+    from qerl.formats.base import NonFiniteWeightError
+
+    save_tiny(tmp_path, "llama")
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.1.self_attn.o_proj.weight"][3, 3] = float("nan")
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for quant in ("nvfp4", "bf16"):
+        with pytest.raises(NonFiniteWeightError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight holds NaN"):
+            load_policy(tmp_path, quant, lora_rank=4, progress=False)
 
 
 def test_unsupported_architecture(tmp_path):

@@ -27,7 +27,7 @@ def first_nonfinite(t: dict[str, torch.Tensor]) -> tuple[str, tuple[int, ...]] |
     uint8 format that has no global scale: MXFP4's)."""
     for key, v in t.items():
         if v.is_floating_point():
-            bad = ~torch.isfinite(v.float())
+            bad = ~torch.isfinite(v if v.element_size() > 1 else v.float())  # FP8: isfinite wants a wider dtype
         elif v.dtype == torch.uint8 and key == "weight_scale" and "weight_global_scale" not in t:
             bad = v == 255
         else:
