@@ -121,8 +121,7 @@ def step_profile(layers, log):
             prompts = [list(range(256))] * b
             eng.warmup([b], p)
             eng.generate(prompts, params=p)
-            eng.generate(prompts, params=p)
-            s = eng.stats
+            s = eng.generate(prompts, params=p).stats
             ms = 1e3 * (s.seconds - s.prefill_seconds) / s.steps
             eng_e = Engine(pol.model, max_len=640, max_slots=b, cuda_graphs=False, fused_attention=fused)
             q = SamplingParams(max_new_tokens=17, ignore_eos=True)

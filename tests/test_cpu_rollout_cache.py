@@ -99,7 +99,7 @@ def test_cpu_engine_batch_shrinks_as_samples_finish(base):
     assert eng.sync_every == 1  # the CPU retires after every step
     out = eng.generate([[5, 6, 7]] * 4, n=1, params=sp)
     assert [len(c.token_ids) for c in out] == [3, 20, 7, 12]
-    batches = [b for b, _, _ in eng.stats.chunks]
+    batches = [b for b, _, _ in out.stats.chunks]
     assert batches[0] == 4 and batches[-1] == 1 and batches == sorted(batches, reverse=True)
     # decode steps run only live samples: the token steps equal the tokens produced after the first
     assert sum(batches) == sum(limits.values()) - 4

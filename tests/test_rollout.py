@@ -42,7 +42,7 @@ def test_greedy_equals_hf_generate(family, max_slots):
         assert c.prompt_ids == PROMPTS[c.prompt_index]
         assert c.token_ids == _hf_greedy(m, c.prompt_ids, 32), (c.prompt_index, c.sample_index)
         assert c.finish_reason == "length" and len(c.logprobs) == 32
-    assert eng.stats.max_batch <= max_slots
+    assert outs.stats.max_batch <= max_slots
 
 
 def test_quantized_policy_greedy_equals_hf_on_the_same_module(tmp_path):

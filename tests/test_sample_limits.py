@@ -50,7 +50,7 @@ def test_each_sample_stops_at_its_limit_with_the_tokens_it_had_without(model):
         assert max(abs(x - y) for x, y in zip(c.logprobs, f.logprobs[:want])) < 1e-4
         # the sample's own limit is not a truncation (the trainer counts only "length" as one)
         assert c.finish_reason == ("length" if want == MAX_NEW else "limit")
-    assert eng.stats.new_tokens == sum(_limit(i, j) for i in range(len(PROMPTS)) for j in range(N))
+    assert lim.stats.new_tokens == sum(_limit(i, j) for i in range(len(PROMPTS)) for j in range(N))
     # a later rollout without limits is not held to the previous one's
     again = eng.generate(PROMPTS[:1], n=N, params=base)
     assert [c.token_ids for c in again] == [c.token_ids for c in full[:N]]

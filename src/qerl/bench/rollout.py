@@ -62,7 +62,7 @@ def _engine_case(pol, batches, prompt_len, new, log, bw, cfg, kv_dtype="auto", f
         eng.generate(prompts, params=warm)  # kernels compile; graphs for the short buckets
         torch.cuda.reset_peak_memory_stats()
         comps = eng.generate(prompts, params=p)
-        s = eng.stats
+        s = comps.stats
         decode_s = s.seconds - s.prefill_seconds
         tps = s.new_tokens / s.seconds
         dtps = (s.new_tokens - b) / decode_s

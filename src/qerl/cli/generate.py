@@ -56,5 +56,5 @@ def run(args):
             print(f"--- prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, {c.finish_reason})")
             print(c.text)
     if not args.json:
-        s = eng.stats
+        s = outs.stats
         print(f"--- {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s) on {device}")

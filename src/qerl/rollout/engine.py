@@ -102,6 +102,14 @@ class _Call:
     stats: RolloutStats = field(default_factory=RolloutStats)
     pool: ThreadPoolExecutor | None = None  # tool calls, where the handler takes concurrent calls
     pending: dict[int, _Pending] = field(default_factory=dict)  # id(sequence) -> its running tool call
+    # the requests: prompts' token ids, their keys, samples per prompt, and the scheduler over them
+    ids: list = field(default_factory=list)
+    keys: list = field(default_factory=list)
+    n: int = 1
+    sched: Scheduler | None = None
+    logits_of: dict = field(default_factory=dict)  # slot -> its prefill's last logits, until it starts
+    results: dict = field(default_factory=dict)  # (prompt, sample) -> Completion
+    bar: object = None
 
 
 # MoE decode from CUDA graphs by default: the expert LoRA runs in graph-safe kernels (kernels/moe_lora.py);
@@ -159,9 +167,6 @@ class Engine:
         self.cache = self.runner.cache
         # without kernels (CPU), keep dequantized weights for the rollout's duration
         self.cache_dequantized = not cuda if cache_dequantized is None else cache_dequantized
-        # the stats of the last finished call, for callers written before `generate` returned them
-        # (read them from the returned Completions: a call's state lives in its `_Call`)
-        self.stats = RolloutStats()
 
     # ---- public ------------------------------------------------------------------------------
     def eos_ids(self) -> list[int]:
@@ -200,47 +205,49 @@ class Engine:
         keys = list(prompt_keys) if prompt_keys is not None else list(range(len(ids)))
         if len(keys) != len(ids):
             raise ValueError(f"{len(keys)} prompt_keys for {len(ids)} prompts")
-        call = _Call(p, turns, self._sample_limits(p, keys, n))
+        call = _Call(p, turns, self._sample_limits(p, keys, n), ids=ids, keys=keys, n=n,
+                     sched=Scheduler(self.n_slots, [len(x) for x in ids], n))
         if turns is not None and getattr(turns, "concurrent", False):
             call.pool = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="qerl-tool")
-        stats = call.stats
         self._setup(p)
-        run, sched = self.runner, Scheduler(self.n_slots, [len(x) for x in ids], n)
-        t0 = time.perf_counter()
-        captured0 = run.graphs_captured
-        logits_of: dict[int, torch.Tensor] = {}
-        results: dict[tuple, Completion] = {}
-        bar = tqdm(total=len(sched.waiting), desc="rollout", unit="seq", disable=not progress)
+        t0, captured0 = time.perf_counter(), self.runner.graphs_captured
+        call.bar = tqdm(total=len(call.sched.waiting), desc="rollout", unit="seq", disable=not progress)
         cache = dispatch.dequantized_cache() if self.cache_dequantized else contextlib.nullcontext()
         kernels = settings.use(self.kernel_settings) if self.kernel_settings is not None else contextlib.nullcontext()
         pool = call.pool if call.pool is not None else contextlib.nullcontext()
         with kernels, cache, pool, perturb if perturb is not None else contextlib.nullcontext():
-            while sched.has_work():
-                self._admit(call, sched, ids, keys, n, logits_of)
-                hi = sched.high()
-                b = sched.bucket()  # buckets bound the graphs; eager steps run what is live
-                b = b if run.graphed(b) else hi
-                stats.max_batch = max(stats.max_batch, hi)
-                max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
-                key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)
-                tc = time.perf_counter()
-                for _ in range(self.sync_every):
-                    run.step(b, key_bucket, p)
-                stats.steps += self.sync_every
-                bar.update(self._retire(call, sched, results, ids, hi))  # syncs: the chunk's steps are done
-                stats.chunks.append((b, key_bucket, 1e3 * (time.perf_counter() - tc) / self.sync_every))
-                if not sched.waiting:
-                    for src, dst in sched.compaction():
-                        run.move(src, dst)
-        bar.close()
+            while call.sched.has_work():
+                self.step(call)
+        call.bar.close()
         if self.view.device.type == "cuda":
             # this stream only: a rollout beside the update (max_staleness 1) must not wait for its kernels
             torch.cuda.current_stream(self.view.device).synchronize()
+        stats = call.stats
         stats.seconds = time.perf_counter() - t0
-        stats.graphs_captured = run.graphs_captured - captured0
-        stats.new_tokens = sum(len(c.token_ids) for c in results.values())
-        self.stats = stats
-        return Completions([results[(i, j)] for i in range(len(ids)) for j in range(n)], stats)
+        stats.graphs_captured = self.runner.graphs_captured - captured0
+        stats.new_tokens = sum(len(c.token_ids) for c in call.results.values())
+        return Completions([call.results[(i, j)] for i in range(len(ids)) for j in range(n)], stats)
+
+    def step(self, call: _Call) -> None:
+        """One engine step of a call: schedule (admit waiting samples, pick the decode and key buckets), run
+        sync_every decode steps, postprocess (retire finished samples, compact the slots)."""
+        run, sched, stats = self.runner, call.sched, call.stats
+        self._admit(call, sched, call.ids, call.keys, call.n, call.logits_of)
+        hi = sched.high()
+        b = sched.bucket()  # buckets bound the graphs; eager steps run what is live
+        b = b if run.graphed(b) else hi
+        stats.max_batch = max(stats.max_batch, hi)
+        max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
+        key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)
+        tc = time.perf_counter()
+        for _ in range(self.sync_every):
+            run.step(b, key_bucket, call.params)
+        stats.steps += self.sync_every
+        call.bar.update(self._retire(call, sched, call.results, call.ids, hi))  # syncs: the chunk's steps are done
+        stats.chunks.append((b, key_bucket, 1e3 * (time.perf_counter() - tc) / self.sync_every))
+        if not sched.waiting:
+            for src, dst in sched.compaction():
+                run.move(src, dst)
 
     @torch.no_grad()
     def warmup(self, batch_sizes, params: SamplingParams | None = None, max_len: int | None = None) -> int:
