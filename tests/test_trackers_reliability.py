@@ -125,6 +125,21 @@ def test_a_fresh_run_in_a_killed_runs_folder_ends_the_killed_run(tmp_path, mlflo
     assert "loss" not in runs[1].data.metrics  # a fresh start carries nothing over
 
 
+def test_a_live_run_of_another_folder_on_a_shared_server_is_left_running(tmp_path, mlflow_store, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "shared").resolve().as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    (live,) = open_trackers(["mlflow"], tmp_path / "a" / "run", {}, "run")  # another run, same name, still going
+    (t,) = open_trackers(["mlflow"], tmp_path / "b" / "run", {}, "run", resume_step=2)
+    t.close()
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(live.run_id).info.status == "RUNNING"
+    assert "qerl.resumed_from_run" not in client.get_run(t.run_id).data.tags  # nothing of its own to resume
+    live.close()
+
+
 class CtrlC:
     """Ctrl-C landing during step 1 (the loop closes its trackers in a finally, as on a real SIGINT)."""
 
@@ -178,3 +193,31 @@ def test_an_unreachable_wandb_server_is_one_line_in_seconds(tmp_path, monkeypatc
     msg = str(e.value)
     assert "\n" not in msg and f"127.0.0.1:{port}" in msg and "WANDB_MODE=offline" in msg and "report_to" in msg
     assert took < 45, f"waited {took:.0f} s"  # ~100 s before
+
+
+def test_qerl_train_with_an_unreachable_wandb_server_is_one_line_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    from test_reliability_cli import train_args
+    from tiny_models import save_tiny, tiny_tokenizer
+
+    from qerl.cli import main
+
+    model = tmp_path / "m"
+    save_tiny(model, "llama")
+    tiny_tokenizer().save_pretrained(model)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")  # wandb's own setting, read by wandb when set
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = tmp_path / "run"
+    rc = main([str(a) for a in train_args(model, out, "--report_to", "wandb")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "CommError" not in err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert line.startswith("qerl train: error: report_to wandb:") and "WANDB_MODE=offline" in line
+    assert not list(out.glob("checkpoint-*")) and not (out / "adapter").exists()

@@ -139,7 +139,11 @@ class MLflow:
         exp = self.client.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(exp_name)
         folder = f"{socket.gethostname()}:{Path(out).resolve()}"
-        earlier = [r for r in self.client.search_runs([exp_id], max_results=1000, order_by=["attributes.start_time DESC"])
+        # the server picks this folder's runs (a shared server's experiment holds many); a quote in the path
+        # would end mlflow's filter string, so such a path is matched here
+        where = "" if "'" in folder else f"tags.`{self.FOLDER_TAG}` = '{folder}'"
+        earlier = [r for r in self.client.search_runs([exp_id], where, max_results=1000,
+                                                      order_by=["attributes.start_time DESC"])
                    if r.data.tags.get(self.FOLDER_TAG) == folder]
         for r in earlier:
             # the run folder's lock is ours: a run of it still RUNNING was killed (kill -9, power loss)
