@@ -16,6 +16,7 @@ start answers nothing more: its sample ends.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Callable
 
@@ -31,20 +32,25 @@ class _NotMessages(ValueError):
     pass
 
 
-def as_messages(res, max_chars: int) -> list[dict]:
-    """An environment's answer as tool messages: text, None, or a list of {"content": ...} dicts, bounded
-    to MAX_MESSAGES messages and `max_chars` characters in all. _NotMessages for anything else."""
+def as_messages(res, max_chars: int, who: str = "the environment") -> list[dict]:
+    """An environment's answer as tool messages: text, None, or a list of {"content": ...} dicts whose other
+    fields JSON can hold, bounded to MAX_MESSAGES messages and `max_chars` characters in all. _NotMessages
+    (naming `who`, and the message and field at fault) for anything else."""
     if res is None:
         return []
     if isinstance(res, str):  # one answer as plain text: a tool message
         res = [tool_message(res)]
     if not isinstance(res, list) or not all(isinstance(m, dict) and "content" in m for m in res[:MAX_MESSAGES + 1]):
-        raise _NotMessages(f"Error: the environment answered {type(res).__name__} {safe_text(res, 100)!r}, "
+        raise _NotMessages(f"Error: {who} answered {type(res).__name__} {safe_text(res, 100)!r}, "
                            "not a list of messages")
     out, left = [], max_chars
-    for m in res[:MAX_MESSAGES]:
+    for i, m in enumerate(res[:MAX_MESSAGES]):
         if left <= 0:
             break
+        bad = unserializable_field(m)
+        if bad is not None:  # the chat template and the tool-call text take fields as JSON: fail here, by name
+            raise _NotMessages(f"Error: {who} answered a message (number {i}) whose field {bad[0]!r} holds "
+                               f"{bad[1]}, which is not JSON-serializable")
         role = m.get("role", "tool")
         text = safe_text(m["content"], left)
         left -= min(len(text), left)
@@ -53,6 +59,19 @@ def as_messages(res, max_chars: int) -> list[dict]:
         out.append(tool_message(f"[{len(res) - len(out)} more messages not shown: at most {MAX_MESSAGES} messages "
                                 f"and {max_chars} characters a turn]"))
     return out
+
+
+def unserializable_field(m: dict) -> tuple[str, str] | None:
+    """(field, what its value is) of the first field besides role and content (those two are made text)
+    that JSON cannot hold, else None."""
+    for k, v in m.items():
+        if k in ("role", "content"):
+            continue
+        try:
+            json.dumps({k: v})
+        except (TypeError, ValueError, RecursionError):  # a set, bytes, an object, a cycle, a tuple key
+            return safe_text(k, 60), f"a value of type {type(v).__name__}"
+    return None
 
 
 class ToolTurnHandler:
@@ -112,7 +131,7 @@ class ToolTurnHandler:
 
         def answer():  # the answer and its conversion to text, both under the time limit
             try:
-                return True, as_messages(env.respond(turn), cap)
+                return True, as_messages(env.respond(turn), cap, f"the environment {type(env).__name__}")
             except _NotMessages as e:
                 return False, str(e)
 
