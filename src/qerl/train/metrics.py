@@ -25,7 +25,7 @@ class MetricsLog:
         from .trackers import open_trackers
 
         out = Path(output_dir)
-        self.trackers = open_trackers(trackers(report_to), out, config or {}, out.resolve().name)
+        self.trackers = open_trackers(trackers(report_to), out, config or {}, out.resolve().name, resume_step=resume_step)
 
     def write(self, row: dict) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
