@@ -65,17 +65,6 @@ def _read_rows(data, what: str) -> list | None:
     return rows
 
 
-def _as_messages(f):
-    """TRL hands conversational completions to reward functions as one assistant message each."""
-    from .rl.rewards import hook_kwargs
-
-    @functools.wraps(f)
-    def wrapped(completions, **kw):
-        hooks = {k: kw.pop(k) for k in ("trainer_state", "log_extra", "log_metric") if k in kw}
-        return f([[{"role": "assistant", "content": c}] for c in completions], **kw, **hook_kwargs(f, hooks))
-    return wrapped
-
-
 def _model_folder(model, processing_class) -> str:
     """A hub id or folder as is; a transformers model (and its tokenizer) saved to a temporary folder,
     which qerl quantizes like any checkpoint."""
@@ -209,7 +198,9 @@ class GRPOTrainer(_Trainer):
             per_step = batch_plan(cfg, world).generation_batch_size // cfg.num_generations
             cfg = dataclasses.replace(cfg, max_steps=max(1, math.ceil(epochs * len(rows) / per_step)))
         if rows and isinstance(rows[0]["prompt"], list):
-            funcs = [_as_messages(f) for f in funcs]
+            from .rl.rewards import AsMessages
+
+            funcs = [AsMessages(f) for f in funcs]
         super().__init__(cfg, reward_funcs=funcs, train_dataset=rows,
                          eval_dataset=_read_rows(eval_dataset, "eval_dataset"), tools=tools,
                          environment_factory=environment_factory, callbacks=callbacks, **kw)
