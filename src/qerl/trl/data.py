@@ -1,0 +1,44 @@
+"""What TRL's trainers take as data and model: rows (a datasets.Dataset, any iterable of rows, or a
+.jsonl path) and a model (a hub id, a folder, or a transformers model saved to a temporary folder)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+
+def read_rows(data, what: str, need: str | None = "prompt") -> list | None:
+    if data is None:
+        return None
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if path.suffix != ".jsonl" or not path.is_file():
+            raise ValueError(f"{what}: {data} is not a .jsonl file (pass rows, a datasets.Dataset or a .jsonl path)")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [dict(r) for r in data]
+    for i, r in enumerate(rows[:1]):
+        if need is not None and need not in r:
+            raise ValueError(f"{what}: row {i} has no {need!r} column (columns: {sorted(r)})")
+    return rows
+
+
+def model_folder(model, processing_class) -> str:
+    """A hub id or folder as is; a transformers model (and its tokenizer) saved to a temporary folder,
+    which qerl quantizes like any checkpoint."""
+    if isinstance(model, (str, Path)):
+        from ..cli.hub import check_reachable
+
+        check_reachable(str(model))  # a hub id that cannot be reached: one message naming the offline choices
+        return str(model)
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"model: {type(model).__name__} is neither a hub id, a folder nor a transformers model")
+    folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = processing_class
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -1,0 +1,151 @@
+"""TRL's GRPO API over qerl: a script written for TRL runs with only its import line changed,
+
+    from trl import GRPOConfig, GRPOTrainer        ->        from qerl.trl import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward,
+                          args=GRPOConfig(output_dir="out", learning_rate=1e-5), train_dataset=rows)
+    trainer.train()
+
+`GRPOConfig(...)` takes TRL's field names (qerl's aliases: rl/config.py FIELD_ALIASES) and TRL's
+fields that steer only TRL's engines or logging (ignored, with a notice); like TRL, a config without
+max_steps (or max_steps=-1) trains num_train_epochs (3.0) passes over the training prompts. Defaults
+are qerl's: README.md, "Coming from TRL", lists where they differ from TRL's and why.
+`GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., eval_dataset=..., peft_config=...)`:
+model is a hub id or folder (or a transformers model, saved to a temporary folder and quantized
+from there); reward_funcs one callable or a list; datasets an iterable of rows or a .jsonl path;
+peft_config a peft LoraConfig or a mapping of its fields (its r, alpha, dropout and target modules,
+a list of names or PEFT's regex string; a field qerl does not implement, such as use_rslora, use_dora,
+modules_to_save or bias, is refused rather than dropped); args a GRPOConfig or a mapping of its fields. With conversational
+prompts the reward functions receive each completion as [{"role": "assistant", "content": text}],
+as TRL passes them, and every reward function that takes them gets TRL's trainer_state, log_extra and
+log_metric. `callbacks` are transformers TrainerCallback objects (train/callbacks.py); `trainer.state` is
+transformers' TrainerState (global_step, log_history); the step's metrics carry TRL's names beside qerl's;
+`save_strategy="no"` writes no checkpoint; `report_to` takes tensorboard, wandb, trackio and mlflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..rl import GRPOConfig as _Config
+from ..rl import GRPOTrainer as _Trainer
+from ..train.trainer_state import log_entry
+from . import fields, steps
+from .data import model_folder, read_rows
+from .lora import lora_change
+from .surface import TrainerSurface
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]
+
+# qerl fields whose default under qerl.trl is TRL's behaviour, not qerl's (README: defaults that differ)
+TRL_DEFAULTS = {"dynamic_sampling": False}  # TRL has none: it would change the number of generations
+
+
+def GRPOConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
+    """qerl's GRPOConfig from TRL's keyword arguments (see the module's doc); TRL's own fields that the
+    surface reads (max_steps in optimizer steps, num_train_epochs, log_completions, ...) ride as `cfg.trl`."""
+    trl, rest = fields.split(kw)
+    for k, v in TRL_DEFAULTS.items():
+        rest.setdefault(k, v)
+    if trl.max_steps not in (-1, None):
+        rest["max_steps"] = trl.max_steps  # provisional: the trainer turns optimizer steps into generations
+    cfg = _Config(**rest)
+    cfg.trl = trl
+    return cfg
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, as the trainer's Dist reads it
+
+
+class GRPOTrainer(TrainerSurface, _Trainer):
+    """qerl's trainer with TRL's constructor and Trainer surface (see the module's doc)."""
+
+    KIND_TAG = "grpo"
+
+    def __init__(self, model, reward_funcs, args: _Config | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, tools=None, environment_factory=None, **kw):
+        if any(o is not None for o in optimizers):
+            raise NotImplementedError("qerl.trl.GRPOTrainer: optimizers is not supported; nearest: the config's optim, "
+                                      "learning_rate, lr_scheduler_type, warmup_steps")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        from .reward_models import reward_callables
+
+        funcs = reward_callables(funcs, reward_processing_classes)
+        if isinstance(args, dict):  # TRL's GRPOConfig(**args)
+            try:
+                args = GRPOConfig(**args)
+            except TypeError as e:
+                raise ValueError(f"args: {e}") from None
+        elif args is not None and not isinstance(args, _Config):
+            raise ValueError(f"args: {type(args).__name__} is not a GRPOConfig (pass qerl.trl.GRPOConfig(...) or a "
+                             "mapping of its fields)")
+        args = args if args is not None else GRPOConfig()
+        trl = getattr(args, "trl", None) or fields.TRLArgs(max_steps=args.max_steps)
+        rows = read_rows(train_dataset, "train_dataset")
+        if rows is None:
+            raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
+        eval_rows = read_rows(eval_dataset, "eval_dataset")
+        change = {"model_name_or_path": model_folder(model, processing_class)}
+        if peft_config is not None:
+            change.update(lora_change(peft_config))
+        cfg = dataclasses.replace(args, **change)
+        self.step_plan = plan = steps.plan(cfg, trl.max_steps, trl.num_train_epochs, len(rows), _world())
+        change = {"max_steps": plan.qerl_steps}
+        if trl.warmup_ratio:  # TrainingArguments': a fraction of the optimizer steps
+            import math
+
+            change["warmup_steps"] = math.ceil(trl.warmup_ratio * plan.optimizer_steps)
+        if trl.eval_strategy == "no":
+            change["eval_steps"] = 0  # TRL evaluates only under eval_strategy
+        from .prompts import prompt_limit
+
+        limit = prompt_limit(cfg, rows + (eval_rows or []), processing_class, trl.max_prompt_length)
+        if limit is not None:
+            change["max_prompt_length"] = limit
+        cfg = dataclasses.replace(cfg, **change)
+        cfg.trl = trl
+        if plan.note:
+            print(f"qerl: {plan.note}", flush=True)
+        if rows and isinstance(rows[0]["prompt"], list):
+            from ..rl.rewards import AsMessages
+
+            funcs = [AsMessages(f) for f in funcs]
+        super().__init__(cfg, reward_funcs=funcs, train_dataset=rows, eval_dataset=eval_rows, tools=tools,
+                         environment_factory=environment_factory, callbacks=callbacks, **kw)
+        self.cfg.trl = trl
+        self.surface_ready()
+
+    # ---- TRL's step numbering: trainer.state counts optimizer steps (steps.py) -----------------------
+    @property
+    def global_step(self) -> int:
+        return self.step * self.step_plan.updates_per_generation
+
+    def before_steps(self, log) -> None:
+        self.state.max_steps = self.step_plan.optimizer_steps
+        self.state.global_step = self.global_step  # a resumed run's
+        super().before_steps(log)
+
+    def record(self, m: dict, log) -> None:
+        if log is not None:
+            log.write(m)
+        st = self.state
+        st.global_step, st.epoch = self.global_step, self.epoch()
+        entry = log_entry(m, st.global_step, st.epoch)
+        st.log_history.append(entry)
+        self.callback_handler("on_step_end")
+        self.callback_handler("on_log", logs=entry)
+
+    def record_eval(self, row: dict) -> None:
+        entry = log_entry(row, self.global_step, self.state.epoch)
+        self.state.log_history.append(entry)
+        self.callback_handler("on_evaluate", metrics=entry)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, stop_after=None, **kwargs):
+        out = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, stop_after, **kwargs)
+        self.state.global_step = self.global_step
+        if self.state.log_history and "train_runtime" in self.state.log_history[-1]:
+            self.state.log_history[-1]["step"] = self.global_step
+        return out._replace(global_step=self.global_step)
