@@ -59,8 +59,9 @@ def refuse(name: str, value, nearest: str) -> ValueError:
     return ValueError(f"{name}={value!r} is not supported by qerl; nearest: {nearest}")
 
 
-def split(kw: dict, data_seed_ok=None) -> tuple[TRLArgs, dict]:
-    """(the TRL surface's fields, the rest for qerl's config) of a TRL config's keyword arguments."""
+def split(kw: dict, data_seed_ok=42) -> tuple[TRLArgs, dict]:
+    """(the TRL surface's fields, the rest for qerl's config) of a TRL config's keyword arguments;
+    data_seed equal to the seed (default 42, TRL's and qerl's) changes nothing."""
     kw = dict(kw)
     mine = {f.name: kw.pop(f.name) for f in dataclasses.fields(TRLArgs) if f.name in kw}
     trl = TRLArgs(**mine)

@@ -63,6 +63,8 @@ class GRPOTrainer(TrainerSurface, _Trainer):
     """qerl's trainer with TRL's constructor and Trainer surface (see the module's doc)."""
 
     KIND_TAG = "grpo"
+    # the parity check's seconds show in the line of a step that ran one (the first): its cost is visible
+    LOG_KEYS = _Trainer.LOG_KEYS + ("time_parity",)
 
     def __init__(self, model, reward_funcs, args: _Config | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -113,6 +115,8 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             from ..rl.rewards import AsMessages
 
             funcs = [AsMessages(f) for f in funcs]
+        self.trl = trl
+        self._rollouts_of = {}  # step -> its rollouts, until logged (log_completions)
         super().__init__(cfg, reward_funcs=funcs, train_dataset=rows, eval_dataset=eval_rows, tools=tools,
                          environment_factory=environment_factory, callbacks=callbacks, **kw)
         self.cfg.trl = trl
@@ -128,6 +132,10 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.state.global_step = self.global_step  # a resumed run's
         super().before_steps(log)
 
+    def _print_line(self, m: dict, bar) -> None:
+        """The printed line numbers steps as trainer.state does (TRL's global_step)."""
+        super()._print_line({**m, "step": self.global_step}, bar)
+
     def record(self, m: dict, log) -> None:
         if log is not None:
             log.write(m)
@@ -137,6 +145,26 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         st.log_history.append(entry)
         self.callback_handler("on_step_end")
         self.callback_handler("on_log", logs=entry)
+        self._log_completions(m["step"])
+
+    # ---- log_completions (completions.py) --------------------------------------------------------------
+    def collect_rollouts(self, ctx, inputs=None):
+        ro = super().collect_rollouts(ctx, inputs)
+        if self.trl.log_completions:
+            self._rollouts_of[ctx.step] = ro  # (a rollout one step ahead, max_staleness 1, is another key)
+        return ro
+
+    def _log_completions(self, step: int) -> None:
+        ro = self._rollouts_of.pop(step, None)
+        every = self.cfg.logging_steps or 1
+        if ro is None or not self.dist.is_main or self.global_step % every:
+            return
+        from .completions import CompletionsTable
+
+        table = CompletionsTable.of(ro, self.tok, self.cfg.scale_rewards, self.global_step)
+        table.sample(self.trl.num_completions_to_print).print()
+        table.write(self.cfg.output_dir)
+        table.to_trackers(self.cfg.report_to)
 
     def record_eval(self, row: dict) -> None:
         entry = log_entry(row, self.global_step, self.state.epoch)

@@ -132,6 +132,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
         if trl.warmup_ratio:
             cfg = dataclasses.replace(cfg, warmup_steps=math.ceil(trl.warmup_ratio * cfg.max_steps))
         cfg.trl = trl
+        self.trl = trl
         super().__init__(cfg, train_dataset=rows, callbacks=callbacks, **kw)
         self.cfg.trl = trl
         self.eval_examples = None
@@ -186,7 +187,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
 
     def after_step(self, m: dict, log, bar) -> None:
         super().after_step(m, log, bar)
-        trl = self.cfg.trl
+        trl = self.trl
         every = trl.eval_steps or self.cfg.logging_steps
         if trl.eval_strategy == "steps" and every and self.step % int(every) == 0:
             row = {"step": self.step, **self.evaluate()}

@@ -132,7 +132,7 @@ class TrainerSurface:
         """The adapter, tokenizer and a model card to the hub repository hub_model_id (default: the
         output_dir's name), as TRL's push_to_hub; offline a one-line HubUnreachable."""
         out = Path(self.cfg.output_dir)
-        trl = getattr(self.cfg, "trl", None)
+        trl = getattr(self, "trl", None)
         repo = getattr(trl, "hub_model_id", None) or out.name
         self.save_model(str(out))
         self.create_model_card(str(out), model_name=kwargs.get("model_name"))
