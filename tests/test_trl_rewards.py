@@ -154,3 +154,34 @@ def test_an_async_failure_on_one_completion_costs_only_that_completion():
     sc = score([picky], None, ["abcd", "abc", "abcde"], {})
     assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 1 and "ZeroDivisionError" in sc.first_error
     assert not math.isnan(sc.total[1])
+
+
+def test_a_reward_model_by_folder_scores_as_trl_s_own(tmp_path):
+    """reward_funcs=["<model id or folder>"]: TRL's GRPOTrainer loads it and scores prompt + completion; the
+    scores of TRL's own _calculate_rewards (a real TRL trainer) and of qerl's are equal."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from qerl.trl.reward_models import reward_callables
+    from tiny_models import COMMON, save_tiny, tiny_tokenizer
+
+    torch.manual_seed(0)
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(LlamaConfig(num_labels=1, pad_token_id=0, **COMMON)) \
+        .save_pretrained(rm)
+    tiny_tokenizer().save_pretrained(rm)
+    policy = tmp_path / "policy"
+    save_tiny(policy, "llama")
+    tiny_tokenizer().save_pretrained(policy)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4, num_generations=4,
+                      report_to="none", use_cpu=True, bf16=False, max_steps=1)
+    trl_trainer = GRPOTrainer(model=str(policy), reward_funcs=[str(rm)], args=args,
+                              train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in ROWS]))
+    prompts = [r["prompt"] for r in ROWS]
+    want = trl_trainer._calculate_rewards([dict(r) for r in ROWS], prompts, COMPLETIONS, IDS)[:, 0]
+    funcs = reward_callables([str(rm)])
+    got = score(funcs, None, COMPLETIONS, {"prompts": prompts}, completion_ids=IDS)
+    assert list(got.names.values()) == trl_trainer.reward_func_names == ["rm"]
+    assert torch.allclose(torch.tensor(got.total), want, atol=1e-5), (got.total, want)
+    assert len(set(got.total)) > 1  # the model tells the completions apart
