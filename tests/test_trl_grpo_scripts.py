@@ -70,6 +70,17 @@ RESUME = HEAD + textwrap.dedent('''
     trainer = run(3, True)
 ''')
 
+EVAL = HEAD + textwrap.dedent('''
+    args = GRPOConfig(output_dir=OUT, max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=5, learning_rate=1e-3, logging_steps=1, report_to="none",
+                      save_strategy="no", use_cpu=True, bf16=False, eval_strategy="steps", eval_steps=1,
+                      per_device_eval_batch_size=8)
+    trainer = GRPOTrainer(model=MODEL, reward_funcs=[token_count, reward_func], args=args, train_dataset=dataset,
+                          eval_dataset=Dataset.from_list([{"prompt": "5+5=", "answer": "10"}] * 2))
+    trainer.train()
+    metrics = trainer.evaluate()
+''')
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -208,3 +219,15 @@ def test_renamed_and_surface_fields_work():
                      data_seed=42, lr_scheduler_kwargs={})
     assert cfg.gradient_checkpointing is True and cfg.trl.run_name == "r1" and cfg.trl.log_completions
     assert cfg.dynamic_sampling is False  # TRL has none: the same generations as TRL
+
+
+@pytest.mark.parametrize("under", ["trl", "qerl"])
+def test_eval_strategy_steps_logs_trl_s_eval_metrics(tmp_path, model_dir, under):
+    env = run(EVAL, under, tmp_path / "run", model_dir)
+    evals = [h for h in env["trainer"].state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [1, 2, 2]  # each eval_steps, and the script's evaluate()
+    for h in evals + [env["metrics"]]:
+        for name in ("eval_reward", "eval_reward_std", "eval_rewards/token_count/mean",
+                     "eval_rewards/reward_func/mean", "eval_completions/mean_length"):
+            assert name in h, (under, name)
+        assert h["eval_rewards/token_count/mean"] == pytest.approx(h["eval_completions/mean_length"])

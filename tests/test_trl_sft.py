@@ -128,3 +128,28 @@ def test_trl_fields_that_steer_precision_or_data_loading_are_accepted(tmp_path, 
                     activation_checkpointing=False)
     assert cfg.packing is True and cfg.gradient_checkpointing is False
     assert "use_cpu, bf16, dataset_num_proc" in capsys.readouterr().out
+
+
+EVAL = textwrap.dedent('''
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_list([{"text": f"{a} plus {a} is {a + a}."} for a in range(4)])
+    args = SFTConfig(output_dir=OUT, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+                     logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, max_length=48,
+                     eval_strategy="steps", eval_steps=1)
+    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    metrics = trainer.evaluate()
+''')
+
+
+@pytest.mark.parametrize("under", ["trl", "qerl"])
+def test_eval_strategy_steps_logs_eval_loss_and_token_accuracy(tmp_path, model_dir, under):
+    code = EVAL if under == "trl" else EVAL.replace("from trl import", "from qerl.trl import")
+    env = {"OUT": str(tmp_path / "run"), "MODEL": str(model_dir)}
+    exec(compile(code, f"{under}_sft_eval.py", "exec"), env)  # noqa: S102
+    evals = [h for h in env["trainer"].state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [1, 2, 2]
+    for h in evals + [env["metrics"]]:
+        assert h["eval_loss"] > 0 and 0 <= h["eval_mean_token_accuracy"] <= 1

@@ -100,8 +100,9 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             import math
 
             change["warmup_steps"] = math.ceil(trl.warmup_ratio * plan.optimizer_steps)
-        if trl.eval_strategy == "no":
-            change["eval_steps"] = 0  # TRL evaluates only under eval_strategy
+        change["eval_steps"] = 0  # TRL's eval_steps are TRL's evaluation (after_step); qerl's pass@1 by its own
+        if trl.eval_strategy != "no" and not eval_rows:
+            raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
         from .prompts import prompt_limit
 
         limit = prompt_limit(cfg, rows + (eval_rows or []), processing_class, trl.max_prompt_length)
@@ -146,6 +147,31 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.callback_handler("on_step_end")
         self.callback_handler("on_log", logs=entry)
         self._log_completions(m["step"])
+
+    # ---- TRL's evaluation (grpo_eval.py); qerl's pass@1 stays, called with its MetricsLog ---------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kw):
+        from ..train.metrics import MetricsLog
+
+        if isinstance(eval_dataset, MetricsLog) or "log" in kw:  # the run loop's qerl evaluation (pass@1)
+            return super().evaluate(eval_dataset if eval_dataset is not None else kw["log"])
+        from .grpo_eval import trl_evaluate
+
+        rows = read_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else self._eval_rows
+        if not rows:
+            raise ValueError("evaluate: no eval_dataset (pass one to GRPOTrainer or to evaluate)")
+        out = trl_evaluate(self, rows, metric_key_prefix) if self.dist.is_main else {}
+        self.record_eval(out)  # as TRL's evaluate logs: log_history and on_evaluate
+        return out
+
+    def after_step(self, m: dict, log, bar) -> None:
+        super().after_step(m, log, bar)
+        every = self.trl.eval_steps or self.cfg.logging_steps
+        if self.trl.eval_strategy == "steps" and every and self.global_step % int(every) == 0:
+            out = self.evaluate()
+            if log is not None:
+                log.write({"step": self.step, **out})
+            self.dist.barrier()
+            bar.unpause()
 
     # ---- log_completions (completions.py) --------------------------------------------------------------
     def collect_rollouts(self, ctx, inputs=None):

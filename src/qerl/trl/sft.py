@@ -183,6 +183,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
                f"{p}_mean_token_accuracy": D.sum(s.correct, self.device) / tokens if tokens else float("nan"),
                f"{p}_runtime": time.perf_counter() - t0}
         out[f"{p}_samples_per_second"] = len(examples) / out[f"{p}_runtime"] if out[f"{p}_runtime"] else 0.0
+        self.record_eval(out)  # as TRL's evaluate logs: log_history and on_evaluate
         return out
 
     def after_step(self, m: dict, log, bar) -> None:
@@ -193,6 +194,5 @@ class SFTTrainer(TrainerSurface, _Trainer):
             row = {"step": self.step, **self.evaluate()}
             if log is not None:
                 log.write(row)
-            self.record_eval(row)
             if bar is not None and hasattr(bar, "unpause"):
                 bar.unpause()
