@@ -50,7 +50,8 @@ def add_arguments(p):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             t = type_name(hints[name])
             kw = dict(nargs="?", const="true") if t == "bool" else {}
-            g.add_argument(f"--{name}", dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
+            flags = [f"--{name}"] + (["--model"] if name == "model_name_or_path" else [])  # as `qerl train`
+            g.add_argument(*flags, dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
                            help=f"{f.metadata.get('help', '')} [{t}; default: {'null' if d is None else repr(d)}]"
                            .replace("%", "%%"), **kw)
 
