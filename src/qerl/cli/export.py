@@ -64,7 +64,7 @@ def recorded_base(adapter: str | None) -> str:
     from pathlib import Path
 
     if not adapter:
-        raise ValueError("qerl export: give the base MODEL, or --adapter DIR whose adapter_config.json records it")
+        raise ValueError("give the base MODEL, or --adapter DIR whose adapter_config.json records it")
     path = Path(adapter) / "adapter_config.json"
     try:
         base = json.loads(path.read_text()).get("base_model_name_or_path")
