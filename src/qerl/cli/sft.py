@@ -78,7 +78,11 @@ def build_config(args):
         from ..sft.data import read_utf8
 
         read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        return SFTConfig.from_yaml(config).with_overrides(ov)
+        from ..train.fields import yaml_mapping
+        from ..trl.sft import trl_fields
+
+        _, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
+        return SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
 
 

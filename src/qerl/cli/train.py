@@ -72,7 +72,11 @@ def build_config(args):
         from ..sft.data import read_utf8
 
         read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        cfg = apply(GRPOConfig.from_yaml(config), ov)
+        from ..train.fields import yaml_mapping
+        from .trl_config import split
+
+        fields, args.trl_rewards = split(yaml_mapping(config))  # a `trl grpo --config` file's reward_funcs
+        cfg = apply(GRPOConfig.from_dict(fields, source=str(config)), ov)
     else:
         from ..rl.default_run import default_run_config
 
@@ -106,7 +110,13 @@ def run(args):
         return 0
     from ..rl import GRPOTrainer
 
-    task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
+    rewards = getattr(args, "trl_rewards", None)  # a `trl grpo --config` file's reward_funcs
+    if rewards:
+        from .trl_config import trl_task
+
+        task = preflight(cfg, lambda c: trl_task(c, rewards))
+    else:
+        task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
     with interruptible() as stop:
         trainer = None
         try:

@@ -49,8 +49,9 @@ REFUSED = {
 IGNORED = {"dataset_num_proc", "dataset_kwargs", "eval_packing", "shuffle_dataset", "model_init_kwargs"}
 
 
-def SFTConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
-    """qerl's SFTConfig from TRL's keyword arguments, with TRL's defaults (see the module's doc)."""
+def trl_fields(kw: dict, source: str = "SFTConfig") -> tuple[fields.TRLArgs, dict]:
+    """(the TRL surface's fields, qerl SFTConfig's) of TRL SFTConfig fields: renamed ones mapped, ignored ones
+    said in one line, those that would change training refused by name (a `trl sft --config` file too)."""
     trl, rest = fields.split(kw)
     own = {f.name for f in dataclasses.fields(_Config)}
     if rest.pop("padding_free", False):
@@ -62,7 +63,17 @@ def SFTConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a co
     for k in ignored:
         rest.pop(k)
     if ignored:
-        print(f"qerl: SFTConfig: TRL field(s) without an effect in qerl, ignored: {', '.join(ignored)}", flush=True)
+        print(f"qerl: {source}: TRL field(s) without an effect in qerl, ignored: {', '.join(ignored)}", flush=True)
+    for k in ("num_train_epochs", "max_steps"):  # TRL's meaning is qerl SFT's: optimizer steps, epochs
+        if k in kw:
+            rest[k] = getattr(trl, k)
+    return trl, rest
+
+
+def SFTConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
+    """qerl's SFTConfig from TRL's keyword arguments, with TRL's defaults (see the module's doc)."""
+    trl, rest = trl_fields(kw)
+    own = {f.name for f in dataclasses.fields(_Config)}
     unknown = sorted(k for k in rest if k not in own)
     if unknown:
         raise TypeError(f"SFTConfig: unknown field(s) {', '.join(unknown)}")
@@ -70,8 +81,6 @@ def SFTConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a co
         rest.setdefault(k, v)
     rest["num_train_epochs"] = trl.num_train_epochs
     rest["max_steps"] = trl.max_steps if trl.max_steps not in (None, 0) else -1
-    if trl.warmup_ratio:
-        rest.setdefault("warmup_steps", 0)
     cfg = _Config(**rest)
     cfg.trl = trl
     return cfg
