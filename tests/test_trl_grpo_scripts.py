@@ -123,8 +123,10 @@ def test_rewards_by_keyword_async_and_log_completions(tmp_path, model_dir, under
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and (tmp_path / "run" / "peft" / "adapter_model.safetensors").is_file()
 
 
-def test_completions_file_holds_the_table(tmp_path, model_dir):
+def test_completions_file_holds_the_table(tmp_path, model_dir, capsys):
     run(REWARDS, "qerl", tmp_path / "run", model_dir)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step=")]
+    assert lines[0].startswith("step=1 ") and "time_parity=" in lines[0]  # TRL's numbering; the check's cost
     rows = [json.loads(x) for x in (tmp_path / "run" / "completions" / "completions_00001.jsonl").read_text().split("\n")
             if x]
     assert len(rows) == 4 and {"step", "prompt", "completion", "token_count", "reward_func", "async_reward",
@@ -133,11 +135,12 @@ def test_completions_file_holds_the_table(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("under", ["trl", "qerl"])
-def test_num_iterations_counts_optimizer_steps_as_trl(tmp_path, model_dir, under):
-    env = run(ITERATIONS, under, tmp_path / "run", model_dir)
+@pytest.mark.parametrize("reuse", ["num_iterations=2", "steps_per_generation=2"])
+def test_num_iterations_counts_optimizer_steps_as_trl(tmp_path, model_dir, under, reuse):
+    env = run(ITERATIONS.replace("num_iterations=2", reuse), under, tmp_path / "run", model_dir)
     tr = env["trainer"]
     assert tr.state.global_step == 4 and tr.state.max_steps == 4
-    assert len(env["calls"]) == 2  # generations: 4 optimizer steps, each generation used twice
+    assert len(env["calls"]) == 2  # generations: 4 optimizer steps, each generation feeding two
     # a reward logged once a generation (TRL at its first update, 1 and 3; qerl after its last, 2 and 4)
     assert len(steps_of(tr.state.log_history)) == 2
 
