@@ -90,3 +90,24 @@ def test_a_trl_sft_config_file_runs(cli, tmp_path, model_dir):
     assert rc == 0, err
     assert "ignored: bf16, use_cpu, dataset_num_proc" in out
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_whose_groups_all_tied_says_it_trained_nothing(cli, tmp_path, model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flat.py").write_text("def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    data = _rows(tmp_path / "train.jsonl", [{"prompt": f"{a}+{a}="} for a in range(4)])
+    (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        reward_funcs: [flat.zero]
+        output_dir: {tmp_path / "run"}
+        max_steps: 2
+        per_device_train_batch_size: 4
+        num_generations: 4
+        max_completion_length: 4
+        max_resample_rounds: 0
+        report_to: none
+    '''))
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert "2 of the 2 steps made no update: every group's rewards tied" in out and "adapter is unchanged" in out

@@ -157,6 +157,9 @@ def run(args):
         last = rows[-1]
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
               f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
+        if (idle := untrained_steps(rows)):
+            print(f"qerl train: {idle} of the {len(rows)} steps made no update: every group's rewards tied (no "
+                  f"advantage to learn from){'; the adapter is unchanged' if idle == len(rows) else ''}")
     evals = run_evals(cfg.output_dir) or trainer.evals  # a resumed run's earlier evaluations too
     if evals:
         print(summary_table(evals, wall))
@@ -168,6 +171,11 @@ def run(args):
         print(f"qerl train: no curves ({e})")
     trainer.dist.close()
     return 0
+
+
+def untrained_steps(rows: list[dict]) -> int:
+    """Steps whose rollouts gave no update (dynamic sampling dropped every tied group: m["updates"] == 0)."""
+    return sum(1 for r in rows if r.get("updates") == 0)
 
 
 class _Stop:
