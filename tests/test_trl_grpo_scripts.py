@@ -146,8 +146,9 @@ def test_num_iterations_counts_optimizer_steps_as_trl(tmp_path, model_dir, under
 
 
 @pytest.mark.parametrize("under", ["trl", "qerl"])
-def test_resume_from_checkpoint_true_continues_the_run(tmp_path, model_dir, under):
-    env = run(RESUME, under, tmp_path / "run", model_dir)
+@pytest.mark.parametrize("resume", ["True", "OUT + '/checkpoint-2'"])
+def test_resume_from_checkpoint_continues_the_run(tmp_path, model_dir, under, resume):
+    env = run(RESUME.replace("run(3, True)", f"run(3, {resume})"), under, tmp_path / "run", model_dir)
     assert env["first"].state.global_step == 2
     assert env["trainer"].state.global_step == 3
     assert len(env["calls"]) == 1  # one more generation, not three
@@ -168,8 +169,9 @@ def test_a_rerun_into_its_folder_keeps_the_finished_run(tmp_path, model_dir, cap
     out = tmp_path / "run"
     run(REWARDS, "qerl", out, model_dir)
     first = (out / "adapter" / "adapter_model.safetensors").read_bytes()
-    run(REWARDS, "qerl", out, model_dir)  # the same script again: TRL would start over in the folder
+    run(REWARDS + "trainer.save_model()\n", "qerl", out, model_dir)  # again: TRL would start over in the folder
     assert (out / "previous_runs" / "1" / "adapter" / "adapter_model.safetensors").read_bytes() == first
+    assert (out / "adapter_model.safetensors").is_file()  # this run's save_model
     assert (out / "adapter").is_dir() and "held an earlier run: moved to" in capsys.readouterr().out
 
 

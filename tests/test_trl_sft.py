@@ -153,3 +153,31 @@ def test_eval_strategy_steps_logs_eval_loss_and_token_accuracy(tmp_path, model_d
     assert [h["step"] for h in evals] == [1, 2, 2]
     for h in evals + [env["metrics"]]:
         assert h["eval_loss"] > 0 and 0 <= h["eval_mean_token_accuracy"] <= 1
+
+
+RESUME = textwrap.dedent('''
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_list([{"text": f"{a} plus {a} is {a + a}."} for a in range(6)])
+
+    def run(steps, resume):
+        args = SFTConfig(output_dir=OUT, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
+                         logging_steps=1, report_to="none", save_steps=1, use_cpu=True, bf16=False, max_length=48)
+        trainer = SFTTrainer(model=MODEL, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    first = run(2, None)
+    trainer = run(3, True)
+''')
+
+
+@pytest.mark.parametrize("under", ["trl", "qerl"])
+def test_sft_resume_from_checkpoint_true_continues_the_run(tmp_path, model_dir, under):
+    code = RESUME if under == "trl" else RESUME.replace("from trl import", "from qerl.trl import")
+    env = {"OUT": str(tmp_path / "run"), "MODEL": str(model_dir)}
+    exec(compile(code, f"{under}_sft_resume.py", "exec"), env)  # noqa: S102
+    assert env["first"].state.global_step == 2 and env["trainer"].state.global_step == 3
+    steps = [h["step"] for h in env["trainer"].state.log_history if "loss" in h and "train_runtime" not in h]
+    assert steps == [1, 2, 3]  # the run's history, then the third step only (not the first two again)

@@ -24,6 +24,12 @@ class HubUnreachable(RuntimeError):
     pass
 
 
+# what a script's save_model / save_state / save_metrics / log_completions left in output_dir: an earlier
+# run's, moved with it
+SURFACE_FILES = ("config.yaml", "trainer_state.json", "completions", "adapter_model.safetensors",
+                 "adapter_config.json", "README.md", "train_results.json", "eval_results.json", "all_results.json")
+
+
 def move_earlier_run(out: Path) -> Path | None:
     """Move an earlier run's files in `out` to out/previous_runs/N; the new folder, or None if none."""
     from ..train.run_folder import earlier_run
@@ -37,7 +43,7 @@ def move_earlier_run(out: Path) -> Path | None:
         n += 1
     dest = keep / str(n)
     dest.mkdir(parents=True)
-    for name in found + [x for x in ("config.yaml", "trainer_state.json", "completions") if (out / x).exists()]:
+    for name in found + [x for x in SURFACE_FILES if (out / x).exists()]:
         os.replace(out / name, dest / name)
     return dest
 
