@@ -61,7 +61,8 @@ def test_export_takes_the_base_the_adapter_records(cli, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(base)
     adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     adapted.save_pretrained(tmp_path / "adapter")
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    recorded = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(base)
     rc, out, err = cli("export", tmp_path / "merged", "--adapter", tmp_path / "adapter", "--quant", "bf16")
     assert rc == 0, err
     assert (tmp_path / "merged" / "config.json").is_file() and "wrote merged" in out

@@ -154,7 +154,8 @@ def test_train_starts_from_the_sft_adapter_folder_in_the_cli(cli, model, tmp_pat
 @pytest.mark.parametrize("argv, flag", [  # every spelling parses; errors name the flag as --help shows it (issue 49)
     (["eval", "--max_new_tokens", "0"], "--max_completion_length"),
     (["eval", "--max-new-tokens", "0"], "--max_completion_length"),
-    (["generate", "--prompt", "hi", "--top_p", "0"], "--top_p"), (["generate", "--prompt", "hi", "--top-k", "-1"], "--top_k"),
+    (["generate", "--prompt", "hi", "--top_p", "0"], "--top_p"),
+    (["generate", "--prompt", "hi", "--top-k", "-1"], "--top_k"),
 ])
 def test_both_spellings_reach_the_same_flag(cli, argv, flag):
     rc, _, err = cli(*argv)

@@ -120,15 +120,16 @@ def test_rewards_by_keyword_async_and_log_completions(tmp_path, model_dir, under
     assert "Step 1" in out and "Step 2" in out and "token_count" in out and "Advantage" in out
     assert len(list((tmp_path / "run" / "completions").iterdir())) == 2  # one file a logged step
     cfg = json.loads((tmp_path / "run" / "peft" / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and (tmp_path / "run" / "peft" / "adapter_model.safetensors").is_file()
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4
+    assert (tmp_path / "run" / "peft" / "adapter_model.safetensors").is_file()
 
 
 def test_completions_file_holds_the_table(tmp_path, model_dir, capsys):
     run(REWARDS, "qerl", tmp_path / "run", model_dir)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step=")]
     assert lines[0].startswith("step=1 ") and "time_parity=" in lines[0]  # TRL's numbering; the check's cost
-    rows = [json.loads(x) for x in (tmp_path / "run" / "completions" / "completions_00001.jsonl").read_text().split("\n")
-            if x]
+    text = (tmp_path / "run" / "completions" / "completions_00001.jsonl").read_text()
+    rows = [json.loads(x) for x in text.splitlines() if x]
     assert len(rows) == 4 and {"step", "prompt", "completion", "token_count", "reward_func", "async_reward",
                                "advantage"} <= set(rows[0])
     assert rows[0]["step"] == 1 and rows[0]["prompt"].endswith("=")

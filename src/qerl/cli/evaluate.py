@@ -103,7 +103,8 @@ def run(args):
     try:
         opts = yaml.safe_load(args.dataset_config) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"--dataset_config: not valid YAML/JSON ({str(e).splitlines()[0]}): {args.dataset_config!r}") from None
+        raise ValueError(f"--dataset_config: not valid YAML/JSON ({str(e).splitlines()[0]}): "
+                         f"{args.dataset_config!r}") from None
     if not isinstance(opts, dict):
         raise ValueError(f"--dataset_config: expected a mapping, got {args.dataset_config!r}")
     task = get_task(args.dataset, **opts)

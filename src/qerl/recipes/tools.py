@@ -267,9 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_progress", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/tool_recipe.jsonl")
     p.add_argument("--smoke", action="store_true",
-                   help="every phase once on a small budget (2 SFT steps, 1 GRPO step, 4 held-out problems of 64 new tokens; "
-                        "output_dir "
-                        "runs/tool_recipe_smoke): checks the pipeline in under 3 minutes on 2 CPU cores, measures nothing")
+                   help="every phase once on a small budget (2 SFT steps, 1 GRPO step, 4 held-out problems of 64 "
+                        "new tokens; output_dir runs/tool_recipe_smoke): checks the pipeline, measures nothing")
     a = p.parse_args(argv)
     sft, rl, task, limit = {"max_steps": a.sft_steps}, {"max_steps": a.rl_steps}, {"seed": a.task_seed}, a.eval_limit
     if a.smoke:

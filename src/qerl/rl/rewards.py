@@ -175,7 +175,8 @@ def _track(f, name: str, n: int, failed: int, first: str | None) -> None:
     _failing.pop(key, None)
     raise RewardFunctionError(f"reward function {name!r} failed on every completion of {count} calls in a row "
                               f"({first}); TRL calls a reward function by keyword, f(prompts=..., completions=..., "
-                              f"completion_ids=..., **columns, **kwargs), and it returns one number per completion"[:600])
+                              f"completion_ids=..., **columns, **kwargs), and it returns one number per "
+                              f"completion"[:600])
 
 
 class _NotAList(TypeError):

@@ -6,21 +6,18 @@
                           args=GRPOConfig(output_dir="out", learning_rate=1e-5), train_dataset=rows)
     trainer.train()
 
-`GRPOConfig(...)` takes TRL's field names (qerl's aliases: rl/config.py FIELD_ALIASES) and TRL's
-fields that steer only TRL's engines or logging (ignored, with a notice); like TRL, a config without
-max_steps (or max_steps=-1) trains num_train_epochs (3.0) passes over the training prompts. Defaults
-are qerl's: README.md, "Coming from TRL", lists where they differ from TRL's and why.
-`GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., eval_dataset=..., peft_config=...)`:
-model is a hub id or folder (or a transformers model, saved to a temporary folder and quantized
-from there); reward_funcs one callable or a list; datasets an iterable of rows or a .jsonl path;
-peft_config a peft LoraConfig or a mapping of its fields (its r, alpha, dropout and target modules,
-a list of names or PEFT's regex string; a field qerl does not implement, such as use_rslora, use_dora,
-modules_to_save or bias, is refused rather than dropped); args a GRPOConfig or a mapping of its fields. With conversational
-prompts the reward functions receive each completion as [{"role": "assistant", "content": text}],
-as TRL passes them, and every reward function that takes them gets TRL's trainer_state, log_extra and
-log_metric. `callbacks` are transformers TrainerCallback objects (train/callbacks.py); `trainer.state` is
-transformers' TrainerState (global_step, log_history); the step's metrics carry TRL's names beside qerl's;
-`save_strategy="no"` writes no checkpoint; `report_to` takes tensorboard, wandb, trackio and mlflow.
+`GRPOConfig(...)` takes TRL's field names (qerl's aliases: rl/config.py FIELD_ALIASES); TRL's fields that
+steer only TRL's engines or logging are ignored in one line; the surface's own (max_steps in optimizer
+steps, num_train_epochs, log_completions, eval_strategy, run_name, hub_model_id...) ride as `cfg.trl`
+(fields.py), and fields that would change training and that qerl lacks are refused by name. Defaults are
+qerl's except dynamic_sampling (off, as TRL has none); README.md, "Coming from TRL", lists the rest.
+`GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+reward_processing_classes, callbacks, peft_config, tools, environment_factory)`: model a hub id, folder
+or transformers model; reward_funcs functions (sync or async, called as TRL calls them:
+rl/rewards.py), reward models by id or as models (reward_models.py); datasets rows, a datasets.Dataset
+or a .jsonl path; peft_config a LoraConfig or a mapping of its fields (lora.py). The Trainer surface
+(surface.py), TRL's step numbering (steps.py), TRL's evaluation (grpo_eval.py) and log_completions
+(completions.py) are each their own module.
 """
 
 from __future__ import annotations

@@ -89,9 +89,9 @@ def SFTConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a co
 def trl_steps(cfg, examples: int, world: int) -> int:
     """transformers' optimizer steps for num_train_epochs over `examples` (each rank's dataloader of
     per_device_train_batch_size, the last batch short; ceil over gradient_accumulation_steps)."""
-    batches = -(-(-(-examples // world)) // cfg.per_device_train_batch_size)
-    ga = cfg.gradient_accumulation_steps
-    return math.ceil(cfg.num_train_epochs * max(batches // ga + int(batches % ga > 0), 1))
+    per_rank = math.ceil(examples / world)  # DistributedSampler pads to a whole share
+    batches = math.ceil(per_rank / cfg.per_device_train_batch_size)
+    return math.ceil(cfg.num_train_epochs * max(math.ceil(batches / cfg.gradient_accumulation_steps), 1))
 
 
 class SFTTrainer(TrainerSurface, _Trainer):
