@@ -237,3 +237,13 @@ def test_eval_strategy_steps_logs_trl_s_eval_metrics(tmp_path, model_dir, under)
                      "eval_rewards/reward_func/mean", "eval_completions/mean_length"):
             assert name in h, (under, name)
         assert h["eval_rewards/token_count/mean"] == pytest.approx(h["eval_completions/mean_length"])
+
+
+def test_log_completions_gives_wandb_a_table(tmp_path, model_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run(REWARDS.replace('report_to="none"', 'report_to="wandb"'), "qerl", tmp_path / "run", model_dir)
+    tables = sorted(p.name for p in (tmp_path / "run" / "wandb").rglob("completions_*.table.json"))
+    assert len(tables) == 2  # one a logged step
+    table = json.loads(next((tmp_path / "run" / "wandb").rglob("completions_*.table.json")).read_text())
+    assert {"prompt", "completion", "token_count", "advantage"} <= set(table["columns"]) and len(table["data"]) == 4

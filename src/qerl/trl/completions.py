@@ -82,25 +82,21 @@ class CompletionsTable:
         path.write_text("".join(json.dumps(r, default=str) + "\n" for r in self.rows()))
         return path
 
-    def to_trackers(self, report_to: str) -> None:
-        """A table to wandb (its current run) and trackio, when they are trackers of the run."""
-        names = {s.strip() for s in str(report_to).split(",")}
+    def to_trackers(self, trackers: list, step: int) -> None:
+        """A table to the run's wandb and trackio trackers (train/trackers.py: each holds its `run`), at the
+        step their metrics row was logged at."""
         rows = self.rows()
         if not rows:
             return
         cols = list(rows[0])
-        if "wandb" in names or "all" in names:
-            try:
+        data = [[r[c] if isinstance(r[c], (int, float, str)) else str(r[c]) for c in cols] for r in rows]
+        for t in trackers:
+            kind = type(t).__name__
+            if kind == "Wandb":
                 import wandb
 
-                if wandb.run is not None:
-                    wandb.log({"completions": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])})
-            except ImportError:
-                pass
-        if "trackio" in names or "all" in names:
-            try:
+                t.run.log({"completions": wandb.Table(columns=cols, data=data)}, step=step)
+            elif kind == "Trackio":
                 import trackio
 
-                trackio.log({"completions": trackio.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])})
-            except Exception:  # noqa: BLE001 - no trackio run open, or no Table in this version
-                pass
+                t.run.log({"completions": trackio.Table(columns=cols, data=data)}, step=step)

@@ -143,7 +143,7 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         st.log_history.append(entry)
         self.callback_handler("on_step_end")
         self.callback_handler("on_log", logs=entry)
-        self._log_completions(m["step"])
+        self._log_completions(m["step"], log)
 
     # ---- TRL's evaluation (grpo_eval.py); qerl's pass@1 stays, called with its MetricsLog ---------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kw):
@@ -177,7 +177,7 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             self._rollouts_of[ctx.step] = ro  # (a rollout one step ahead, max_staleness 1, is another key)
         return ro
 
-    def _log_completions(self, step: int) -> None:
+    def _log_completions(self, step: int, log) -> None:
         ro = self._rollouts_of.pop(step, None)
         every = self.cfg.logging_steps or 1
         if ro is None or not self.dist.is_main or self.global_step % every:
@@ -187,7 +187,7 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         table = CompletionsTable.of(ro, self.tok, self.cfg.scale_rewards, self.global_step)
         table.sample(self.trl.num_completions_to_print).print()
         table.write(self.cfg.output_dir)
-        table.to_trackers(self.cfg.report_to)
+        table.to_trackers(getattr(log, "trackers", []), step)
 
     def record_eval(self, row: dict) -> None:
         entry = log_entry(row, self.global_step, self.state.epoch)

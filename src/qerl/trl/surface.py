@@ -27,7 +27,8 @@ class HubUnreachable(RuntimeError):
 # what a script's save_model / save_state / save_metrics / log_completions left in output_dir: an earlier
 # run's, moved with it
 SURFACE_FILES = ("config.yaml", "trainer_state.json", "completions", "adapter_model.safetensors",
-                 "adapter_config.json", "README.md", "train_results.json", "eval_results.json", "all_results.json")
+                 "adapter_config.json", "README.md", "train_results.json", "eval_results.json", "all_results.json",
+                 "wandb")
 
 
 def move_earlier_run(out: Path) -> Path | None:
