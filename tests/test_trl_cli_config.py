@@ -111,3 +111,18 @@ def test_a_run_whose_groups_all_tied_says_it_trained_nothing(cli, tmp_path, mode
     rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--parity_check_steps", "0")
     assert rc == 0, err
     assert "2 of the 2 steps made no update: every group's rewards tied" in out and "adapter is unchanged" in out
+
+
+def test_a_config_file_field_qerl_lacks_is_refused_by_name_with_the_nearest(cli, tmp_path, model_dir):
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {model_dir}\noutput_dir: {tmp_path / 'run'}\n"
+                                        "max_steps: 1\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
+    rc, _, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu")
+    assert rc == 2 and "lr_scheduler_kwargs" in err and "nearest: lr_scheduler_type" in err
+
+
+def test_activation_checkpointing_is_gradient_checkpointing_in_a_config_file(cli, tmp_path, model_dir):
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {model_dir}\noutput_dir: {tmp_path / 'run'}\n"
+                                        "max_steps: 1\nactivation_checkpointing: true\n")
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--print_config")
+    assert rc == 0, err
+    assert "\ngradient_checkpointing: true\n" in out

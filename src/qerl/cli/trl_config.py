@@ -62,7 +62,9 @@ def _imported(path: str):
 
 def split(d: dict) -> tuple[dict, ScriptRewards]:
     """(the config's fields, the script's reward arguments) of a config file's mapping."""
-    d = dict(d)
+    from ..trl.fields import renamed_or_refused
+
+    d = renamed_or_refused(d)  # activation_checkpointing; lr_scheduler_kwargs, data_seed... refused by name
     names = d.pop("reward_funcs", None) or []
     if isinstance(names, str):
         names = [names]

@@ -67,6 +67,20 @@ def split(kw: dict, data_seed_ok=42) -> tuple[TRLArgs, dict]:
     trl = TRLArgs(**mine)
     if trl.max_prompt_length is not None:
         kw["max_prompt_length"] = trl.max_prompt_length
+    kw = renamed_or_refused(kw, data_seed_ok)
+    if trl.eval_strategy not in EVAL_STRATEGIES:
+        raise refuse("eval_strategy", trl.eval_strategy, "eval_strategy='steps' with eval_steps")
+    if trl.warmup_ratio and "warmup_steps" in kw and kw["warmup_steps"]:
+        raise ValueError("warmup_ratio and warmup_steps: set one")
+    if trl.log_unique_prompts:
+        raise refuse("log_unique_prompts", True, "log_completions (every completion of the printed prompts)")
+    return trl, kw
+
+
+def renamed_or_refused(kw: dict, data_seed_ok=42) -> dict:
+    """`kw` with transformers 5's names as qerl's fields, and a field that would change training and that
+    qerl lacks refused by name (one at its no-op value dropped); a config file's fields too."""
+    kw = dict(kw)
     for old, new in RENAMED.items():
         if old in kw:
             if new in kw and kw[new] != kw[old]:
@@ -77,10 +91,4 @@ def split(kw: dict, data_seed_ok=42) -> tuple[TRLArgs, dict]:
             v = kw.pop(name)
             if v not in fine and not (name == "data_seed" and v == kw.get("seed", data_seed_ok)):
                 raise refuse(name, v, nearest)
-    if trl.eval_strategy not in EVAL_STRATEGIES:
-        raise refuse("eval_strategy", trl.eval_strategy, "eval_strategy='steps' with eval_steps")
-    if trl.warmup_ratio and "warmup_steps" in kw and kw["warmup_steps"]:
-        raise ValueError("warmup_ratio and warmup_steps: set one")
-    if trl.log_unique_prompts:
-        raise refuse("log_unique_prompts", True, "log_completions (every completion of the printed prompts)")
-    return trl, kw
+    return kw
