@@ -247,3 +247,29 @@ def test_log_completions_gives_wandb_a_table(tmp_path, model_dir, monkeypatch):
     assert len(tables) == 2  # one a logged step
     table = json.loads(next((tmp_path / "run" / "wandb").rglob("completions_*.table.json")).read_text())
     assert {"prompt", "completion", "token_count", "advantage"} <= set(table["columns"]) and len(table["data"]) == 4
+
+
+def test_the_processing_class_given_is_the_one_that_tokenizes(tmp_path, model_dir):
+    """TRL tokenizes with the processing_class it is given (here another chat template), not the checkpoint's;
+    the adapter records the model the script named as its base."""
+    from transformers import AutoTokenizer
+
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    seen = []
+
+    def reward(prompts, completions, **_):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=3, report_to="none", save_strategy="no")
+    tr = GRPOTrainer(model=str(model_dir), processing_class=tok, reward_funcs=reward, args=args,
+                     train_dataset=[{"prompt": [{"role": "user", "content": "hi"}]}])
+    assert tr.processing_class.chat_template == tok.chat_template
+    assert tr.tok.decode(tr.encode_prompt({"prompt": [{"role": "user", "content": "hi"}]})) == "<<hi>>"
+    tr.train()
+    cfg = json.loads((tmp_path / "r" / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(model_dir)

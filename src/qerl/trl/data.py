@@ -23,14 +23,29 @@ def read_rows(data, what: str, need: str | None = "prompt") -> list | None:
     return rows
 
 
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json"}
+
+
 def model_folder(model, processing_class) -> str:
-    """A hub id or folder as is; a transformers model (and its tokenizer) saved to a temporary folder,
-    which qerl quantizes like any checkpoint."""
+    """A hub id or folder as is; with a processing_class, a folder of links to the model's files and that
+    tokenizer (TRL tokenizes with the processing_class it is given, not the checkpoint's); a transformers
+    model (and its tokenizer) saved to a temporary folder, which qerl quantizes like any checkpoint."""
     if isinstance(model, (str, Path)):
         from ..cli.hub import check_reachable
 
         check_reachable(str(model))  # a hub id that cannot be reached: one message naming the offline choices
-        return str(model)
+        if processing_class is None or (Path(model) / "adapter_config.json").is_file():
+            return str(model)
+        from ..model.resolve import resolve_model
+
+        source = resolve_model(str(model))
+        folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+        for f in source.iterdir():
+            if f.name not in TOKENIZER_FILES:
+                (folder / f.name).symlink_to(f.resolve())
+        processing_class.save_pretrained(folder)
+        return str(folder)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model: {type(model).__name__} is neither a hub id, a folder nor a transformers model")
     folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
@@ -42,3 +57,10 @@ def model_folder(model, processing_class) -> str:
         tok = AutoTokenizer.from_pretrained(model.name_or_path)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def base_id(model) -> str | None:
+    """The name the adapter records as its base: the hub id or folder given, or the model object's."""
+    if isinstance(model, (str, Path)):
+        return None if (Path(model) / "adapter_config.json").is_file() else str(model)  # an adapter: its base
+    return getattr(model, "name_or_path", None) or None

@@ -29,7 +29,7 @@ from ..rl import GRPOConfig as _Config
 from ..rl import GRPOTrainer as _Trainer
 from ..train.trainer_state import log_entry
 from . import fields, steps
-from .data import model_folder, read_rows
+from .data import base_id, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
 
@@ -88,6 +88,7 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
         eval_rows = read_rows(eval_dataset, "eval_dataset")
         change = {"model_name_or_path": model_folder(model, processing_class)}
+        self._base_id = base_id(model)
         if peft_config is not None:
             change.update(lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)

@@ -26,7 +26,7 @@ from ..sft import SFTConfig as _Config
 from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
 from . import fields
-from .data import model_folder, read_rows
+from .data import base_id, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
 from .token_accuracy import token_stats
@@ -132,6 +132,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
         if trl.eval_strategy != "no" and eval_rows is None:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
         change = {"model_name_or_path": model_folder(model, processing_class)}
+        self._base_id = base_id(model)
         if peft_config is not None:
             change.update(lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)

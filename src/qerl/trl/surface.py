@@ -80,6 +80,10 @@ class TrainerSurface:
     save_state = trainer_pt_utils.save_state
     metrics_format = trainer_pt_utils.metrics_format
 
+    def base_name(self) -> str:
+        """The base the adapter records: the model the script named, not qerl's temporary folder of it."""
+        return getattr(self, "_base_id", None) or super().base_name()
+
     def surface_ready(self) -> None:
         """After qerl's trainer is built: trainer.model.save_pretrained writes the adapter."""
         object.__setattr__(self.model, "save_pretrained", adapter_saver(self))
