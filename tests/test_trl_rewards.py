@@ -185,3 +185,13 @@ def test_a_reward_model_by_folder_scores_as_trl_s_own(tmp_path):
     assert list(got.names.values()) == trl_trainer.reward_func_names == ["rm"]
     assert torch.allclose(torch.tensor(got.total), want, atol=1e-5), (got.total, want)
     assert len(set(got.total)) > 1  # the model tells the completions apart
+
+
+def test_qerl_s_task_rewards_read_trl_s_conversational_completions():
+    from qerl.tasks.rewards import format_reward, numeric_accuracy
+
+    plain = ["<think>2+2</think> <answer>4</answer>", "so it is 5", "The answer is 4."]
+    chat = [[{"role": "assistant", "content": c}] for c in plain]
+    answer = ["#### 4"] * 3
+    assert numeric_accuracy(chat, answer) == numeric_accuracy(plain, answer) == [1.0, 0.0, 1.0]
+    assert format_reward(chat) == format_reward(plain) == [1.0, 0.0, 0.0]
