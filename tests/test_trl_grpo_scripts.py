@@ -273,3 +273,44 @@ def test_the_processing_class_given_is_the_one_that_tokenizes(tmp_path, model_di
     tr.train()
     cfg = json.loads((tmp_path / "r" / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(model_dir)
+
+
+def test_a_dict_of_eval_sets_logs_each_under_its_name_as_trl(tmp_path, model_dir):
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=3, report_to="none", save_strategy="no")
+    tr = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [1.0] * len(completions), args=args,
+                     train_dataset=[{"prompt": "1+1="}],
+                     eval_dataset={"easy": [{"prompt": "1+1="}], "hard": [{"prompt": "12*13="}]})
+    out = tr.evaluate()
+    assert out["eval_easy_reward"] == out["eval_hard_reward"] == 1.0 and "eval_reward" not in out
+
+
+@pytest.mark.parametrize("kind, quant", [("nf4", "nf4"), ("fp4", "nvfp4")])
+def test_a_bitsandbytes_4bit_config_picks_qerl_s_4bit_base(tmp_path, model_dir, kind, quant):
+    from transformers import BitsAndBytesConfig
+
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=3, report_to="none")
+    tr = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                     train_dataset=[{"prompt": "1+1="}],
+                     quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind))
+    assert tr.cfg.quant == quant
+
+
+def test_an_8bit_base_and_a_rollout_func_are_refused_by_name(tmp_path, model_dir):
+    from transformers import BitsAndBytesConfig
+
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, report_to="none")
+    f = lambda completions, **_: [0.0] * len(completions)  # noqa: E731
+    with pytest.raises(ValueError, match="quantization_config.*nearest: quantization_config=None"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=f, args=args, train_dataset=[{"prompt": "1+1="}],
+                    quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    with pytest.raises(ValueError, match="rollout_func.*nearest: tools"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=f, args=args, train_dataset=[{"prompt": "1+1="}],
+                    rollout_func=lambda prompts, trainer: {})

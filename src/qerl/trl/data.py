@@ -27,6 +27,15 @@ TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json"}
 
 
+def eval_sets(data, need: str | None = "prompt") -> dict | None:
+    """TRL's eval_dataset: one set ({None: rows}) or a dict of named sets ({name: rows})."""
+    if data is None:
+        return None
+    if isinstance(data, dict) and not ({"prompt", "text", "messages"} & set(data)):  # a mapping of sets
+        return {name: read_rows(d, f"eval_dataset[{name!r}]", need) for name, d in data.items()}
+    return {None: read_rows(data, "eval_dataset", need)}
+
+
 def model_folder(model, processing_class) -> str:
     """A hub id or folder as is; with a processing_class, a folder of links to the model's files and that
     tokenizer (TRL tokenizes with the processing_class it is given, not the checkpoint's); a transformers

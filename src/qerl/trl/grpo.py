@@ -29,7 +29,7 @@ from ..rl import GRPOConfig as _Config
 from ..rl import GRPOTrainer as _Trainer
 from ..train.trainer_state import log_entry
 from . import fields, steps
-from .data import base_id, model_folder, read_rows
+from .data import base_id, eval_sets, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
 
@@ -63,12 +63,19 @@ class GRPOTrainer(TrainerSurface, _Trainer):
     # the parity check's seconds show in the line of a step that ran one (the first): its cost is visible
     LOG_KEYS = _Trainer.LOG_KEYS + ("time_parity",)
 
-    def __init__(self, model, reward_funcs, args: _Config | None = None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: _Config | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, tools=None, environment_factory=None, **kw):
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
+                 **kw):
         if any(o is not None for o in optimizers):
             raise NotImplementedError("qerl.trl.GRPOTrainer: optimizers is not supported; nearest: the config's optim, "
                                       "learning_rate, lr_scheduler_type, warmup_steps")
+        if rollout_func is not None:
+            raise fields.refuse("rollout_func", getattr(rollout_func, "__name__", rollout_func),
+                                "tools=[...] or environment_factory (qerl's engine runs the multi-turn rollout)")
+        if reward_funcs is None:
+            raise ValueError("reward_funcs: GRPOTrainer needs reward functions (a function, a reward model id, or a "
+                             "list of them)")
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         from .reward_models import reward_callables
 
@@ -86,9 +93,14 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         rows = read_rows(train_dataset, "train_dataset")
         if rows is None:
             raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
-        eval_rows = read_rows(eval_dataset, "eval_dataset")
+        self._eval_sets = eval_sets(eval_dataset)  # TRL's evaluation: each set under eval_<name>_ when named
+        eval_rows = None if self._eval_sets is None else [r for rs in self._eval_sets.values() for r in rs]
         change = {"model_name_or_path": model_folder(model, processing_class)}
         self._base_id = base_id(model)
+        from .quantization import quant_of
+
+        if (quant := quant_of(quantization_config)) is not None:
+            change["quant"] = quant
         if peft_config is not None:
             change.update(lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)
@@ -154,10 +166,14 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             return super().evaluate(eval_dataset if eval_dataset is not None else kw["log"])
         from .grpo_eval import trl_evaluate
 
-        rows = read_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else self._eval_rows
-        if not rows:
+        sets = eval_sets(eval_dataset) if eval_dataset is not None else self._eval_sets
+        if not sets:
             raise ValueError("evaluate: no eval_dataset (pass one to GRPOTrainer or to evaluate)")
-        out = trl_evaluate(self, rows, metric_key_prefix) if self.dist.is_main else {}
+        out = {}
+        if self.dist.is_main:
+            for name, rows in sets.items():  # TRL: a dict of eval sets logs each as eval_<name>_...
+                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                out.update(trl_evaluate(self, rows, prefix))
         self.record_eval(out)  # as TRL's evaluate logs: log_history and on_evaluate
         return out
 

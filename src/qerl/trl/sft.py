@@ -26,7 +26,7 @@ from ..sft import SFTConfig as _Config
 from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
 from . import fields
-from .data import base_id, model_folder, read_rows
+from .data import base_id, eval_sets, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
 from .token_accuracy import token_stats
@@ -103,7 +103,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
-                 peft_config=None, formatting_func=None, **kw):
+                 quantization_config=None, peft_config=None, formatting_func=None, **kw):
         for name, v, nearest in (("data_collator", data_collator, "packing / max_length"),
                                  ("compute_loss_func", compute_loss_func, "none: the loss is TRL's nll"),
                                  ("compute_metrics", compute_metrics, "eval_strategy='steps' (eval_loss, "
@@ -124,15 +124,19 @@ class SFTTrainer(TrainerSurface, _Trainer):
         rows = read_rows(train_dataset, "train_dataset", need=None)
         if rows is None:
             raise ValueError("train_dataset: SFTTrainer needs the training examples")
-        eval_rows = read_rows(eval_dataset, "eval_dataset", need=None)
+        sets = eval_sets(eval_dataset, need=None)  # one set, or TRL's dict of named sets
         if formatting_func is not None:  # TRL: the function's text is the example
             rows = [{args.dataset_text_field: formatting_func(r)} for r in rows]
-            eval_rows = None if eval_rows is None else [{args.dataset_text_field: formatting_func(r)}
-                                                         for r in eval_rows]
-        if trl.eval_strategy != "no" and eval_rows is None:
+            sets = None if sets is None else {k: [{args.dataset_text_field: formatting_func(r)} for r in v]
+                                              for k, v in sets.items()}
+        if trl.eval_strategy != "no" and sets is None:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
         change = {"model_name_or_path": model_folder(model, processing_class)}
         self._base_id = base_id(model)
+        from .quantization import quant_of
+
+        if (quant := quant_of(quantization_config)) is not None:
+            change["quant"] = quant
         if peft_config is not None:
             change.update(lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)
@@ -145,14 +149,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
         self.trl = trl
         super().__init__(cfg, train_dataset=rows, callbacks=callbacks, **kw)
         self.cfg.trl = trl
-        self.eval_examples = None
-        if eval_rows is not None:
-            from ..sft.data import Tokenizer
-
-            self.eval_examples = Tokenizer(self.tok, text_field=cfg.dataset_text_field, max_length=cfg.max_length,
-                                           assistant_only_loss=cfg.assistant_only_loss,
-                                           completion_only_loss=cfg.completion_only_loss,
-                                           source="eval_dataset")(eval_rows).examples
+        self.eval_examples = None if sets is None else {k: self._tokenized(v) for k, v in sets.items()}
         self.surface_ready()
 
     def train_step(self) -> dict:
@@ -169,31 +166,39 @@ class SFTTrainer(TrainerSurface, _Trainer):
         m["mean_token_accuracy"] = correct / tokens if tokens else float("nan")
         return m
 
+    def _tokenized(self, rows: list[dict]) -> list:
+        from ..sft.data import Tokenizer
+
+        cfg = self.cfg
+        return Tokenizer(self.tok, text_field=cfg.dataset_text_field, max_length=cfg.max_length,
+                         assistant_only_loss=cfg.assistant_only_loss, completion_only_loss=cfg.completion_only_loss,
+                         source="eval_dataset")(rows).examples
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """TRL's evaluation: the eval examples' loss and token accuracy, {prefix}_loss and
-        {prefix}_mean_token_accuracy (and the time it took)."""
-        examples = self.eval_examples
+        {prefix}_mean_token_accuracy (a dict of sets: {prefix}_{name}_...), and the time it took."""
+        sets = self.eval_examples
         if eval_dataset is not None:
-            from ..sft.data import Tokenizer
-
-            cfg = self.cfg
-            examples = Tokenizer(self.tok, text_field=cfg.dataset_text_field, max_length=cfg.max_length,
-                                 assistant_only_loss=cfg.assistant_only_loss,
-                                 completion_only_loss=cfg.completion_only_loss,
-                                 source="eval_dataset")(read_rows(eval_dataset, "eval_dataset", need=None)).examples
-        if not examples:
+            sets = {k: self._tokenized(v) for k, v in eval_sets(eval_dataset, need=None).items()}
+        if not sets:
             raise ValueError("evaluate: no eval_dataset (pass one to SFTTrainer or to evaluate)")
+        out = {}
+        for name, examples in sets.items():
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            out.update(self._evaluate_set(examples, prefix))
+        self.record_eval(out)  # as TRL's evaluate logs: log_history and on_evaluate
+        return out
+
+    def _evaluate_set(self, examples: list, p: str) -> dict:
         t0 = time.perf_counter()
-        mine = examples[self.dist.rank::self.dist.world]
-        s = token_stats(self.model, mine, self.device, self.cfg.per_device_train_batch_size, self.tok.pad_token_id or 0)
         D = self.dist
+        s = token_stats(self.model, examples[D.rank::D.world], self.device, self.cfg.per_device_train_batch_size,
+                        self.tok.pad_token_id or 0)
         tokens = D.sum(s.tokens, self.device)
-        p = metric_key_prefix
         out = {f"{p}_loss": D.sum(s.nll, self.device) / tokens if tokens else float("nan"),
                f"{p}_mean_token_accuracy": D.sum(s.correct, self.device) / tokens if tokens else float("nan"),
                f"{p}_runtime": time.perf_counter() - t0}
         out[f"{p}_samples_per_second"] = len(examples) / out[f"{p}_runtime"] if out[f"{p}_runtime"] else 0.0
-        self.record_eval(out)  # as TRL's evaluate logs: log_history and on_evaluate
         return out
 
     def after_step(self, m: dict, log, bar) -> None:
