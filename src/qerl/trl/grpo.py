@@ -148,8 +148,8 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         super()._print_line({**m, "step": self.global_step}, bar)
 
     def record(self, m: dict, log) -> None:
-        if log is not None:
-            log.write(m)
+        if log is not None:  # metrics.jsonl keeps qerl's 0-based `step` (resume reads it) beside TRL's count
+            log.write({**m, "global_step": self.global_step})
         st = self.state
         st.global_step, st.epoch = self.global_step, self.epoch()
         entry = log_entry(m, st.global_step, st.epoch)
