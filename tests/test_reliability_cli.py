@@ -216,8 +216,8 @@ def test_eval_help_shows_defaults(cli):
     import re
 
     entries = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
-    for flag, default in (("--temperature", "0.6"), ("--top-p", "0.95"), ("--max-new-tokens", "512"),
-                          ("--dataset", "gsm8k-offline"), ("--samples", "1"), ("--quant", "auto")):
+    for flag, default in (("--temperature", "0.6"), ("--top_p", "0.95"), ("--max_completion_length", "512"),
+                          ("--dataset_name", "gsm8k-offline"), ("--samples", "1"), ("--quant", "auto")):
         (entry,) = [e for e in entries if e.startswith((flag + " ", flag + ","))]
         assert f"(default: {default})" in " ".join(entry.split()), flag
     assert "qerl eval runs/default" in out

@@ -9,6 +9,7 @@ import sys
 from . import bench, evaluate, export, generate, inspect, plot, quantize, sft, study, train
 from .examples import epilog
 from .spelling import both_spellings
+from .vocabulary import apply as trl_vocabulary
 
 COMMANDS = {"inspect": inspect, "quantize": quantize, "export": export, "generate": generate, "bench": bench,
             "train": train, "sft": sft, "eval": evaluate, "plot": plot, "study": study}
@@ -88,6 +89,7 @@ def _main(argv: list[str]) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=name not in ("train", "sft"))
         mod.add_arguments(p)
         both_spellings(p, skip_dest_prefixes=("config__", "sft__"))  # --max_new_tokens and --max-new-tokens
+        trl_vocabulary(name, p)  # TRL's names shown, one spelling each; the others are hidden aliases
     args, extra = parser.parse_known_args(argv)
     if extra:  # only `train` (and `study run`, for its runs) take free --field value pairs (any config field)
         if args.command in ("train", "sft"):

@@ -1,4 +1,4 @@
-"""qerl eval MODEL --dataset NAME | qerl eval RUN_DIR: held-out pass@1 (averaged over k samples, with its
+"""qerl eval MODEL --dataset_name NAME | qerl eval RUN_DIR: held-out pass@1 (averaged over k samples, with its
 standard error). A run folder (as `qerl train` writes) is evaluated with its adapter on its own task and
 evaluation settings; flags given as well override them."""
 
@@ -11,13 +11,16 @@ from pathlib import Path
 from .argtypes import non_negative, positive, unit_interval
 
 HELP = "evaluate a policy (quantized base + optional PEFT adapter), or a training run's folder: pass@1 over k samples"
-USAGE = "qerl eval [MODEL | RUN_DIR] [--adapter DIR] [--dataset NAME] [options]"
+USAGE = "qerl eval [MODEL | RUN_DIR] [--adapter DIR] [--dataset_name NAME] [options]"
 DEFAULTS = dict(adapter=None, quant="auto", dataset="gsm8k-offline", dataset_config="{}", split="eval", limit=None,
                 samples=1, temperature=0.6, top_p=0.95, greedy=False, max_new_tokens=512, prompt_suffix=False,
                 system_prompt=None, seed=0, device=None)
 
 
 def add_arguments(p):
+    from .vocabulary import add_model_flag
+
+    add_model_flag(p)
     d = DEFAULTS
     p.add_argument("model", nargs="?", default="smollm2",
                    help="a folder, a hub id, smollm2 (offline), or a run folder of `qerl train` (its adapter on its "
@@ -75,6 +78,10 @@ def run_settings(args) -> tuple[dict, int | None, int]:
 
 
 def run(args):
+    from .vocabulary import take_model_flag
+
+    take_model_flag(args, "smollm2")
+
     import yaml
 
     from ..rl.evaluate import evaluate
@@ -96,9 +103,10 @@ def run(args):
     try:
         opts = yaml.safe_load(args.dataset_config) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"--dataset-config: not valid YAML/JSON ({str(e).splitlines()[0]}): {args.dataset_config!r}") from None
+        raise ValueError(f"--dataset_config: not valid YAML/JSON ({str(e).splitlines()[0]}): "
+                         f"{args.dataset_config!r}") from None
     if not isinstance(opts, dict):
-        raise ValueError(f"--dataset-config: expected a mapping, got {args.dataset_config!r}")
+        raise ValueError(f"--dataset_config: expected a mapping, got {args.dataset_config!r}")
     task = get_task(args.dataset, **opts)
     for note in task.notes:  # e.g. rows that on_error: skip left out
         print(f"qerl eval: {args.dataset}: {note}", file=sys.stderr)
@@ -113,7 +121,7 @@ def run(args):
     longest = max(len(encode_prompt(pol.tokenizer, r["prompt"], system_prompt=args.system_prompt,
                                     suffix=args.prompt_suffix, max_length=max_prompt_length)) for r in rows)
     check_length(getattr(pol.model.config, "max_position_embeddings", None), longest, args.max_new_tokens,
-                 f"{args.dataset}: its longest prompt", "--max-new-tokens")
+                 f"{args.dataset}: its longest prompt", "--max_completion_length")
     turns_for = None
     if getattr(task, "tools", None) and max_turns:  # a tool task: multi-turn rollouts, as in training
         from ..tools import ToolTurnHandler

@@ -1,4 +1,5 @@
-"""qerl export MODEL --adapter DIR OUTPUT_DIR: a merged dense model (dequantized base + LoRA)."""
+"""qerl export [MODEL] OUTPUT_DIR --adapter DIR: a merged dense model (dequantized base + LoRA). Without MODEL
+the base is the one the adapter records (adapter_config.json's base_model_name_or_path)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ HELP = "merge a LoRA adapter into the dequantized base and write a plain bf16 mo
 
 
 def add_arguments(p):
-    p.add_argument("model", help="the base: a dense or compressed-tensors folder, hub id, or 'smollm2'")
+    from .vocabulary import add_model_flag
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="the base: a dense or compressed-tensors folder, hub id, or 'smollm2' (default: the base "
+                        "the adapter records)")
     p.add_argument("output_dir")
+    add_model_flag(p)
     p.add_argument("--adapter", help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
                    help="base format the adapter was trained on (default: auto, the one the adapter recorded, else "
@@ -30,6 +36,11 @@ def run(args):
     from ..model.smollm2 import cache_dir
     from .policy import check_device, read_model_config
 
+    from .vocabulary import take_model_flag
+
+    take_model_flag(args)
+    if args.model is None:
+        args.model = recorded_base(args.adapter)
     # everything checked before the model loads: nothing in OUTPUT_DIR is lost by mistake
     base = args.model if Path(args.model).exists() else (
         cache_dir() / "SmolLM2-135M-Instruct" if args.model.lower() in ALIASES else None)
@@ -45,3 +56,20 @@ def run(args):
         load_adapter(policy, args.adapter)
     out = export_merged(policy, args.output_dir, dtype=getattr(torch, args.dtype))
     print(f"wrote merged {args.dtype} model to {out}")
+
+
+def recorded_base(adapter: str | None) -> str:
+    """The base an adapter folder records (PEFT's base_model_name_or_path), as the model to merge into."""
+    import json
+    from pathlib import Path
+
+    if not adapter:
+        raise ValueError("give the base MODEL, or --adapter DIR whose adapter_config.json records it")
+    path = Path(adapter) / "adapter_config.json"
+    try:
+        base = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the base the adapter records ({e}); give the base MODEL") from None
+    if not base:
+        raise ValueError(f"{path} records no base_model_name_or_path; give the base MODEL")
+    return base

@@ -10,6 +10,9 @@ HELP = "sample completions from a policy (quantized base + optional PEFT adapter
 
 
 def add_arguments(p):
+    from .vocabulary import add_model_flag
+
+    add_model_flag(p)
     p.add_argument("model", nargs="?", default="smollm2", help="a folder, a hub id, or smollm2 (offline)")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder (as `qerl train` or PEFT writes)")
     p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
@@ -29,7 +32,9 @@ def add_arguments(p):
 
 
 def run(args):
+    from .vocabulary import take_model_flag
 
+    take_model_flag(args, "smollm2")
     from ..rollout import Engine, SamplingParams
     from .policy import check_length, load_cli_policy
 
@@ -44,7 +49,7 @@ def run(args):
     ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts]
     positions = getattr(pol.model.config, "max_position_embeddings", None)
     for i, x in enumerate(ids):
-        check_length(positions, len(x), args.max_new_tokens, f"--prompt {i + 1}", "--max-new-tokens")
+        check_length(positions, len(x), args.max_new_tokens, f"--prompt {i + 1}", "--max_completion_length")
     eng = Engine(pol.model, tok, max_len=max(len(x) for x in ids) + args.max_new_tokens + 1,
                  max_slots=len(ids) * args.n)
     outs = eng.generate(ids, n=args.n, params=params)

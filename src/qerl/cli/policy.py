@@ -69,7 +69,7 @@ def split_adapter_start(model: str, adapter: str | None) -> tuple[str, str | Non
 
 
 def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | None, new_tokens: int | None = None,
-                    flag: str = "--max-new-tokens"):
+                    flag: str = "--max_completion_length"):
     """(policy, device): bf16 on CUDA, fp32 on the CPU; the adapter's rank read from its config.
     Everything that can be checked without the weights (device, tokenizer, adapter config) is
     checked first, so a bad input costs no model load."""

@@ -90,9 +90,10 @@ def model_to_check(name: str) -> str:
     return base_to_load(name)
 
 
-def preflight(cfg):
+def preflight(cfg, make_task=None):
     """The run's task, after checking the model folder's tokenizer and that the task has rows to
-    train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed."""
+    train on and, when the config evaluates, rows to evaluate on; its notes (skipped rows) printed.
+    make_task: cfg -> the task, instead of the dataset_name task (a `trl grpo --config` file's)."""
     from ..model.load import require_tokenizer
     from ..tasks import get_task
 
@@ -112,7 +113,7 @@ def preflight(cfg):
             print(f"qerl train: warning: max_prompt_length {cfg.max_prompt_length} + max_completion_length {new} "
                   f"exceed the model's {positions} positions (max_position_embeddings): a sequence longer than that "
                   "runs past what the model was trained on", file=sys.stderr)
-    task = get_task(cfg.dataset_name, **cfg.dataset_config)
+    task = make_task(cfg) if make_task is not None else get_task(cfg.dataset_name, **cfg.dataset_config)
     main = os.environ.get("RANK", "0") == "0"
     for note in task.notes if main else ():
         print(f"qerl train: dataset {cfg.dataset_name}: {note}", file=sys.stderr)

@@ -50,7 +50,8 @@ def add_arguments(p):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             t = type_name(hints[name])
             kw = dict(nargs="?", const="true") if t == "bool" else {}
-            g.add_argument(f"--{name}", dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
+            flags = [f"--{name}"] + (["--model"] if name == "model_name_or_path" else [])  # as `qerl train`
+            g.add_argument(*flags, dest=PREFIX + name, default=argparse.SUPPRESS, metavar=t.split()[0].upper(),
                            help=f"{f.metadata.get('help', '')} [{t}; default: {'null' if d is None else repr(d)}]"
                            .replace("%", "%%"), **kw)
 
@@ -77,7 +78,11 @@ def build_config(args):
         from ..sft.data import read_utf8
 
         read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        return SFTConfig.from_yaml(config).with_overrides(ov)
+        from ..train.fields import yaml_mapping
+        from ..trl.sft import trl_fields
+
+        _, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
+        return SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
 
 

@@ -72,7 +72,11 @@ def build_config(args):
         from ..sft.data import read_utf8
 
         read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        cfg = apply(GRPOConfig.from_yaml(config), ov)
+        from ..train.fields import yaml_mapping
+        from .trl_config import split
+
+        fields, args.trl_rewards = split(yaml_mapping(config))  # a `trl grpo --config` file's reward_funcs
+        cfg = apply(GRPOConfig.from_dict(fields, source=str(config)), ov)
     else:
         from ..rl.default_run import default_run_config
 
@@ -106,7 +110,13 @@ def run(args):
         return 0
     from ..rl import GRPOTrainer
 
-    task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
+    rewards = getattr(args, "trl_rewards", None)  # a `trl grpo --config` file's reward_funcs
+    if rewards:
+        from .trl_config import trl_task
+
+        task = preflight(cfg, lambda c: trl_task(c, rewards))
+    else:
+        task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
     with interruptible() as stop:
         trainer = None
         try:
@@ -147,6 +157,9 @@ def run(args):
         last = rows[-1]
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
               f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
+        if (idle := untrained_steps(rows)):
+            print(f"qerl train: {idle} of the {len(rows)} steps made no update: every group's rewards tied (no "
+                  f"advantage to learn from){'; the adapter is unchanged' if idle == len(rows) else ''}")
     evals = run_evals(cfg.output_dir) or trainer.evals  # a resumed run's earlier evaluations too
     if evals:
         print(summary_table(evals, wall))
@@ -158,6 +171,11 @@ def run(args):
         print(f"qerl train: no curves ({e})")
     trainer.dist.close()
     return 0
+
+
+def untrained_steps(rows: list[dict]) -> int:
+    """Steps whose rollouts gave no update (dynamic sampling dropped every tied group: m["updates"] == 0)."""
+    return sum(1 for r in rows if r.get("updates") == 0)
 
 
 class _Stop:

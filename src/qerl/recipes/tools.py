@@ -1,6 +1,7 @@
 """The tool-use recipe: a supervised warm start that teaches the calculator call, then GRPO with tools.
 
     python -m qerl.recipes.tools [--seed 0] [--output_dir runs/tool_recipe] [--overwrite_output_dir]
+    python -m qerl.recipes.tools --smoke      # every phase once on a small budget (SMOKE): a pipeline check
 
 On the offline SmolLM2-135M (NVFP4 + LoRA) the base model never writes a tool call, so RL alone
 gets no reward to learn from. Here the tool task writes its own transcripts from its training
@@ -67,6 +68,12 @@ RL = dict(dataset_name="tool_arithmetic", max_turns=4, num_generations=8, per_de
           temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1, aqn=True, aqn_stages=3,
           optim="adamw_torch", parity_check_steps=0, save_steps=1000, save_total_limit=1, report_to="none")
 EVAL = dict(limit=100, samples=1, temperature=0.6, top_p=0.95, max_new_tokens=208)
+# --smoke: every phase (base eval, SFT, eval, GRPO with tool rollouts, eval, summary) on a small budget, to
+# check the pipeline end to end in under 3 minutes on 2 CPU cores; its numbers are not a measurement
+SMOKE = dict(sft=dict(max_steps=2, per_device_train_batch_size=4, logging_steps=1),
+             rl=dict(max_steps=1, num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                     steps_per_generation=1, dynamic_sampling=False, logging_steps=1),
+             task=dict(size=40, eval_size=8), eval_limit=4, evaluation=dict(max_new_tokens=64))
 
 
 @dataclass
@@ -131,11 +138,10 @@ def _precision() -> dict:
     return dict(dtype="bfloat16", lora_dtype="float32") if cpu_has_fast_bf16() else dict(dtype="auto", lora_dtype="auto")
 
 
-def _point(name: str, engine, trainer, rows, out: Path, seed: int, progress: bool) -> Point:
+def _point(name: str, engine, trainer, rows, out: Path, seed: int, progress: bool, e: dict = EVAL) -> Point:
     """Held-out evaluation on `engine` with the RL trainer's tools (its multi-turn handler)."""
     from ..rl.evaluate import evaluate
 
-    e = EVAL
     rep = evaluate(engine, trainer.tok, rows, trainer.task.accuracy_func(), samples=e["samples"],
                    temperature=e["temperature"], top_p=e["top_p"], max_new_tokens=e["max_new_tokens"], seed=seed,
                    max_prompt_length=trainer.cfg.max_prompt_length, dataset=f"tool_arithmetic ({name})",
@@ -150,8 +156,9 @@ def _point(name: str, engine, trainer, rows, out: Path, seed: int, progress: boo
 
 def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool = False, policy=None,
         model: dict | None = None, sft: dict | None = None, rl: dict | None = None, task: dict | None = None,
-        eval_limit: int | None = None, progress: bool = True) -> RecipeResult:
-    """The whole recipe. policy / model / sft / rl / task / eval_limit override the settings above (tests)."""
+        eval_limit: int | None = None, progress: bool = True, evaluation: dict | None = None) -> RecipeResult:
+    """The whole recipe. policy / model / sft / rl / task / eval_limit / evaluation override the settings above
+    (tests, --smoke)."""
     from ..kernels import dispatch
     from ..model import load_policy
     from ..rl import GRPOConfig, GRPOTrainer
@@ -173,6 +180,7 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
                            "output_dir": str(out / "rl")})
     sft_cfg = SFTConfig(**{**mcfg, **SFT, **(sft or {}), "seed": seed, "dataset_name": "tool_arithmetic",
                            "dataset_config": task_opts, "output_dir": str(out / "sft")})
+    ev = {**EVAL, **(evaluation or {})}
     phases = {}
     t = time.perf_counter()
     the_task = get_task("tool_arithmetic", **task_opts)
@@ -185,31 +193,31 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
                              dtype=dtype, progress=progress)
     # one policy: SFT trains its LoRA in place, GRPO continues from it (its optimizer starts afresh)
     grpo = GRPOTrainer(rl_cfg, policy=policy, task=the_task, progress=progress)
-    rows = the_task.eval[:eval_limit or EVAL["limit"]]
+    rows = the_task.eval[:eval_limit or ev["limit"]]
     cpu = grpo.device.type == "cpu"
     # evaluation gets its own engine with a slot for every sample: one wave of decoding (the training engine
     # has the step's completions' worth of slots)
-    engine = Engine(policy.model, policy.tokenizer, max_len=rl_cfg.max_prompt_length + 1 + EVAL["max_new_tokens"],
-                    max_slots=len(rows) * EVAL["samples"], kv_cache_gb=2.0 if cpu else None)
+    engine = Engine(policy.model, policy.tokenizer, max_len=rl_cfg.max_prompt_length + 1 + ev["max_new_tokens"],
+                    max_slots=len(rows) * ev["samples"], kv_cache_gb=2.0 if cpu else None)
     phases["load"] = time.perf_counter() - t
     points = []
     with dispatch.dequantized_cache() if cpu else contextlib.nullcontext():
         t = time.perf_counter()
-        points.append(_point("base", engine, grpo, rows, out, seed, progress))
+        points.append(_point("base", engine, grpo, rows, out, seed, progress, ev))
         phases["eval_base"] = time.perf_counter() - t
         t = time.perf_counter()
         sft_tr = SFTTrainer(sft_cfg, policy=policy, train_dataset=transcripts(the_task.train), progress=progress)
         sft_tr.train()
         phases["sft"] = time.perf_counter() - t
         t = time.perf_counter()
-        points.append(_point("sft", engine, grpo, rows, out, seed, progress))
+        points.append(_point("sft", engine, grpo, rows, out, seed, progress, ev))
         phases["eval_sft"] = time.perf_counter() - t
         t = time.perf_counter()
         grpo.train()
         print(f"tool recipe: sft {phases['sft']:.0f} s, rl {time.perf_counter() - t:.0f} s", flush=True)
         phases["rl"] = time.perf_counter() - t
         t = time.perf_counter()
-        points.append(_point("rl", engine, grpo, rows, out, seed, progress))
+        points.append(_point("rl", engine, grpo, rows, out, seed, progress, ev))
         phases["eval_rl"] = time.perf_counter() - t
     for run_dir in (out / "sft", out / "rl"):
         from ..cli.plot import plot
@@ -258,11 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval_limit", type=int, default=EVAL["limit"], help="held-out problems at each of the three points")
     p.add_argument("--no_progress", action="store_true")
     p.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/tool_recipe.jsonl")
+    p.add_argument("--smoke", action="store_true",
+                   help="every phase once on a small budget (2 SFT steps, 1 GRPO step, 4 held-out problems of 64 "
+                        "new tokens; output_dir runs/tool_recipe_smoke): checks the pipeline, measures nothing")
     a = p.parse_args(argv)
+    sft, rl, task, limit = {"max_steps": a.sft_steps}, {"max_steps": a.rl_steps}, {"seed": a.task_seed}, a.eval_limit
+    if a.smoke:
+        if a.record:
+            p.error("--record with --smoke: a smoke run's figures are not a measurement")
+        sft, rl, task, limit = SMOKE["sft"], SMOKE["rl"], {**SMOKE["task"], "seed": a.task_seed}, SMOKE["eval_limit"]
+        if a.output_dir == p.get_default("output_dir"):
+            a.output_dir = "runs/tool_recipe_smoke"
     try:
-        res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft={"max_steps": a.sft_steps},
-                  rl={"max_steps": a.rl_steps}, task={"seed": a.task_seed}, eval_limit=a.eval_limit,
-                  progress=not a.no_progress)
+        res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft=sft, rl=rl, task=task, eval_limit=limit,
+                  progress=not a.no_progress, evaluation=SMOKE["evaluation"] if a.smoke else None)
     except (ValueError, OSError) as e:
         print(f"qerl tool recipe: error: {e}", file=sys.stderr)
         return 2

@@ -82,7 +82,8 @@ def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_off
         G = cfg.num_generations
         cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         cols["prompts"] = [r["prompt"] for r in rows for _ in range(G)]
-        sc = score(inp.reward_funcs, inp.reward_weights, texts, cols, hooks.kwargs() if hooks is not None else None)
+        sc = score(inp.reward_funcs, inp.reward_weights, texts, cols, hooks.kwargs() if hooks is not None else None,
+                   completion_ids=[list(c.token_ids) for c in outs])
         lengths = torch.tensor([len(c.token_ids) for c in outs])
         total = torch.tensor(sc.total, dtype=torch.float32)
         total = total + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer_len,

@@ -1,4 +1,6 @@
 """Reward functions, TRL-style: `f(completions, **columns) -> list[float]`, one value per completion.
+A completion is text, or TRL's conversational form (a list of messages, read as its last message's text),
+so these functions serve a `qerl.trl` script with chat data as they serve `qerl train`.
 
 `f.metric = "accuracy"` marks the function whose mean is reported as accuracy (and that
 evaluation scores pass@1 with); `"format"` marks the format reward. None of them evaluates
@@ -18,9 +20,17 @@ _FORMAT = re.compile(r"\s*<think>(?:(?!<think>|</think>).)*</think>\s*<answer>(?
                      re.S)
 
 
+def texts(completions) -> list[str]:
+    """Completions as text: TRL's conversational ones ([{"role": "assistant", "content": ...}]) by their last
+    message's content."""
+    return [c[-1].get("content") or "" if isinstance(c, list) and c and isinstance(c[-1], dict) else c
+            for c in completions]
+
+
 def format_reward(completions, **_):
     """1 when the completion is exactly `<think> ... </think> <answer> ... </answer>` (the paper's
     prompt suffix asks for it): one of each tag, in order, nothing after the answer."""
+    completions = texts(completions)
     return [1.0 if len(c) <= 4 * TAIL * 8 and _FORMAT.fullmatch(c) else 0.0 for c in completions]
 
 
@@ -51,7 +61,7 @@ def numeric_accuracy(completions, answer, **_):
     process under a hard time limit (a timeout raises: `score` counts it and scores 0)."""
     out: list[float] = []
     symbolic = []
-    for i, (c, a) in enumerate(zip(completions, answer)):
+    for i, (c, a) in enumerate(zip(texts(completions), answer)):
         pred, ref = final_answer(c), gsm8k_reference(str(a))
         if is_plain_number(pred) and is_plain_number(ref):
             out.append(1.0 if same_number(pred, ref) else 0.0)
@@ -130,7 +140,7 @@ class MathVerifyAccuracy:
                                                  [(c, a, self.timeout_s) for c, a in jobs], self.deadline_s)
 
     def __call__(self, completions, answer, **_):
-        jobs = [(c, str(a)) for c, a in zip(completions, answer)]
+        jobs = [(c, str(a)) for c, a in zip(texts(completions), answer)]
         if len(jobs) == 1 and jobs[0] in self._last:  # a retry of a batch that failed somewhere
             results = [self._last[jobs[0]]]
         else:
@@ -161,7 +171,7 @@ class ReasoningGymAccuracy:
     def __call__(self, completions, answer, metadata=None, question=None, **_):
         metadata = metadata or [{}] * len(completions)
         out = []
-        for c, a, md, q in zip(completions, answer, metadata, question or [None] * len(completions)):
+        for c, a, md, q in zip(texts(completions), answer, metadata, question or [None] * len(completions)):
             entry = {"question": q, "answer": a, "metadata": md}
             pred = final_answer(c)
             if parse_number(str(a)) is not None and is_plain_number(pred) and (num := parse_number(pred)) is not None:

@@ -1,0 +1,16 @@
+"""TRL's API over qerl: a script written for TRL runs with only its import line changed,
+
+    from trl import GRPOConfig, GRPOTrainer        ->        from qerl.trl import GRPOConfig, GRPOTrainer
+    from trl import SFTConfig, SFTTrainer          ->        from qerl.trl import SFTConfig, SFTTrainer
+
+One module an idea: grpo.py and sft.py (the configs and trainers), surface.py (what a script calls
+around train()), steps.py (TRL's step semantics), fields.py (TRL fields the surface reads, renamed or
+refused), rewards as TRL calls them (qerl/rl/rewards.py), reward_models.py, prompts.py (prompt
+lengths), completions.py (log_completions), lora.py (peft_config), data.py (datasets and models).
+README.md, "Coming from TRL", lists the defaults that differ from TRL's and why.
+"""
+
+from .grpo import GRPOConfig, GRPOTrainer
+from .sft import SFTConfig, SFTTrainer
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer"]

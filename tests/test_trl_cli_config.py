@@ -1,0 +1,128 @@
+"""Config files written for `trl grpo --config` and `trl sft --config` run with `qerl train` / `qerl sft` as they
+are (issue 49): TRL's script arguments (reward_funcs by TRL's name or import path), model, PEFT and precision
+fields, TRL field names. Tiny model, local data, one step each."""
+
+import json
+import textwrap
+
+import pytest
+
+from tiny_models import save_tiny, tiny_tokenizer
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    save_tiny(tmp_path / "model", "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def _rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_trl_grpo_config_file_with_reward_funcs_runs(cli, tmp_path, model_dir, monkeypatch):
+    pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+        def chars(completions, **kwargs):
+            return [float(len(c[0]["content"])) for c in completions]
+    '''))
+    data = _rows(tmp_path / "train.jsonl", [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}],
+                                             "solution": str(2 * a)} for a in range(4)])
+    (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        reward_funcs: [think_format_reward, my_rewards.chars]
+        output_dir: {tmp_path / "run"}
+        max_steps: 1
+        per_device_train_batch_size: 4
+        num_generations: 4
+        max_completion_length: 4
+        learning_rate: 1.0e-5
+        use_vllm: false
+        bf16: false
+        use_peft: true
+        lora_r: 4
+        lora_alpha: 8
+        logging_steps: 1
+        report_to: none
+        log_completions: false
+    '''))
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--aqn", "false",
+                       "--parity_check_steps", "0")
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if "reward" in r][0]
+    assert "rewards/think_format_reward/mean" in step and step["rewards/chars/mean"] >= 0
+    assert not step.get("reward_errors")
+
+
+def test_a_trl_grpo_config_file_with_an_unknown_reward_name_says_trl_s_rule(cli, tmp_path, model_dir):
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {model_dir}\nreward_funcs: [no_such_reward]\n"
+                                        f"output_dir: {tmp_path / 'run'}\nmax_steps: 1\n")
+    rc, _, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu")
+    assert rc == 2 and "no_such_reward" in err and "import path" in err
+
+
+def test_a_trl_sft_config_file_runs(cli, tmp_path, model_dir):
+    data = _rows(tmp_path / "sft.jsonl", [{"prompt": f"{a} plus {a} is", "completion": f" {2 * a}."} for a in range(4)])
+    (tmp_path / "sft.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        output_dir: {tmp_path / "run"}
+        max_steps: 2
+        per_device_train_batch_size: 2
+        learning_rate: 1.0e-4
+        lr_scheduler_type: cosine
+        max_length: 48
+        packing: false
+        padding_free: false
+        bf16: false
+        use_cpu: true
+        dataset_num_proc: 1
+        report_to: none
+        logging_steps: 1
+        save_strategy: "no"
+    '''))
+    rc, out, err = cli("sft", tmp_path / "sft.yaml", "--device", "cpu")
+    assert rc == 0, err
+    assert "ignored: bf16, use_cpu, dataset_num_proc" in out
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_whose_groups_all_tied_says_it_trained_nothing(cli, tmp_path, model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flat.py").write_text("def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    data = _rows(tmp_path / "train.jsonl", [{"prompt": f"{a}+{a}="} for a in range(4)])
+    (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        reward_funcs: [flat.zero]
+        output_dir: {tmp_path / "run"}
+        max_steps: 2
+        per_device_train_batch_size: 4
+        num_generations: 4
+        max_completion_length: 4
+        max_resample_rounds: 0
+        report_to: none
+    '''))
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert "2 of the 2 steps made no update: every group's rewards tied" in out and "adapter is unchanged" in out
+
+
+def test_a_config_file_field_qerl_lacks_is_refused_by_name_with_the_nearest(cli, tmp_path, model_dir):
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {model_dir}\noutput_dir: {tmp_path / 'run'}\n"
+                                        "max_steps: 1\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
+    rc, _, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu")
+    assert rc == 2 and "lr_scheduler_kwargs" in err and "nearest: lr_scheduler_type" in err
+
+
+def test_activation_checkpointing_is_gradient_checkpointing_in_a_config_file(cli, tmp_path, model_dir):
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {model_dir}\noutput_dir: {tmp_path / 'run'}\n"
+                                        "max_steps: 1\nactivation_checkpointing: true\n")
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--print_config")
+    assert rc == 0, err
+    assert "\ngradient_checkpointing: true\n" in out
