@@ -107,6 +107,20 @@ def test_wandb_offline(tmp_path, model_dir, monkeypatch):
     check(wandb_history(files[0]), rows)
 
 
+def test_wandb_dir_is_honoured(tmp_path, model_dir, monkeypatch):
+    """WANDB_DIR puts the wandb run where the user asked (it went under output_dir whatever it said)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    out, rows = train(tmp_path, model_dir, "wandb")
+    files = list((tmp_path / "elsewhere" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1 and not (out / "wandb").exists()
+    check(wandb_history(files[0]), rows)
+
+
 def test_mlflow_file_store(tmp_path, model_dir, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -77,7 +77,9 @@ class Wandb:
         settings = None if os.environ.get("WANDB_INIT_TIMEOUT") else wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT)
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, config=config,
-                                  dir=str(out), mode=mode, reinit="create_new", settings=settings)
+                                  # WANDB_DIR, where the user set it, as transformers' WandbCallback honours it
+                                  dir=os.environ.get("WANDB_DIR") or str(out), mode=mode, reinit="create_new",
+                                  settings=settings)
         except wandb.errors.Error as e:
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             fix = ("train offline with WANDB_MODE=offline (upload later with wandb sync), or leave wandb out of "
