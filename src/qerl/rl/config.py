@@ -198,6 +198,9 @@ class GRPOConfig(TrainConfig):
         return self.entropy_coef
 
     def validate(self):
+        """The shared fields' checks (TrainConfig.validate), then GRPO's own fields'."""
+        TrainConfig.validate(self)
+
         def bad(name, msg):
             raise ValueError(f"config field '{name}': {msg}")
 
@@ -214,8 +217,6 @@ class GRPOConfig(TrainConfig):
             bad("entropy_coeff", f"must be >= 0 (a bonus), got {self.entropy_coeff}")
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"{self.scale_rewards!r} is not one of {SCALE_REWARDS}")
-        if self.lora_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            bad("lora_dtype", f"{self.lora_dtype!r} is not auto, float32, bfloat16 or float16")
         if self.rollout_kv_cache_dtype not in ("auto", "fp8"):
             bad("rollout_kv_cache_dtype", f"{self.rollout_kv_cache_dtype!r} is not auto or fp8")
         if self.max_turns < 0:
@@ -233,33 +234,25 @@ class GRPOConfig(TrainConfig):
                 bad("aqn_adaptive_gain", f"must be >= 0, got {self.aqn_adaptive_gain}")
         if self.num_generations < 2:
             bad("num_generations", "group-relative advantages need at least 2 completions per prompt")
-        for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                     "max_completion_length", "save_steps", "aqn_stages"):
+        for name in ("num_iterations", "max_completion_length", "aqn_stages"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("generation_batch_size", "steps_per_generation", "logprob_chunk_size"):
+        for name in ("generation_batch_size", "steps_per_generation"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, f"must be >= 1 (or null), got {getattr(self, name)}")
         from .batching import batch_plan
 
         batch_plan(self, world=1)  # the batch must split on one process; the trainer checks its world size
-        if self.ddp_timeout < 1:
-            bad("ddp_timeout", f"must be >= 1 second, got {self.ddp_timeout}")
         if self.parity_check_steps < 0:
             bad("parity_check_steps", f"must be >= 0, got {self.parity_check_steps}")
         if self.eval_steps < 0:
             bad("eval_steps", f"must be >= 0, got {self.eval_steps}")
         if self.eval_num_samples < 1:
             bad("eval_num_samples", f"must be >= 1, got {self.eval_num_samples}")
-        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
-            bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not constant, linear or cosine")
-        if self.optim not in ("adamw_8bit", "adamw_torch"):
-            bad("optim", f"{self.optim!r} is not adamw_8bit or adamw_torch")
-        from .config_checks import check_inputs, check_ranges  # model, device and dataset options (issue 22)
+        from .config_checks import check_inputs, check_ranges  # dataset options (issue 22)
 
         check_inputs(self)
-        check_ranges(self)  # every numeric field's range (issue 34)
-        TrainConfig.validate(self)
+        check_ranges(self)  # every numeric GRPO field's range (issue 34)
 
     @property
     def updates_per_step(self) -> int:

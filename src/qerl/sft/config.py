@@ -7,6 +7,7 @@ so `qerl sft --print_config` writes a documented YAML file and every field is a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..train.config import TrainConfig
@@ -50,33 +51,23 @@ class SFTConfig(TrainConfig):
     # --- how long ----------------------------------------------------------------------------
     num_train_epochs: float = _f(1.0, "Passes over the training examples (used when max_steps is -1).")
 
+    STEPS_FROM_EPOCHS = True  # max_steps -1: num_train_epochs decides
+
     def validate(self):
+        """The shared fields' checks (TrainConfig.validate), then SFT's own fields'."""
+        TrainConfig.validate(self)
+
         def bad(name, msg):
             raise ValueError(f"config field '{name}': {msg}")
 
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "logging_steps"):
-            if getattr(self, name) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_steps == 0 or self.max_steps < -1:
-            bad("max_steps", f"must be >= 1, or -1 (num_train_epochs decides), got {self.max_steps}")
+        if not math.isfinite(self.num_train_epochs):
+            bad("num_train_epochs", f"must be a finite number, got {self.num_train_epochs}")
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             bad("num_train_epochs", f"must be > 0 when max_steps is -1, got {self.num_train_epochs}")
         if self.max_length is not None and self.max_length < 2:
             bad("max_length", f"must be >= 2 (a token to predict from and one to predict), got {self.max_length}")
-        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
-            bad("logprob_chunk_size", f"must be >= 1 (or null), got {self.logprob_chunk_size}")
-        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
-            bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not constant, linear or cosine")
-        if self.optim not in ("adamw_8bit", "adamw_torch"):
-            bad("optim", f"{self.optim!r} is not adamw_8bit or adamw_torch")
-        if self.lora_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            bad("lora_dtype", f"{self.lora_dtype!r} is not auto, float32, bfloat16 or float16")
         if not self.dataset_text_field:
             bad("dataset_text_field", "must name a column")
-        from ..rl.config_checks import check_inputs
-
-        check_inputs(_Inputs(self))  # lora_r, lora_alpha, lora_dropout, device, dtype, quant: GRPOConfig's checks
-        TrainConfig.validate(self)
 
     def steps_for(self, examples: int, world: int = 1) -> int:
         """Optimizer updates of the run: max_steps, or num_train_epochs over `examples`."""
@@ -85,17 +76,3 @@ class SFTConfig(TrainConfig):
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         return max(1, -(-int(round(self.num_train_epochs * examples)) // per_step))
 
-
-@dataclass
-class _Inputs:
-    """The fields rl.config_checks.check_inputs reads, from an SFTConfig (no task, no evaluation)."""
-    cfg: SFTConfig
-
-    def __getattr__(self, name):
-        if name in ("eval_limit", "eval_dataset_name"):
-            return None
-        if name == "dataset_name":
-            return "arithmetic"  # SFT data is checked when it is read (sft/data.py), not as a GRPO task
-        if name == "dataset_config":
-            return {}
-        return getattr(self.cfg, name)

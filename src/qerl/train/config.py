@@ -1,8 +1,8 @@
 """The fields every qerl trainer shares: model, optimizer, run folder, logging and ranks (TRL's names).
 
 `GRPOConfig` (rl/config.py) and `SFTConfig` (sft/config.py) inherit them, as TRL's configs share
-transformers' TrainingArguments; a subclass redeclares a field only to give it another default. The
-checks here are the shared fields'; each subclass adds its own in `validate`.
+transformers' TrainingArguments; a subclass redeclares a field only to give it another default. Every
+check of a shared field runs here (train/checks.py); each subclass adds only its own in `validate`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from . import checks
 from .fields import _f, _parse, coerce, typed, yaml_mapping
 
 SAVE_STRATEGIES = ("steps", "no")
@@ -83,11 +84,18 @@ class TrainConfig:
             setattr(self, f.name, coerce(f, getattr(self, f.name), "config"))
         self.validate()
 
+    # SFT's max_steps -1 means "as many as num_train_epochs takes"; GRPO has no epochs
+    STEPS_FROM_EPOCHS = False
+
     def validate(self):
-        """The shared fields' checks (a subclass calls this from its own validate)."""
-        for name in ("save_steps",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"config field '{name}': must be >= 1, got {getattr(self, name)}")
+        """Every check of a shared field (train/checks.py); a subclass calls this first from its own validate,
+        then checks its own fields."""
+        checks.shared(self)
+        if self.STEPS_FROM_EPOCHS:
+            if self.max_steps == 0 or self.max_steps < -1:
+                checks.bad("max_steps", f"must be >= 1, or -1 (num_train_epochs decides), got {self.max_steps}")
+        else:
+            checks.at_least(self, "max_steps", 1)
         trackers(self.report_to)  # names a tracker that is unknown or not installed
 
     # ---- files and command lines -----------------------------------------------------------
