@@ -23,6 +23,7 @@ BAD = [
     ("device", "tpu"),
     ("lora_dtype", "float64"),
     ("trust_remote_code", "maybe"),
+    ("modules_to_not_convert", "re:("),
     ("learning_rate", "inf"),
     ("learning_rate", "0"),
     ("lr_scheduler_type", "step"),

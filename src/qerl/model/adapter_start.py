@@ -45,8 +45,10 @@ def base_to_load(name_or_path) -> str:
 
 
 def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
-    """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it."""
-    from ..checkpoint.peft_adapter import _read_config, load_adapter
+    """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it. The
+    linears the adapter was trained on in bf16 (modules_to_not_convert, recorded beside it) stay bf16 unless
+    others are asked for: its LoRA corrects those layers' bf16 weights, not their rounding."""
+    from ..checkpoint.peft_adapter import _read_config, load_adapter, recorded_modules_to_not_convert
 
     cfg = _read_config(folder)
     base = cfg.get("base_model_name_or_path")
@@ -72,6 +74,8 @@ def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
     if asked != (r, alpha) and kw.get("progress", True):
         print(f"qerl: {folder}: starting from the adapter (r={r}, lora_alpha={alpha:g}) on {base}; its rank and "
               f"alpha replace the requested {asked[0]} / {asked[1]}")
+    if not kw.get("modules_to_not_convert"):
+        kw["modules_to_not_convert"] = recorded_modules_to_not_convert(folder) or None
     policy = load_policy(base, quant, **{**kw, "lora_rank": r, "lora_alpha": alpha})
     load_adapter(policy, folder)
     return policy

@@ -61,6 +61,7 @@ class Policy:
     lora_dropout: float
     target_modules: tuple[str, ...]
     bf16_fallback: list[str] = field(default_factory=list)  # layers that could not be quantized
+    modules_to_not_convert: tuple[str, ...] = ()  # the patterns of the linears kept in bf16 by choice
 
     @property
     def config(self):
@@ -204,7 +205,8 @@ def load_policy(
         return load_adapter_start(adapter, load_policy, quant, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                   lora_dropout=lora_dropout, target_modules=target_modules, device=device,
                                   dtype=dtype, nf4_double_quant=nf4_double_quant, revision=revision,
-                                  trust_remote_code=trust_remote_code, progress=progress, fuse_groups=fuse_groups)
+                                  trust_remote_code=trust_remote_code, progress=progress, fuse_groups=fuse_groups,
+                                  modules_to_not_convert=modules_to_not_convert)
     folder = resolve_model(name_or_path, revision=revision)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     family = check_architecture(config, str(folder))
@@ -287,7 +289,7 @@ def load_policy(
     tokenizer = _load_tokenizer(folder, trust_remote_code)
     model.eval()
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout,
-                  targets + (("experts",) if experts_lora else ()), fallback)
+                  targets + (("experts",) if experts_lora else ()), fallback, tuple(modules_to_not_convert or ()))
 
 
 def _load_experts(model, ckpt, family, i, fmt, device) -> list[str]:

@@ -69,11 +69,6 @@ class GRPOConfig(TrainConfig):
     and tool fields."""
     # --- model -------------------------------------------------------------------------------
     train_norms: bool = _f(False, "Also train the RMSNorm weights (the reference code's 'ln' option).")
-    modules_to_not_convert: list | None = _f(None, "Linears kept in bf16 (not quantized; still LoRA-trained), as "
-                                             "transformers' quantization configs name them: a name matches a module "
-                                             "path or its end (lm_head, layers.27.mlp.down_proj), 're:' starts a "
-                                             "regex (llm-compressor's ignore). A compressed-tensors checkpoint's "
-                                             "own ignore list is always kept. null: none.", item=str)
     # --- data --------------------------------------------------------------------------------
     dataset_name: str = _f("arithmetic", "A task name (see `qerl.tasks`), a local .jsonl/.parquet file, or a hub dataset.")
     dataset_config: dict = _f({}, "Task / dataset options (e.g. size, seed, column mapping).")

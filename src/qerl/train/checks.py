@@ -67,6 +67,12 @@ def shared(cfg) -> None:
     if not DEVICE.fullmatch(cfg.device):
         bad("device", f"{cfg.device!r} is not auto, cpu, cuda or cuda:N")
     one_of(cfg, "lora_dtype", LORA_DTYPES)
+    for p in cfg.modules_to_not_convert or []:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                bad("modules_to_not_convert", f"{p!r} is not a regular expression ({e})")
     # optimisation
     finite(cfg, "learning_rate", 0, 1, lo_open=True)
     one_of(cfg, "lr_scheduler_type", SCHEDULERS)

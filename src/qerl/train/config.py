@@ -38,6 +38,11 @@ class TrainConfig:
                          "weight rounds away; on a GPU the factors stay in the compute dtype, which the kernels read, "
                          "and the optimizer steps fp32 master copies of them) | bfloat16 | float16.")
     trust_remote_code: bool = _f(False, "Run a hub model's own code (off unless you ask).")
+    modules_to_not_convert: list | None = _f(None, "Linears kept in bf16 (not quantized; still LoRA-trained), as "
+                                             "transformers' quantization configs name them: a name matches a module "
+                                             "path or its end (lm_head, layers.27.mlp.down_proj), 're:' starts a "
+                                             "regex (llm-compressor's ignore). A compressed-tensors checkpoint's "
+                                             "own ignore list is always kept. null: none.", item=str)
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(1e-5, "Peak learning rate (the paper: 1e-5 for 4-bit LoRA, 5e-6 for bf16 LoRA).")
     lr_scheduler_type: str = _f("constant", "constant | linear | cosine (after warm-up).")
