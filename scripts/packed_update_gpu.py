@@ -30,7 +30,7 @@ import torch
 from qerl.bench.step import build_policy
 from qerl.bench.synthetic import random_prompts, synthetic_verifier
 from qerl.rl import GRPOConfig, GRPOTrainer
-from qerl.rl.batch import RolloutBatch
+from qerl.train.batch import RolloutBatch
 from qerl.rollout import Completion
 
 G, PROMPTS = 8, 8

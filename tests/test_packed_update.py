@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from qerl.rl import packing
-from qerl.rl.batch import RolloutBatch, micro_batches
-from qerl.rl.logprobs import completion_logprobs
-from qerl.rl.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
+from qerl.train.batch import RolloutBatch, micro_batches
+from qerl.train.logprobs import completion_logprobs
+from qerl.train.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
 from qerl.rollout import Completion
 from test_trainer import _trainable, _trainer
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qerl.layers import QLoRALinear, adapters_disabled
-from qerl.rl.batch import RolloutBatch, micro_batches
+from qerl.train.batch import RolloutBatch, micro_batches
 from qerl.rl.profiling import Profiler
 from qerl.rollout.engine import Completion
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl.rl.advantages import rollout_batch
-from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.train.logprobs import completion_logprobs, pad_batch
 from qerl.rl.staleness import ROLLOUT_ADAPTER
 from qerl.rollout import SamplingParams
 from test_trainer import _trainable, _trainer

@@ -10,7 +10,7 @@ from qerl.model import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer, TrainingError
 from qerl.rl import state as ckpt
 from qerl.rl.advantages import group_advantages, informative_groups, overlong_penalty
-from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.train.logprobs import completion_logprobs, pad_batch
 from qerl.rl.loss import policy_loss
 from qerl.tasks import get_task
 from tiny_models import config, tiny_tokenizer

@@ -1,11 +1,11 @@
 """The QeRL training loop (paper.md, Algorithm 1): GRPO / DAPO on a quantized LoRA policy with AQN.
 
-`train_step` is a loop over named, timed phases (rl/profiling.py), each in its own module and each a
+`train_step` is a loop over named, timed phases (train/profiling.py), each in its own module and each a
 function of explicit inputs and the step's frozen context (rl/step_context.py):
 rollout (rl/rollout_phase.py: G rollouts per prompt from the noisy behaviour policy, rewards, DAPO's
 dynamic sampling) -> advantages (rl/advantages.py) -> metrics (rl/rollout_metrics.py) -> update
-(rl/update.py: num_iterations passes of clipped policy-gradient updates; the trainer's
-`optimizer_step` applies each) -> checkpoint (rl/state.py).
+(train/update.py with GRPO's objective, rl/objective.py: num_iterations passes of clipped policy-gradient
+updates; the trainer's `optimizer_step` applies each) -> checkpoint (train/checkpoints.py).
 With max_staleness 1 the rollout of the next step runs during the update (rl/staleness.py) on the
 engine's own adapter copy (rl/adapter_snapshot.py). The KL reference, when beta > 0, is the same
 model with adapters off.
@@ -41,7 +41,9 @@ from ..train.sampler import PromptSampler
 from .rollout_source import RolloutSource
 from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
 from .step_context import StepContext, step_seed
-from .update import PolicyUpdate, TrainingError, UpdateInputs, UpdateSettings
+from .objective import PolicyObjective, PolicySettings, update_settings
+from ..train.optim import TrainingError
+from ..train.update import PolicyUpdate, UpdateInputs
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
@@ -95,9 +97,10 @@ class GRPOTrainer(TrainLoop):
                                       warm=self._warm_decode_graphs, threaded=parts.dist.world == 1,
                                       device=parts.device)
         self.sample_max_new_tokens = None
-        self.update = PolicyUpdate(UpdateInputs(parts.model, UpdateSettings.of(cfg), parts.device, parts.dtype,
-                                                parts.tok.pad_token_id or 0, parts.dist, parts.profiler, self.aqn,
-                                                self.optimizer_step))
+        self.update = PolicyUpdate(UpdateInputs(parts.model, update_settings(cfg), parts.device, parts.dtype,
+                                                parts.tok.pad_token_id or 0, parts.dist, parts.profiler,
+                                                self.optimizer_step),
+                                   PolicyObjective(PolicySettings.of(cfg), self.aqn, parts.dist, parts.device))
         self.parity = ParityGate()  # checks with ParityInputs.of(self): the trainer's state at the time
         self.setup_loop(parts, callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 

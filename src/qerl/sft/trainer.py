@@ -2,9 +2,9 @@
 
 Only the step is SFT's: the run around it (run folder, resume, checkpoints, metrics and trackers,
 trainer.state, callbacks, the adapter) is train/loop.py's, as for GRPO. The policy loads as for `qerl
-train`; each step is one call of the policy update (rl/update.py: packed micro-batches, chunked
-logprobs, gradient accumulation, clipping, the memory levers) on a batch of examples whose loss is the
-negative log-likelihood (sft/batch.py says how). The adapter it writes (output_dir/adapter) is PEFT's
+train`; each step is one call of the policy update (train/update.py: packed micro-batches, chunked
+logprobs, gradient accumulation, clipping, the memory levers) on a batch of examples (sft/batch.py) whose
+loss is the token-mean negative log-likelihood (sft/loss.py). The adapter it writes (output_dir/adapter) is PEFT's
 format: a start for `qerl train` (an adapter folder as its model_name_or_path) and for PEFT.
 """
 
@@ -13,22 +13,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..rl.loss import LossSettings
-from ..rl.update import PolicyUpdate, UpdateInputs, UpdateSettings
 from ..train.loop import TrainLoop
 from ..train.parts import Needs, TrainParts
 from ..train.sampler import PromptSampler
+from ..train.update import PolicyUpdate, UpdateInputs, UpdateSettings
 from .batch import sft_batch
 from .config import SFTConfig
 from .data import Tokenizer, load_rows
+from .loss import TokenNLL
 
 KEEP = ("loss", "grad_norm", "entropy")  # of the update's metrics (the others are RL's: clipping, mismatch)
 
 
 def update_settings(cfg: SFTConfig) -> UpdateSettings:
-    """What the policy update reads for SFT: its batch and memory fields, one pass, temperature 1, and the
-    loss settings under which the policy loss is the NLL (LossSettings.nll, sft/batch.py)."""
-    return UpdateSettings(LossSettings.nll(), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+    """What the policy update reads for SFT: its batch and memory fields, one pass, temperature 1."""
+    return UpdateSettings(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
                           packed_update=cfg.packing, logprob_chunk_size=cfg.logprob_chunk_size)
 
 
@@ -51,8 +50,8 @@ class SFTTrainer(TrainLoop):
         self.sampler = PromptSampler(len(self.examples), cfg.seed)
         ucfg = update_settings(parts.cfg)
         self.update = PolicyUpdate(UpdateInputs(parts.model, ucfg, parts.device, parts.dtype,
-                                                parts.tok.pad_token_id or 0, parts.dist, parts.profiler, None,
-                                                self.optimizer_step))
+                                                parts.tok.pad_token_id or 0, parts.dist, parts.profiler,
+                                                self.optimizer_step), TokenNLL())
         self.setup_loop(parts, callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 
     # ---- what the build asks (train/parts.py) -----------------------------------------------------
@@ -90,7 +89,7 @@ class SFTTrainer(TrainLoop):
         examples = [self.examples[i] for i in mine]
         batch = sft_batch(examples, cfg.per_device_train_batch_size)
         lr = self.scheduler.get_last_lr()[0]
-        m = self.update(batch, 0.0, 0)
+        m = self.update(batch)
         tokens = sum(sum(e.trained) for e in examples)
         # TRL's num_tokens: the trained tokens so far, all ranks
         self.state.num_input_tokens_seen += int(D.sum(tokens, self.device))
