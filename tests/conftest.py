@@ -42,4 +42,4 @@ def no_model_load(monkeypatch):
         raise AssertionError("a model was loaded before the bad input was reported")
 
     monkeypatch.setattr("qerl.model.load_policy", refuse)
-    monkeypatch.setattr("qerl.rl.trainer.load_policy", refuse, raising=False)
+    monkeypatch.setattr("qerl.train.parts.load_policy", refuse, raising=False)

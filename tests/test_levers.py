@@ -1,4 +1,4 @@
-"""Memory levers chosen from the free memory (rl/levers.py): the activation estimate against the
+"""Memory levers chosen from the free memory (train/levers.py): the activation estimate against the
 bytes autograd really saves, the choices at both ends of the memory range, and the trainer's use."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from tiny_models import config
 
 from qerl.model import qwen25_config, random_policy
-from qerl.rl import levers
+from qerl.train import levers
 
 
 def _saved_bytes(model, ids) -> int:

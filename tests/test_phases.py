@@ -5,7 +5,7 @@ import torch
 
 from qerl.layers import QLoRALinear, adapters_disabled
 from qerl.train.batch import RolloutBatch, micro_batches
-from qerl.rl.profiling import Profiler
+from qerl.train.profiling import Profiler
 from qerl.rollout.engine import Completion
 
 

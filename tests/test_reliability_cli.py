@@ -106,7 +106,7 @@ def test_api_rows_without_a_prompt_past_row_0_name_the_row(tmp_path):
 def test_a_full_disk_at_a_save_is_one_line_saying_what_is_kept(cli, tmp_path, model, monkeypatch):
     from safetensors import SafetensorError
 
-    import qerl.rl.state as state
+    import qerl.train.checkpoints as state
 
     real = state.save_file
     calls = []

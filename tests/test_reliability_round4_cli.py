@@ -183,7 +183,7 @@ def test_quantize_takes_trust_remote_code_with_underscores(cli, tmp_path, model,
 
 # ---- hints show the command as invoked ----------------------------------------------------------------------
 def test_the_hint_is_the_command_as_invoked(monkeypatch, tmp_path):
-    from qerl.cli.invocation import qerl_command
+    from qerl.invocation import qerl_command
 
     script = tmp_path / ".venv" / "bin" / "qerl"
     script.parent.mkdir(parents=True)

@@ -3,7 +3,7 @@ gradient checkpointing off, then on, as the page cache filled. The CPU's budget 
 
 from __future__ import annotations
 
-from qerl.rl.levers import available_ram, free_memory
+from qerl.train.levers import available_ram, free_memory
 
 
 def _meminfo(tmp_path, free_kb, available_kb):

@@ -8,7 +8,7 @@ import torch
 
 from qerl.model import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer, TrainingError
-from qerl.rl import state as ckpt
+from qerl.train import checkpoints as ckpt
 from qerl.rl.advantages import group_advantages, informative_groups, overlong_penalty
 from qerl.train.logprobs import completion_logprobs, pad_batch
 from qerl.rl.loss import policy_loss

@@ -88,7 +88,7 @@ def run(args):
         return 0
     from pathlib import Path
 
-    from ..rl.run_folder import RunFolderError, earlier_run
+    from ..train.run_folder import RunFolderError, earlier_run
     from ..sft import SFTTrainer
     from .preflight import earlier_run_message
 
