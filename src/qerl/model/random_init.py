@@ -53,7 +53,7 @@ def _gpt_oss(layers, **kw):
     return GptOssConfig(architectures=["GptOssForCausalLM"], num_hidden_layers=layers, **kw)
 
 
-# MoE shapes (bench/step_plan.py's MOE_SHAPES hold the same dimensions): name -> (layers, config of n layers)
+# MoE shapes (bench/step_plan.py's MOE_SHAPES are read from these): name -> (layers, config of n layers)
 MOE = {
     "qwen3-30b-a3b": (48, lambda n: _qwen3_moe(
         n, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
@@ -74,9 +74,6 @@ MOE = {
         eos_token_id=1, pad_token_id=0)),
 }
 
-# Experts' format where a family's checkpoint fixes it: gpt-oss ships MXFP4 experts, which load_policy
-# repacks as qerl's mxfp4 whatever format the rest of the model takes (never re-quantized).
-CHECKPOINT_EXPERT_FORMAT = {"gpt_oss": "mxfp4"}
 EXPERT_CHUNK = 16  # experts generated (bf16) and quantized at once: 0.8 GB at gpt-oss's 2880 x 5760 + 2880 x 2880
 
 
@@ -103,7 +100,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
                   experts_quant: str | None = None, expert_chunk: int = EXPERT_CHUNK) -> Policy:
     """Random weights (normal, `std`; norms ones) in `config`'s shape, built as load_policy builds a model of
     its family: targeted projections quantized + LoRA, an MoE's experts a QuantExperts in `experts_quant`
-    (default: the family's checkpoint format, CHECKPOINT_EXPERT_FORMAT, else `quant`), routers, sinks,
+    (default: the family's checkpoint format, Experts.checkpoint_format, else `quant`), routers, sinks,
     norms and embeddings in `dtype`. LoRA on the experts only if the targets name "experts"."""
     source = f"random:{'/'.join(getattr(config, 'architectures', None) or [config.model_type])}"
     family = check_architecture(config, source)
@@ -120,7 +117,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
     groups = list(fused) + [(t,) for t in family.projections if not any(t in x for x in fused)]
     exp_fmt = None
     if family.experts is not None:
-        exp_fmt = get_format(experts_quant or CHECKPOINT_EXPERT_FORMAT.get(family.name, quant))
+        exp_fmt = get_format(experts_quant or family.experts.checkpoint_format or quant)
     for i in tqdm(range(cfg.num_hidden_layers), desc=f"random {quant} model", disable=not progress, unit="layer"):
         for group in groups:
             names = [family.module(i, t) for t in group if t in targets]
