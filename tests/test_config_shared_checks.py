@@ -64,9 +64,9 @@ def test_every_shared_field_has_a_bad_value():
 
 def _value(cls, name, text):
     """The bad value as a keyword argument: the command line's text read as the field's type reads it."""
-    from qerl.train.fields import _parse
+    from qerl.train.fields import parse_value
 
-    return _parse(name, text, cls)
+    return parse_value(name, text, cls)
 
 
 @pytest.mark.parametrize("which", CONFIGS)

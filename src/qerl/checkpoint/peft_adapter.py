@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
-from ..model.safetensors_reader import CheckpointError
+from .safetensors_reader import CheckpointError
 from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
@@ -227,7 +227,7 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
 MAX_SCALING = 1e4  # no trained adapter comes near it (PEFT's defaults: 1 to 2)
 
 
-def _read_config(folder: Path) -> dict:
+def read_adapter_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise AdapterError(f"{folder}: no {CONFIG_NAME} (not a PEFT adapter folder)")
@@ -329,7 +329,7 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
     folder = Path(adapter_dir)
     if not folder.is_dir():
         raise AdapterError(f"{folder}: adapter folder not found")
-    cfg = _read_config(folder)
+    cfg = read_adapter_config(folder)
     cfg_path = folder / CONFIG_NAME
     from .checksums import ChecksumError, verify_checksums
 

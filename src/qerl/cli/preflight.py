@@ -84,7 +84,7 @@ def model_to_check(name: str) -> str:
     folder = adapter_folder(name)
     if folder is None:
         return name
-    from ..checkpoint.peft_adapter import _read_config
+    from ..checkpoint.peft_adapter import read_adapter_config as _read_config
 
     _read_config(folder)
     return base_to_load(name)

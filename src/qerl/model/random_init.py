@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from ..formats import get_format
 from .architectures import DEFAULT_TARGETS, check_architecture
 from .family import family_of_model
-from .load import Policy, _build_skeleton, _install, _materialize_buffers, _set_tensor, build_projections, install_group
+from .load import Policy, build_skeleton, install_module, materialize_buffers, set_tensor
+from .projections import build_projections, install_group
 
 # Shapes of the models the benchmarks use (hidden, intermediate, layers, heads, kv heads, vocab).
 QWEN25 = {
@@ -109,7 +110,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
     experts_lora = lora_rank if family.lora_on_experts(target_modules) else 0
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
     device = torch.device(device)
-    model, cfg = _build_skeleton(config, dtype, False)
+    model, cfg = build_skeleton(config, dtype, False)
     family_of_model(model, source)
     g = torch.Generator(device=device).manual_seed(seed)
     lora = dict(r=lora_rank, lora_alpha=alpha, dtype=dtype) if lora_rank else dict(dtype=dtype)
@@ -143,7 +144,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
         if family.experts is not None:
             module = f"model.layers.{i}.{family.experts.path}"
             q = random_experts(model.get_submodule(module), exp_fmt, device, g, std, module, expert_chunk)
-            _install(model, module, q)
+            install_module(model, module, q)
             if experts_lora:
                 q.add_lora(experts_lora, alpha, dtype)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -154,10 +155,10 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
             v = torch.ones(t.shape, device=device, dtype=dtype)
         else:
             v = torch.randn(t.shape, device=device, generator=g, dtype=torch.float32).mul_(std).to(dtype)
-        _set_tensor(model, name, v, "random init")
+        set_tensor(model, name, v, "random init")
     if tied:
         model.tie_weights()
-    _materialize_buffers(model, cfg, device)
+    materialize_buffers(model, cfg, device)
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     model.eval()

@@ -18,8 +18,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from ..kernels import settings
 from ..kernels.settings import KernelSettings
 from ..model.adapter_start import base_of

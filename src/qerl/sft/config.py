@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..train.config import TrainConfig
-from ..train.fields import _f
+from ..train.fields import setting
 
 
 @dataclass
@@ -20,36 +20,36 @@ class SFTConfig(TrainConfig):
     the data and loss fields."""
     TITLE = "qerl sft configuration"
     # --- SFT's defaults of shared fields (TRL's SFTConfig's where it has one) ------------------
-    learning_rate: float = _f(1e-4, "Peak learning rate (LoRA takes a larger one than full fine-tuning).")
-    lr_scheduler_type: str = _f("linear", "constant | linear | cosine (after warm-up).")
-    adam_beta2: float = _f(0.999, "AdamW beta2.")
-    optim: str = _f("adamw_torch", "adamw_torch | adamw_8bit (bitsandbytes, CUDA; falls back with a notice).")
-    max_steps: int = _f(-1, "Optimizer updates (-1: as many as num_train_epochs takes).")
-    per_device_train_batch_size: int = _f(8, "Examples per forward/backward micro-batch, on each rank.")
-    seed: int = _f(42, "Seed of the data order and LoRA dropout.")
-    output_dir: str = _f("runs/sft", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
-    save_total_limit: int | None = _f(2, "Keep this many checkpoints (null: all).")
-    report_to: str = _f("auto", "auto (TensorBoard when installed) | none | tensorboard, wandb, trackio, mlflow "
-                        "(comma-separated or a list; see GRPOConfig.report_to) | all.")
+    learning_rate: float = setting(1e-4, "Peak learning rate (LoRA takes a larger one than full fine-tuning).")
+    lr_scheduler_type: str = setting("linear", "constant | linear | cosine (after warm-up).")
+    adam_beta2: float = setting(0.999, "AdamW beta2.")
+    optim: str = setting("adamw_torch", "adamw_torch | adamw_8bit (bitsandbytes, CUDA; falls back with a notice).")
+    max_steps: int = setting(-1, "Optimizer updates (-1: as many as num_train_epochs takes).")
+    per_device_train_batch_size: int = setting(8, "Examples per forward/backward micro-batch, on each rank.")
+    seed: int = setting(42, "Seed of the data order and LoRA dropout.")
+    output_dir: str = setting("runs/sft", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
+    save_total_limit: int | None = setting(2, "Keep this many checkpoints (null: all).")
+    report_to: str = setting("auto", "auto (TensorBoard when installed) | none | tensorboard, wandb, trackio, mlflow "
+                             "(comma-separated or a list; see GRPOConfig.report_to) | all.")
     # --- data ----------------------------------------------------------------------------------
-    dataset_name: str = _f("tool_arithmetic", "A local .jsonl / .json / .parquet file, a hub dataset, or "
-                           "'tool_arithmetic' (the tool task's supervised transcripts, from its training split). Rows "
-                           "are TRL's formats: 'messages' (a conversation), 'text' (plain text, see "
-                           "dataset_text_field) or 'prompt' + 'completion' (strings or message lists).")
-    dataset_config: dict = _f({}, "Options: of the task for 'tool_arithmetic' (size, seed, ...); for a hub dataset "
-                              "`config` and `split` (default train).")
-    dataset_text_field: str = _f("text", "The column holding plain text rows.")
-    max_length: int | None = _f(1024, "Tokens per example; longer ones are cut at the end (TRL's keep_start; null: "
-                                "no limit).")
-    packing: bool = _f(True, "Pack the examples of a micro-batch into shared rows: their common leading tokens "
-                       "once, each example attending only to those and its own tokens (position ids restart, no "
-                       "cross-contamination; the loss and gradients of separate rows). TRL's default is false.")
-    assistant_only_loss: bool = _f(False, "Conversations: train only on the assistant turns (their content and "
-                                   "end-of-turn token); system, user and tool turns are context.")
-    completion_only_loss: bool | None = _f(None, "prompt + completion rows: train only on the completion (null: "
-                                           "true, as TRL).")
+    dataset_name: str = setting("tool_arithmetic", "A local .jsonl / .json / .parquet file, a hub dataset, or "
+                                "'tool_arithmetic' (the tool task's supervised transcripts, from its training split). Rows "
+                                "are TRL's formats: 'messages' (a conversation), 'text' (plain text, see "
+                                "dataset_text_field) or 'prompt' + 'completion' (strings or message lists).")
+    dataset_config: dict = setting({}, "Options: of the task for 'tool_arithmetic' (size, seed, ...); for a hub dataset "
+                                   "`config` and `split` (default train).")
+    dataset_text_field: str = setting("text", "The column holding plain text rows.")
+    max_length: int | None = setting(1024, "Tokens per example; longer ones are cut at the end (TRL's keep_start; null: "
+                                     "no limit).")
+    packing: bool = setting(True, "Pack the examples of a micro-batch into shared rows: their common leading tokens "
+                            "once, each example attending only to those and its own tokens (position ids restart, no "
+                            "cross-contamination; the loss and gradients of separate rows). TRL's default is false.")
+    assistant_only_loss: bool = setting(False, "Conversations: train only on the assistant turns (their content and "
+                                        "end-of-turn token); system, user and tool turns are context.")
+    completion_only_loss: bool | None = setting(None, "prompt + completion rows: train only on the completion (null: "
+                                                "true, as TRL).")
     # --- how long ----------------------------------------------------------------------------
-    num_train_epochs: float = _f(1.0, "Passes over the training examples (used when max_steps is -1).")
+    num_train_epochs: float = setting(1.0, "Passes over the training examples (used when max_steps is -1).")
 
     STEPS_FROM_EPOCHS = True  # max_steps -1: num_train_epochs decides
 
