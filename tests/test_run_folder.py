@@ -210,7 +210,7 @@ def test_a_run_killed_mid_save_resumes_from_the_last_complete_checkpoint(run):
 import os, signal, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import qerl.train.checkpoints as st
-from test_reliability_run_folder import _trainer
+from test_run_folder import _trainer
 real = st.save_file
 def dying(tensors, path, *a, **k):
     real(tensors, path, *a, **k)
