@@ -1,4 +1,4 @@
-"""GPU check of packed micro-batches (rl/packing.py): bf16 agreement and update time, packed vs padded.
+"""GPU check of packed micro-batches (train/packing.py): bf16 agreement and update time, packed vs padded.
 
     python scripts/packed_update_gpu.py --out runs/packed_update_gpu.jsonl [--shape qwen2.5-7b] [--layers N]
 
