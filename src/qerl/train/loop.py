@@ -1,7 +1,8 @@
 """The run around the steps, one for GRPO and SFT: claim the run folder, resume (past a corrupt checkpoint),
 run the steps, log them, checkpoint, stop on request, write the adapter and the summary.
 
-A trainer subclasses `TrainLoop` and says what differs: what a step does (`train_step`), how many steps
+A trainer builds its parts (train/parts.py: `TrainParts.build`) and hands them to `setup_loop`; it
+subclasses `TrainLoop` and says what differs: what a step does (`train_step`), how many steps
 (`max_steps`), what its checkpoints carry besides the adapter, optimizer and scheduler
 (`checkpoint_contents`, `restore`), and, for GRPO, what runs before, after and beside the steps
 (evaluations, the rollout in flight). Everything else, and its order, is here:
