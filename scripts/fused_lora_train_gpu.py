@@ -4,7 +4,7 @@
     PYTHONPATH=src python scripts/fused_lora_train_gpu.py --out /tmp/x --device cpu --tiny   # smoke test
 
 One Qwen2.5-7B decoder layer's q|k|v and gate|up groups (random weights, NVFP4 in the layout the
-device's kernel reads, as the loader builds them: model/load.py build_projections; LoRA r 32,
+device's kernel reads, as the loader builds them: model/projections.py build_projections; LoRA r 32,
 alpha 64, B random so that every gradient path carries signal; bf16). For M tokens (2048, 8192):
 
 1. Time: forward + backward of the members called one by one as the model calls them
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from qerl.formats import get_format
 from qerl.kernels import dispatch
 from qerl.layers.fused_group import members_one_by_one
-from qerl.model.load import build_projections
+from qerl.model.projections import build_projections
 from qerl.model.random_init import QWEN25
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")

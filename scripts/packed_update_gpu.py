@@ -1,4 +1,4 @@
-"""GPU check of packed micro-batches (rl/packing.py): bf16 agreement and update time, packed vs padded.
+"""GPU check of packed micro-batches (train/packing.py): bf16 agreement and update time, packed vs padded.
 
     python scripts/packed_update_gpu.py --out runs/packed_update_gpu.jsonl [--shape qwen2.5-7b] [--layers N]
 
@@ -30,7 +30,7 @@ import torch
 from qerl.bench.step import build_policy
 from qerl.bench.synthetic import random_prompts, synthetic_verifier
 from qerl.rl import GRPOConfig, GRPOTrainer
-from qerl.rl.batch import RolloutBatch
+from qerl.train.batch import RolloutBatch
 from qerl.rollout import Completion
 
 G, PROMPTS = 8, 8

@@ -35,6 +35,17 @@ def cli(capsys):
     return run
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The command-line tests' model: a tiny Llama folder (128 positions) with its tokenizer."""
+    from tiny_models import save_tiny, tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("m") / "m"
+    save_tiny(d, "llama")
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if a model loads (bad input must be reported before any loading)."""
@@ -42,4 +53,4 @@ def no_model_load(monkeypatch):
         raise AssertionError("a model was loaded before the bad input was reported")
 
     monkeypatch.setattr("qerl.model.load_policy", refuse)
-    monkeypatch.setattr("qerl.rl.trainer.load_policy", refuse, raising=False)
+    monkeypatch.setattr("qerl.train.parts.load_policy", refuse, raising=False)

@@ -109,8 +109,8 @@ def w_export(root):
 
 
 def w_checkpoint(root):
-    from qerl.rl.run_folder import clean_temporaries
-    from qerl.rl.state import save_checkpoint
+    from qerl.train.run_folder import clean_temporaries
+    from qerl.train.checkpoints import save_checkpoint
 
     pol = _policy(root)
     params = [p for p in pol.model.parameters() if p.requires_grad]
@@ -129,8 +129,8 @@ def w_checkpoint(root):
 
 
 def w_metrics(root):
-    from qerl.rl.metrics import MetricsLog
-    from qerl.rl.run_folder import clean_temporaries
+    from qerl.train.metrics import MetricsLog
+    from qerl.train.run_folder import clean_temporaries
 
     run = root / "mrun"
     target = run / "metrics.jsonl"

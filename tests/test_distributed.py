@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.rl.distributed import Dist
+from qerl.train.distributed import Dist
 from qerl.rollout.sampling import keyed_uniform
 
 WORKER = Path(__file__).parent / "dp_worker.py"

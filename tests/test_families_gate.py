@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from qerl.model import load_policy
 from qerl.model.family import UnsupportedModelError, family_of_config
-from qerl.rl.packing import has_sliding_window
+from qerl.train.packing import has_sliding_window
 from qerl.rollout import Engine, SamplingParams
 from qerl.rollout.forward import ModelView, extend, prefill
 from qerl.rollout.kv_cache import KVCache

@@ -17,7 +17,7 @@ from qerl.kernels import dispatch
 from qerl.layers import QLoRALinear, group_of, unfused_lora
 from qerl.layers.fused_group import GATE_UP, QKV, fuse, members_one_by_one
 from qerl.model import load_policy, quantized_layers
-from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.train.logprobs import completion_logprobs, pad_batch
 
 GROUPS = (("self_attn", QKV), ("mlp", GATE_UP))
 

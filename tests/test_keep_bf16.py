@@ -55,3 +55,41 @@ def test_the_config_field_reaches_the_loaded_policy(tmp_path):
                      train_dataset=[{"prompt": "1+1="}], progress=False)
     downs = [m.fmt.name for n, m in tr.model.named_modules() if n.endswith("mlp.down_proj")]
     assert downs and set(downs) == {"bf16"}
+
+
+def _fmt_of(model, suffix):
+    return {m.fmt.name for n, m in model.named_modules() if n.endswith(suffix) and hasattr(m, "fmt")}
+
+
+def test_sft_keeps_the_layers_and_its_adapter_brings_them_back_in_bf16(tmp_path):
+    """SFT loads with every loading option GRPO has (TrainParts.build); the adapter records the layers kept in
+    bf16, and a load under it (the adapter-folder branch of load_policy: GRPO started from it) keeps them again."""
+    import json
+
+    from qerl.sft import SFTConfig, SFTTrainer
+    from tiny_models import tiny_tokenizer
+
+    base = tmp_path / "m"
+    save_tiny(base, "llama")
+    tiny_tokenizer().save_pretrained(base)
+    rows = [{"prompt": f"add {i} {i + 3}", "completion": f" = {2 * i + 3}"} for i in range(4)]
+    tr = SFTTrainer(SFTConfig(model_name_or_path=str(base), modules_to_not_convert=["down_proj"], lora_r=4,
+                              max_steps=1, per_device_train_batch_size=4, output_dir=str(tmp_path / "sft"),
+                              report_to="none", device="cpu", dtype="float32"), train_dataset=rows, progress=False)
+    assert _fmt_of(tr.model, "mlp.down_proj") == {"bf16"} and _fmt_of(tr.model, "mlp.up_proj") == {"nvfp4"}
+    tr.train()
+    adapter = tmp_path / "sft" / "adapter"
+    info = json.loads((adapter / "qerl_adapter.json").read_text())
+    assert info["modules_to_not_convert"] == ["down_proj"] and info["base_quant"] == "nvfp4"
+    again = load_policy(str(adapter), "nvfp4", device="cpu", dtype=torch.float32, progress=False)
+    assert _fmt_of(again.model, "mlp.down_proj") == {"bf16"} and _fmt_of(again.model, "mlp.up_proj") == {"nvfp4"}
+    assert again.modules_to_not_convert == ("down_proj",)
+    # the trained factors of a kept layer are the adapter's, on the checkpoint's own bf16 weight
+    want = dict(tr.model.named_parameters())
+    for n, p in again.model.named_parameters():
+        if "mlp.down_proj.lora_B" in n:
+            assert torch.equal(p, want[n])
+    # asked for explicitly, other layers win over the recorded ones
+    other = load_policy(str(adapter), "nvfp4", device="cpu", dtype=torch.float32, progress=False,
+                        modules_to_not_convert=["up_proj"])
+    assert _fmt_of(other.model, "mlp.down_proj") == {"nvfp4"} and _fmt_of(other.model, "mlp.up_proj") == {"bf16"}

@@ -56,7 +56,7 @@ STALE = {
 def test_a_stale_label_over_dense_weights_loads_with_a_note(tmp_path, method, caplog):
     ref = save_tiny(tmp_path, "llama")
     _edit_config(tmp_path, quantization_config=STALE[method])
-    with caplog.at_level(logging.WARNING, logger="qerl.model.load"):
+    with caplog.at_level(logging.WARNING, logger="qerl.checkpoint.detect"):
         _assert_same_logits(tmp_path, ref)
     note = " ".join(r.getMessage() for r in caplog.records)
     assert repr(method) in note and "dense BF16" in note and "config.json" in note

@@ -8,7 +8,7 @@ from qerl.layers import QLoRALinear
 from qerl.layers.fused_group import fused_groups
 from qerl.model.random_init import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer
-from qerl.rl.trainer import set_lora_dtype
+from qerl.train.parts import set_lora_dtype
 from qerl.tasks import get_task
 
 

@@ -175,7 +175,7 @@ def test_entropies_carry_their_gradient_when_asked(tmp_path):
     from tiny_models import save_tiny
 
     from qerl.model import load_policy, quantized_layers
-    from qerl.rl.logprobs import completion_logprobs, pad_batch
+    from qerl.train.logprobs import completion_logprobs, pad_batch
 
     save_tiny(tmp_path / "base", "llama")
     m = load_policy(tmp_path / "base", "nvfp4", lora_rank=4, dtype=torch.float32, progress=False).model

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_lora_dtype import _trainer
 
-from qerl.rl.optim import MasterWeights, lr_lambda, make_optimizer
+from qerl.train.optim import MasterWeights, lr_lambda, make_optimizer
 
 
 def _adamw(params, lr=1e-5):

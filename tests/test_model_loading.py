@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from qerl.formats import get_format
 from qerl.layers import QLoRALinear
 from qerl.model import load_policy, quantized_layers
-from qerl.model.safetensors_reader import CheckpointError
+from qerl.checkpoint.safetensors_reader import CheckpointError
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 

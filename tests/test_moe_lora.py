@@ -158,7 +158,7 @@ def test_one_grpo_step_trains_the_experts_lora(tmp_path):
 def test_lora_dtype_converts_the_experts_factors_too(tmp_path):
     """lora_dtype float32 under a bf16 model (the default run's CPU setting): expert factors in fp32, the
     forward still in bf16, their gradients in fp32 and nonzero."""
-    from qerl.rl.trainer import set_lora_dtype
+    from qerl.train.parts import set_lora_dtype
 
     tiny_moe("qwen3_moe").save_pretrained(tmp_path)
     pol = load_policy(str(tmp_path), "nvfp4", lora_rank=4, target_modules=["q", "k", "v", "o", "experts"],

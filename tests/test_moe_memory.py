@@ -44,8 +44,8 @@ def test_quantized_bytes_equal_what_the_loader_allocates(tmp_path):
 
     tiny_moe("qwen3_moe").save_pretrained(tmp_path / "qwen3_moe")
     write_stock_mxfp4(tmp_path / "gpt_oss")
-    shapes = {"qwen3_moe": MoEShape("qwen3-tiny", 64, 2, 4, 2, 16, 160, 8, 2, 32, "nvfp4"),
-              "gpt_oss": MoEShape("gpt-oss-tiny", 64, 2, 4, 2, 16, 160, 4, 2, 64, "mxfp4", True, True)}
+    shapes = {"qwen3_moe": MoEShape("qwen3-tiny", 64, 2, 4, 2, 16, 160, 8, 2, 32, "nvfp4", qk_norm=True),
+              "gpt_oss": MoEShape("gpt-oss-tiny", 64, 2, 4, 2, 16, 160, 4, 2, 64, "mxfp4", True, True, sinks=True)}
     for folder, shape in shapes.items():
         pol = load_policy(str(tmp_path / folder), "nvfp4", lora_rank=0, dtype=torch.bfloat16, progress=False)
         experts = sum(b.numel() * b.element_size() for m in pol.model.modules() if isinstance(m, QuantExperts)

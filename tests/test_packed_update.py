@@ -1,4 +1,4 @@
-"""Packed micro-batches (rl/packing.py): each group's prompt once, its completions end to end, a
+"""Packed micro-batches (train/packing.py): each group's prompt once, its completions end to end, a
 prefix-sharing mask. The layout by hand, then the update's loss and LoRA gradients against the
 padded path (fp32 on the CPU, 1e-5 relative) and two training steps with packing on and off."""
 
@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from qerl.rl import packing
-from qerl.rl.batch import RolloutBatch, micro_batches
-from qerl.rl.logprobs import completion_logprobs
-from qerl.rl.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
+from qerl.train import packing
+from qerl.train.batch import RolloutBatch, micro_batches
+from qerl.train.logprobs import completion_logprobs
+from qerl.train.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
 from qerl.rollout import Completion
 from test_trainer import _trainable, _trainer
 

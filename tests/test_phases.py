@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qerl.layers import QLoRALinear, adapters_disabled
-from qerl.rl.batch import RolloutBatch, micro_batches
-from qerl.rl.profiling import Profiler
+from qerl.train.batch import RolloutBatch, micro_batches
+from qerl.train.profiling import Profiler
 from qerl.rollout.engine import Completion
 
 

@@ -13,10 +13,11 @@ from qerl.bench.step_plan import MOE_SHAPES, MoEShape, StepSettings, parameter_c
 from qerl.layers import QLoRALinear
 from qerl.layers.quant_experts import PROJECTIONS, QuantExperts
 from qerl.model import moe_config, random_policy
-from qerl.model.random_init import CHECKPOINT_EXPERT_FORMAT, random_experts
+from qerl.model.random_init import random_experts
 from test_moe_memory import REAL, _counts
 
 TINY = {"qwen3-moe-tiny": "nvfp4", "gpt-oss-tiny": "mxfp4"}  # shape -> its experts' format (quant nvfp4)
+TINY_FORMATS = {"qwen3_moe": "nvfp4", "gpt_oss": "mxfp4"}  # the checkpoints' own: gpt-oss ships MXFP4 experts
 
 
 def _shape(name) -> MoEShape:
@@ -26,8 +27,7 @@ def _shape(name) -> MoEShape:
     return MoEShape(name, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
                     c.head_dim, c.vocab_size, c.num_local_experts if gpt else c.num_experts, c.num_experts_per_tok,
                     c.intermediate_size if gpt else c.moe_intermediate_size,
-                    CHECKPOINT_EXPERT_FORMAT.get(c.model_type, "nvfp4"), gpt, gpt,
-                    bool(c.tie_word_embeddings))
+                    TINY_FORMATS[c.model_type], gpt, gpt, bool(c.tie_word_embeddings), qk_norm=not gpt, sinks=gpt)
 
 
 @pytest.fixture(scope="module", params=list(TINY))

@@ -271,3 +271,16 @@ def test_cli_help_lists_every_field_and_print_config_round_trips(tmp_path, capsy
     assert "config field 'max_steps'" in capsys.readouterr().err
     assert main(["sft", "--learning_rat", "1e-5", "--print_config"]) == 2
     assert "did you mean '--learning_rate'" in capsys.readouterr().err
+
+
+def test_sft_stands_on_train_alone():
+    """sft/ imports nothing from rl/ (issue 48): a change to GRPO's loss or update cannot change SFT."""
+    import ast
+
+    import qerl.sft
+
+    for f in Path(qerl.sft.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                assert not (mod.startswith("..rl") or mod.startswith("qerl.rl")), f"{f.name} imports {mod}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl.rl.advantages import rollout_batch
-from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.train.logprobs import completion_logprobs, pad_batch
 from qerl.rl.staleness import ROLLOUT_ADAPTER
 from qerl.rollout import SamplingParams
 from test_trainer import _trainable, _trainer
@@ -200,7 +200,7 @@ def test_rollout_noise_stays_on_the_snapshot(tmp_path):
 def test_the_memory_planner_sets_aside_the_rollout_beside_the_update(tmp_path, monkeypatch):
     """max_staleness 1: the adapter copy exists before the levers measure free memory, and the decode
     buffers of the rollout that runs beside the update are taken off what the update may use."""
-    from qerl.rl import levers
+    from qerl.train import levers
 
     seen = []
     real = levers.choose

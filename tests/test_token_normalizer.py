@@ -7,13 +7,14 @@ reference computed here from the micro-batches the update trained on."""
 import pytest
 import torch
 
-import qerl.rl.update as update
+import qerl.rl.objective as objective
+import qerl.train.update as update
 from test_trainer import _trainer
 
 
 def _record(monkeypatch):
     calls, batches = [], []
-    real_loss, real_mb = update.policy_loss, update.PolicyUpdate.micro_batches
+    real_loss, real_mb = objective.policy_loss, update.PolicyUpdate.micro_batches
 
     def loss(lp, old, adv, mask, settings=None, **kw):
         out = real_loss(lp, old, adv, mask, settings, **kw)
@@ -25,7 +26,7 @@ def _record(monkeypatch):
         batches.extend(out)
         return out
 
-    monkeypatch.setattr(update, "policy_loss", loss)
+    monkeypatch.setattr(objective, "policy_loss", loss)
     monkeypatch.setattr(update.PolicyUpdate, "micro_batches", mbs)
     return calls, batches
 

@@ -8,9 +8,9 @@ import torch
 
 from qerl.model import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer, TrainingError
-from qerl.rl import state as ckpt
+from qerl.train import checkpoints as ckpt
 from qerl.rl.advantages import group_advantages, informative_groups, overlong_penalty
-from qerl.rl.logprobs import completion_logprobs, pad_batch
+from qerl.train.logprobs import completion_logprobs, pad_batch
 from qerl.rl.loss import policy_loss
 from qerl.tasks import get_task
 from tiny_models import config, tiny_tokenizer
@@ -89,11 +89,14 @@ def test_kl_term_is_k3_and_zero_at_the_reference():
 
 def test_advantages_and_penalties():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # by hand: group 0 has mean 1/2 and (unbiased) std sqrt(1/3); the whole batch's std is sqrt(5.5 / 7)
     a = group_advantages(r, "group")
-    m, s = 0.5, torch.tensor([1.0, 0, 0, 1]).std().item()
-    assert torch.allclose(a[0], (r[0] - m) / (s + 1e-4)) and torch.equal(a[1], torch.zeros(4))
-    assert torch.allclose(group_advantages(r, "none")[0], r[0] - m)
-    assert torch.allclose(group_advantages(r, "batch"), (r - r.mean(1, keepdim=True)) / (r.std() + 1e-4))
+    assert a[0].tolist() == pytest.approx([0.865875, -0.865875, -0.865875, 0.865875], abs=1e-5)  # 0.5 / (0.57735 + 1e-4)
+    assert torch.equal(a[1], torch.zeros(4))  # a group whose rewards are all equal teaches nothing
+    assert group_advantages(r, "none")[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+    b = group_advantages(r, "batch")  # 0.5 / (0.886405 + 1e-4)
+    assert b[0].tolist() == pytest.approx([0.564012, -0.564012, -0.564012, 0.564012], abs=1e-5)
+    assert torch.equal(b[1], torch.zeros(4))
     assert informative_groups(r).tolist() == [True, False]
     pen = overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, buffer=4, factor=1.0)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
@@ -224,10 +227,16 @@ def test_dynamic_sampling_trains_on_informative_groups_only(tmp_path):
     assert any(0 < r["completions"] < 16 for r in rows)  # some groups were filtered, some kept
 
 
+def lengths(completions, **_):
+    return [float(len(c) % 3) for c in completions]  # varied within a group: every step trains
+
+
 def test_kl_and_importance_sampling_options_run(tmp_path):
-    rows = _trainer(tmp_path, max_steps=1, beta=0.05, importance_sampling_correction=True, loss_type="grpo",
-                    mask_truncated_completions=True, scale_rewards="batch").train()
-    assert rows[0]["kl"] >= 0 and 0 < rows[0]["is_weight_mean"] <= 3.0  # importance_sampling_cap
+    rows = _trainer(tmp_path, max_steps=2, beta=0.05, importance_sampling_correction=True, loss_type="grpo",
+                    mask_truncated_completions=True, scale_rewards="batch", reward_funcs=(lengths,)).train()
+    # the reference is the base (adapters off): at the first update the policy is it (LoRA B = 0); at the second
+    # it has trained away from it, so the step's mean KL is above 0 (a reference that followed the policy: 0)
+    assert rows[0]["updates"] == 2 and rows[0]["kl"] > 0 and all(0 < r["is_weight_mean"] <= 3.0 for r in rows)  # importance_sampling_cap
 
 
 # ---- configuration ------------------------------------------------------------------------------

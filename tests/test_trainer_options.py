@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qerl.rl.aqn import AdaptiveSigma
-from qerl.rl.batch import RolloutBatch, micro_batches
+from qerl.train.batch import RolloutBatch, micro_batches
 from qerl.rollout import Completion
 from test_trainer import _trainable, _trainer
 

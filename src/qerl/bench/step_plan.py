@@ -37,13 +37,32 @@ class MoEShape:
     attention_bias: bool = False
     expert_bias: bool = False
     tied_embeddings: bool = False
+    qk_norm: bool = False         # q/k RMSNorms of one head's width (Qwen3)
+    sinks: bool = False           # a learned sink logit per head (gpt-oss)
+
+    @classmethod
+    def of(cls, name: str, config) -> "MoEShape":
+        """The planner's description of an MoE config, its facts read through its family (model/family.py):
+        the experts' count, width, biases and checkpoint format, q/k norms, sinks."""
+        from ..model.family import family_of_config
+
+        fam = family_of_config(config, name)
+        ex = fam.experts
+        return cls(name, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                   config.num_key_value_heads, config.head_dim, config.vocab_size, getattr(config, ex.count),
+                   config.num_experts_per_tok, getattr(config, ex.intermediate), ex.checkpoint_format or "nvfp4",
+                   bool(getattr(config, "attention_bias", False)), ex.bias, bool(config.tie_word_embeddings),
+                   fam.qk_norm == "head", fam.sinks)
 
 
-MOE_SHAPES = {
-    "qwen3-30b-a3b": MoEShape("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 151936, 128, 8, 768, "nvfp4"),
-    "gpt-oss-20b": MoEShape("gpt-oss-20b", 2880, 24, 64, 8, 64, 201088, 32, 4, 2880, "mxfp4", True, True),
-    "gpt-oss-120b": MoEShape("gpt-oss-120b", 2880, 36, 64, 8, 64, 201088, 128, 4, 2880, "mxfp4", True, True),
-}
+def _moe_shapes() -> dict[str, MoEShape]:
+    """The real MoE shapes, from the configs the random builder makes (model/random_init.py's MOE)."""
+    from ..model.random_init import moe_config
+
+    return {n: MoEShape.of(n, moe_config(n)) for n in ("qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b")}
+
+
+MOE_SHAPES = _moe_shapes()
 
 
 @dataclass(frozen=True)
@@ -108,8 +127,8 @@ def parameter_counts(s: MoEShape) -> dict[str, int]:
     experts = s.experts * sum(o * i for o, i in expert_shapes(s))
     expert_bias = s.experts * sum(o for o, _ in expert_shapes(s)) if s.expert_bias else 0
     router = s.experts * s.hidden + (s.experts if s.expert_bias else 0)
-    norms = 2 * s.hidden + (2 * s.head_dim if s.name.startswith("qwen3") else 0)  # Qwen3's q/k norms
-    sinks = s.heads if s.name.startswith("gpt-oss") else 0
+    norms = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
+    sinks = s.heads if s.sinks else 0
     per_layer_dense = attn_bias + expert_bias + router + norms + sinks
     embed = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
     return {"attention": attn * s.layers, "experts": experts * s.layers,

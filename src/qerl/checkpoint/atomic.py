@@ -11,7 +11,7 @@ Temporaries live beside their target (same filesystem, so rename is atomic):
 A file is replaced in one rename. A folder cannot be (rename onto a non-empty folder fails), so its
 swap is two renames: previous -> aside, new -> target. A SIGKILL between the two leaves no target and
 an aside copy: `recover(target)` puts it back. Every save calls `recover` on its target first, and a
-run folder's start calls `recover_all` on the folder (rl/run_folder.py).
+run folder's start calls `recover_all` on the folder (train/run_folder.py).
 
 `recover` leaves alone the temporaries of another live process on this host (two ranks converting
 the SmolLM2 cache at once both finish; the second swap wins), so only a dead writer's are undone.

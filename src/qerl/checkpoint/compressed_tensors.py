@@ -1,4 +1,5 @@
-"""Write a quantized policy as a compressed-tensors checkpoint (what vLLM and llm-compressor read).
+"""compressed-tensors checkpoints (what vLLM and llm-compressor read and write): a quantized policy written as
+one, and its packed layers and MoE experts read back (the same bytes, never re-quantized).
 
 The layout is llm-compressor's NVFP4A16 / MXFP4A16 output: per quantized Linear
 `weight_packed`, `weight_scale` (+ `weight_global_scale` for NVFP4), everything
@@ -16,8 +17,11 @@ from pathlib import Path
 import torch
 
 from ..layers import QLoRALinear
+from ..layers.fused_group import row_split
 from ..layers.qlora_linear import standalone
+from ..layers.quant_experts import QuantExperts
 from .atomic import SHARD_BYTES, atomic_folder, entries, write_sharded
+from .safetensors_reader import CheckpointError
 
 _WEIGHT_ARGS = {
     "nvfp4": {"strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
@@ -146,3 +150,87 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
         if tok is not None:
             tok.save_pretrained(tmp)
     return Path(out_dir)
+
+
+# ---- reading -------------------------------------------------------------------------------
+def read_packed(ckpt, name, keys, fmt, device) -> dict[str, torch.Tensor]:
+    """One layer's packed tensors, in the format's storage order."""
+    label = f"{ckpt.path_of(name + '.weight_packed')}: {name}"
+    return fmt.from_checkpoint({k: ckpt.get(f"{name}.{k}", device) for k in keys}, layer_shape(ckpt, name), label)
+
+
+def layer_shape(ckpt, name: str) -> tuple[int, int]:
+    """[out, in] of a packed layer (two E2M1 codes per byte)."""
+    out_f, half_in = ckpt.shape(f"{name}.weight_packed")
+    return out_f, 2 * half_in
+
+
+def shared_tensors_agree(ckpt, names, fmt, shapes) -> bool:
+    """Whether the per-tensor quantities (NVFP4's global scale) are identical across the members, as
+    llm-compressor writes fused groups; a checkpoint that differs keeps its layers separate."""
+    split = row_split(fmt, [s[0] for s in shapes], shapes[0][1])
+    if isinstance(split, str) or len({s[1] for s in shapes}) != 1:
+        return False
+    for key in (k for k, ext in split.items() if ext is None):
+        ts = [ckpt.get(f"{n}.{key}").view(torch.uint8) for n in names]
+        if any(not torch.equal(t, ts[0]) for t in ts[1:]):
+            return False
+    return True
+
+
+def compressed_experts_in(ckpt, family, i) -> bool:
+    """Whether layer i's experts are packed per expert, as llm-compressor writes an MoE for vLLM."""
+    ex = family.experts
+    base = family.checkpoint_name(f"model.layers.{i}.{ex.path}")
+    return ex.per_expert and f"{base}.0.{ex.gate}.weight_packed" in ckpt
+
+
+def read_compressed_experts(model, ckpt, family, i, fmt, device):
+    """(QuantExperts, checkpoint keys used) of layer i's experts from a compressed-tensors checkpoint: each expert's packed gate, up and down
+    (`<path>.<e>.<gate>.weight_packed` / weight_scale / weight_global_scale) stacked as QuantExperts holds
+    them, the same bytes. gate|up is one projection with one global scale an expert, so an expert whose
+    gate and up scales differ is refused (vLLM's fused MoE kernels need them equal too; llm-compressor
+    writes them equal); re-quantizing would compound two rounding errors."""
+    ex = family.experts
+    module = f"model.layers.{i}.{ex.path}"
+    base = family.checkpoint_name(module)
+    skeleton = model.get_submodule(module)
+    if getattr(skeleton, "has_bias", False) or getattr(skeleton, "is_transposed", False):
+        raise ValueError(f"{ckpt.folder}: compressed-tensors experts of {family.name} (biased or transposed experts) "
+                         "are not read; load the dense or stock checkpoint")
+    n = getattr(model.config, ex.count)
+    kinds = list(fmt.expected_shapes((1, fmt.block_size)))
+    keys = [f"{base}.{e}.{p}.{k}" for e in range(n) for p in (ex.gate, ex.up, ex.down) for k in kinds]
+    require_experts(ckpt, keys, family, n)
+
+    def read(e, p):
+        name = f"{base}.{e}.{p}"
+        return {k: ckpt.get(f"{name}.{k}", device) for k in kinds}, layer_shape(ckpt, name)
+
+    gate_up, down, shapes = [], [], {}
+    for e in range(n):
+        (g, gs), (u, us), (d, ds) = read(e, ex.gate), read(e, ex.up), read(e, ex.down)
+        if "weight_global_scale" in g and not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):
+            raise CheckpointError(f"{ckpt.path_of(f'{base}.{e}.{ex.gate}.weight_packed')}: expert {e}'s "
+                                  f"{ex.gate} and {ex.up} have different weight_global_scale "
+                                  f"({float(g['weight_global_scale'].reshape(-1)[0]):.6g} and "
+                                  f"{float(u['weight_global_scale'].reshape(-1)[0]):.6g}); qerl holds gate|up with one "
+                                  "global scale an expert (as vLLM's fused MoE does): re-export with them fused")
+        if gs[1] != us[1]:
+            raise CheckpointError(f"{ckpt.folder}: expert {e}'s {ex.gate} {list(gs)} and {ex.up} {list(us)} differ")
+        gate_up.append({k: (g[k] if k == "weight_global_scale" else torch.cat([g[k], u[k]])) for k in kinds})
+        down.append(d)
+        shapes = {"gate_up_proj": (gs[0] + us[0], gs[1]), "down_proj": ds}
+    want = tuple(skeleton.gate_up_proj.shape[1:])
+    if shapes["gate_up_proj"] != want:
+        raise CheckpointError(f"{ckpt.folder}: {base} holds experts of gate|up {list(shapes['gate_up_proj'])}; the "
+                              f"config gives {list(want)}")
+    tensors = {p: {k: torch.stack([t[k] for t in ts]) for k in kinds}
+               for p, ts in (("gate_up_proj", gate_up), ("down_proj", down))}
+    return QuantExperts(tensors, shapes, fmt, skeleton._apply_gate, skeleton.gate_up_proj.dtype, module), keys
+
+
+def require_experts(ckpt, keys, family, n) -> None:
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{ckpt.folder}: missing expert tensor {missing[0]} ({family.name}, {n} experts)")

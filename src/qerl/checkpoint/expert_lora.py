@@ -62,7 +62,7 @@ def split_peft_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]):
 def load_peft_tensors(model: nn.Module, experts: dict, r: int, alpha: float, scaling: float, source) -> None:
     """Put PEFT's flat expert factors into the QuantExperts (LoRA added where missing); every shape
     is checked before anything changes."""
-    from ..model.safetensors_reader import CheckpointError
+    from .safetensors_reader import CheckpointError
 
     mods = dict(model.named_modules())
     staged = []

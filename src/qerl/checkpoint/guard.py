@@ -24,7 +24,7 @@ class OutputFolderError(ValueError):  # the CLI reports ValueErrors as one line,
 def run_below(folder: Path) -> tuple[Path, list[str]] | None:
     """The first folder at or below `folder` that holds a training run, with the run's names in it; None if none.
     Symbolic links are not followed (what they point to is not deleted with the folder)."""
-    from ..rl.run_folder import LOCK, earlier_run
+    from .run_files import LOCK, earlier_run
 
     for top, dirs, _ in os.walk(folder):
         here = Path(top)

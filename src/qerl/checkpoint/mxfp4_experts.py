@@ -1,4 +1,4 @@
-"""Write a policy whose experts are MXFP4 (gpt-oss) back in the stock gpt-oss layout.
+"""gpt-oss's stock MXFP4 experts: read (as qerl's mxfp4 tensors, the same bytes) and written back in that layout.
 
 gpt-oss ships its experts as `<experts>.gate_up_proj_blocks` [E, N, K/32, 16] (two E2M1 codes a byte,
 low nibble first), `<experts>.gate_up_proj_scales` [E, N, K/32] (E8M0) and `_bias`, the same for
@@ -19,6 +19,7 @@ from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
 from ..layers.quant_experts import PROJECTIONS, QuantExperts
 from .atomic import atomic_folder, entries, write_sharded
+from .safetensors_reader import CheckpointError
 
 # gpt-oss's own list: what its MXFP4 label leaves dense
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
@@ -70,3 +71,26 @@ def save_mxfp4_experts(policy, out_dir: str | Path) -> Path:
         if tok is not None:
             tok.save_pretrained(tmp)
     return Path(out_dir)
+
+
+# ---- reading -------------------------------------------------------------------------------
+def read_mxfp4_experts(ckpt, base, module, skeleton, biases, dtype, transposed, device):
+    """gpt-oss's stock MXFP4 experts: blocks [E, N, K/32, 16] (two E2M1 codes a byte, low nibble first)
+    and E8M0 scales [E, N, K/32] are, reshaped, qerl's mxfp4 weight_packed [E, N, K/2] and weight_scale."""
+    tensors, shapes = {}, {}
+    for p in PROJECTIONS:
+        blocks, scales = ckpt.get(f"{base}.{p}_blocks", device), ckpt.get(f"{base}.{p}_scales", device)
+        e, rows, groups, width = blocks.shape
+        if width != 16 or tuple(scales.shape) != (e, rows, groups):
+            raise CheckpointError(f"{ckpt.folder}: {base}.{p}_blocks {list(blocks.shape)} / _scales "
+                                  f"{list(scales.shape)} are not gpt-oss's MXFP4 layout [E, N, K/32, 16] / [E, N, K/32]")
+        tensors[p] = {"weight_packed": blocks.view(torch.uint8).reshape(e, rows, groups * 16),
+                      "weight_scale": scales.view(torch.uint8)}
+        shapes[p] = (rows, groups * 32)
+    q = QuantExperts(tensors, shapes, "mxfp4", skeleton._apply_gate, dtype, module, biases, transposed)
+    want = tuple(skeleton.gate_up_proj.shape[1:])
+    have = shapes["gate_up_proj"][::-1] if transposed else shapes["gate_up_proj"]
+    if have != want:
+        raise CheckpointError(f"{ckpt.folder}: {base}.gate_up_proj_blocks holds experts of {list(have)}; the config "
+                              f"gives {list(want)}")
+    return q

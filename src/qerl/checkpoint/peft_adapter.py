@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
-from ..model.safetensors_reader import CheckpointError
+from .safetensors_reader import CheckpointError
 from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
@@ -102,9 +102,19 @@ def _read_info(adapter_dir) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def _base_quant(layers: dict[str, QLoRALinear]) -> str | None:
+def _base_quant(layers: dict[str, QLoRALinear], kept: tuple[str, ...] = ()) -> str | None:
+    """The base's format: the one of every LoRA layer, those kept in bf16 by choice (`kept` patterns) aside."""
     names = {m.fmt.name for m in layers.values()}
+    if kept and len(names) > 1:
+        names.discard("bf16")
     return names.pop() if len(names) == 1 else None
+
+
+def recorded_modules_to_not_convert(adapter_dir) -> list[str]:
+    """The linears the adapter's base kept in bf16 when it was trained (qerl_adapter.json; [] if none), which
+    a load under it keeps in bf16 again: export and evaluation merge those layers from their bf16 weights."""
+    kept = _read_info(adapter_dir).get("modules_to_not_convert")
+    return [p for p in kept if isinstance(p, str)] if isinstance(kept, list) else []
 
 
 def recorded_base_quant(adapter_dir) -> str | None:
@@ -127,12 +137,13 @@ def resolve_quant(adapter_dir, quant: str | None, flag: str = "--quant") -> str:
 
 
 def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or_path: str | None = None,
-                 checksums: bool = False) -> Path:
+                 checksums: bool = False, modules_to_not_convert=None) -> Path:
     """Write the model's LoRA factors as a PEFT adapter folder; returns the folder.
 
     The folder is written as a whole and swapped in (checkpoint/atomic.py): a failed save leaves
     the previous adapter intact; other files already in `out_dir` are kept. checksums: also write
-    checksums.json (a run's final adapter), which load_adapter verifies.
+    checksums.json (a run's final adapter), which load_adapter verifies. modules_to_not_convert: the
+    patterns of the linears the base kept in bf16 (None: a policy's own), recorded for the loads under it.
     """
     model, policy = _split(policy_or_model)
     layers = _lora_layers(model)
@@ -197,7 +208,10 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     with atomic_folder(out_dir, keep_existing=True) as tmp:
         write_safetensors(tmp / WEIGHTS_NAME, entries(tensors))
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        info = {k: v for k, v in (("base_quant", _base_quant(layers)), ("base_local", base_local)) if v}
+        kept = tuple(modules_to_not_convert if modules_to_not_convert is not None
+                     else getattr(policy, "modules_to_not_convert", None) or ())
+        info = {k: v for k, v in (("base_quant", _base_quant(layers, kept)), ("base_local", base_local),
+                                  ("modules_to_not_convert", list(kept))) if v}
         if info:
             (tmp / INFO_NAME).write_text(json.dumps(info) + "\n")
         if checksums:
@@ -213,7 +227,7 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
 MAX_SCALING = 1e4  # no trained adapter comes near it (PEFT's defaults: 1 to 2)
 
 
-def _read_config(folder: Path) -> dict:
+def read_adapter_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
         raise AdapterError(f"{folder}: no {CONFIG_NAME} (not a PEFT adapter folder)")
@@ -315,7 +329,7 @@ def load_adapter(model_or_policy, adapter_dir: str | os.PathLike, strict: bool =
     folder = Path(adapter_dir)
     if not folder.is_dir():
         raise AdapterError(f"{folder}: adapter folder not found")
-    cfg = _read_config(folder)
+    cfg = read_adapter_config(folder)
     cfg_path = folder / CONFIG_NAME
     from .checksums import ChecksumError, verify_checksums
 

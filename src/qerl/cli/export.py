@@ -30,7 +30,7 @@ def run(args):
     import torch
 
     from ..checkpoint.export import check_export_target, export_merged
-    from ..checkpoint.peft_adapter import _read_config, load_adapter, resolve_quant
+    from ..checkpoint.peft_adapter import read_adapter_config as _read_config, load_adapter, resolve_quant
     from ..model import load_policy
     from ..model.resolve import ALIASES, resolve_model
     from ..model.smollm2 import cache_dir

@@ -162,7 +162,7 @@ def plot(run_dir, out=None):
 
     import matplotlib.pyplot as plt
 
-    from ..rl.metrics import read_metrics
+    from ..train.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     if not rows:

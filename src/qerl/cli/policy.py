@@ -91,7 +91,7 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
         check_length(positions, 1, new_tokens, str(model), flag)
     rank = 0
     if adapter:
-        from ..checkpoint.peft_adapter import _read_config, resolve_quant
+        from ..checkpoint.peft_adapter import read_adapter_config as _read_config, resolve_quant
 
         rank = int(_read_config(Path(adapter))["r"])
         quant = resolve_quant(adapter, quant)

@@ -16,7 +16,7 @@ def check_run_folder(cfg, resuming: bool) -> None:
     """output_dir usable before anything loads: not a file (nor under one), not locked by a live run,
     and, for a fresh run, holding no earlier run unless overwrite_output_dir (the trainer checks again
     under its lock; these fail in a second instead of after the model's load)."""
-    from ..rl.run_folder import RunFolderError, check_unlocked, earlier_run
+    from ..train.run_folder import RunFolderError, check_unlocked, earlier_run
 
     out = Path(cfg.output_dir).expanduser()
     for p in (out, *out.parents):
@@ -31,7 +31,7 @@ def check_run_folder(cfg, resuming: bool) -> None:
     if not resuming and not cfg.overwrite_output_dir and earlier_run(out):
         raise RunFolderError(earlier_run_message(out))
     if resuming:
-        from ..rl.state import checkpoints
+        from ..train.checkpoints import checkpoints
 
         if not checkpoints(out):
             raise RunFolderError(f"{out}: no checkpoint to resume from ({', '.join(earlier_run(out)[:4]) or 'empty'}"
@@ -42,9 +42,9 @@ def check_run_folder(cfg, resuming: bool) -> None:
 def earlier_run_message(out: Path, command: str = "train") -> str:
     """A fresh run into a folder holding an earlier one: continue it (only when it has a checkpoint:
     the hint and `--resume` must agree), start afresh, or go elsewhere."""
-    from ..rl.run_folder import earlier_run
-    from ..rl.state import checkpoints
-    from .invocation import qerl_command
+    from ..train.run_folder import earlier_run
+    from ..train.checkpoints import checkpoints
+    from ..invocation import qerl_command
 
     found = earlier_run(out)
     shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
@@ -84,7 +84,7 @@ def model_to_check(name: str) -> str:
     folder = adapter_folder(name)
     if folder is None:
         return name
-    from ..checkpoint.peft_adapter import _read_config
+    from ..checkpoint.peft_adapter import read_adapter_config as _read_config
 
     _read_config(folder)
     return base_to_load(name)

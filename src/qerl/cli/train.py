@@ -203,13 +203,13 @@ def interruptible():
 
 
 def resume_command(cfg, command: str = "train") -> str:
-    from .invocation import qerl_command
+    from ..invocation import qerl_command
 
     return f"{qerl_command()} {command} --resume {shlex.quote(str(cfg.output_dir))}"
 
 
 def saved(output_dir) -> str:
-    from ..rl.state import checkpoints
+    from ..train.checkpoints import checkpoints
 
     found = checkpoints(output_dir)
     return f"saved: {found[-1]}" if found else "no checkpoint saved yet"
@@ -217,7 +217,7 @@ def saved(output_dir) -> str:
 
 def interrupted(cfg, trainer, signame: str, command: str = "train") -> str:
     """One line: where the run stopped, what is on disk, the exact command that continues it."""
-    from ..rl.state import checkpoints
+    from ..train.checkpoints import checkpoints
 
     total = getattr(trainer, "max_steps", None) or cfg.max_steps
     where = f"at step {trainer.step}/{total}" if trainer is not None else "before training started"
@@ -238,8 +238,8 @@ def finished_run(cfg) -> str | None:
     max_steps, its final evaluation and adapter written); None when there is work left."""
     from pathlib import Path
 
-    from ..rl.state import CorruptCheckpoint, checkpoints, read_checkpoint
-    from .invocation import qerl_command
+    from ..train.checkpoints import CorruptCheckpoint, checkpoints, read_checkpoint
+    from ..invocation import qerl_command
 
     out = Path(cfg.output_dir)
     found = checkpoints(out)
@@ -264,7 +264,7 @@ def finished_run(cfg) -> str | None:
 def check_resume_steps(cfg) -> None:
     """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
     refused before the model loads, saying how to train further."""
-    from ..rl.state import checkpoints
+    from ..train.checkpoints import checkpoints
 
     found = checkpoints(cfg.output_dir)
     at = int(found[-1].name.rpartition("-")[2]) if found else 0
@@ -276,7 +276,7 @@ def check_resume_steps(cfg) -> None:
 
 def run_evals(output_dir) -> list[dict]:
     """The run's evaluation rows from metrics.jsonl (earlier sessions' too), one per step, in order."""
-    from ..rl.metrics import read_metrics
+    from ..train.metrics import read_metrics
 
     try:
         rows = read_metrics(output_dir)

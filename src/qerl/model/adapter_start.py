@@ -23,9 +23,9 @@ def base_of(name_or_path) -> str:
     new adapter trained from it names as its base_model_name_or_path, so PEFT can load it."""
     folder, seen = adapter_folder(name_or_path), 0
     while folder is not None and seen < 8:
-        from ..checkpoint.peft_adapter import _read_config
+        from ..checkpoint.peft_adapter import read_adapter_config
 
-        name_or_path = _read_config(folder).get("base_model_name_or_path") or str(folder)
+        name_or_path = read_adapter_config(folder).get("base_model_name_or_path") or str(folder)
         folder, seen = adapter_folder(name_or_path), seen + 1
     return str(name_or_path)
 
@@ -45,10 +45,12 @@ def base_to_load(name_or_path) -> str:
 
 
 def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
-    """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it."""
-    from ..checkpoint.peft_adapter import _read_config, load_adapter
+    """load_policy of the adapter's base with the adapter's rank and alpha, then the adapter loaded on it. The
+    linears the adapter was trained on in bf16 (modules_to_not_convert, recorded beside it) stay bf16 unless
+    others are asked for: its LoRA corrects those layers' bf16 weights, not their rounding."""
+    from ..checkpoint.peft_adapter import read_adapter_config, load_adapter, recorded_modules_to_not_convert
 
-    cfg = _read_config(folder)
+    cfg = read_adapter_config(folder)
     base = cfg.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{folder}/adapter_config.json: no base_model_name_or_path, so the base to load it on is "
@@ -61,7 +63,7 @@ def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
             raise ValueError(f"{folder}/adapter_config.json: base_model_name_or_path leads through adapter folders "
                              f"in a loop ({' -> '.join(map(str, seen + [inner]))})")
         seen.append(inner)
-        base = _read_config(inner).get("base_model_name_or_path")
+        base = read_adapter_config(inner).get("base_model_name_or_path")
         if not base:
             raise ValueError(f"{inner}/adapter_config.json: no base_model_name_or_path")
     from ..checkpoint.peft_adapter import recorded_base_local
@@ -72,6 +74,8 @@ def load_adapter_start(folder: Path, load_policy, quant: str, **kw):
     if asked != (r, alpha) and kw.get("progress", True):
         print(f"qerl: {folder}: starting from the adapter (r={r}, lora_alpha={alpha:g}) on {base}; its rank and "
               f"alpha replace the requested {asked[0]} / {asked[1]}")
+    if not kw.get("modules_to_not_convert"):
+        kw["modules_to_not_convert"] = recorded_modules_to_not_convert(folder) or None
     policy = load_policy(base, quant, **{**kw, "lora_rank": r, "lora_alpha": alpha})
     load_adapter(policy, folder)
     return policy

@@ -50,8 +50,13 @@ class Experts:
     up: str = "up_proj"
     down: str = "down_proj"
     count: str = "num_experts"  # the config field holding the number of experts
+    intermediate: str = "moe_intermediate_size"  # the config field holding each expert's intermediate width
     per_expert: bool = True     # the stock checkpoint's layout: one tensor per expert, or the fused 3-D
                                 # tensors (gpt-oss: gate_up_proj [E, K, N] or its MXFP4 *_blocks/*_scales)
+    bias: bool = False          # each expert's projections have biases (gpt-oss)
+    # the format the family's checkpoints ship the experts in, kept whatever the rest of the model takes
+    # (gpt-oss: MXFP4, repacked as qerl's mxfp4, never re-quantized); None: the model's own quant
+    checkpoint_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()  # (module path piece, the checkpoint's): Mixtral's block_sparse_moe
     check: Callable | None = None       # check(config) -> None or the reason a config is not run
     tested_against: str = ""            # README: what the family's tests compare with
+
+    @property
+    def norm_class(self) -> str:
+        """The class name of its RMSNorm (transformers names it after the model: LlamaRMSNorm, Olmo2RMSNorm)."""
+        return self.decoder_layer.removesuffix("DecoderLayer") + "RMSNorm"
 
     def module(self, i: int, target: str) -> str:
         return f"model.layers.{i}.{self.projections[target]}"
@@ -130,10 +140,27 @@ class Family:
         return list(config.layer_types) if self.rope_per_layer_type else [None] * n
 
 
+def attention_only_moe(name: str, model_types: tuple[str, ...], causal_lm: str, decoder_layer: str, experts: Experts,
+                       **kw) -> Family:
+    """A family whose every MLP is a routed MoE: the projections are attention's (q, k, v fused, o), the
+    experts are 4-bit QuantExperts, LoRA goes on attention (on the experts only when "experts" is targeted),
+    and the MLP's target names of dense families (gate, up, down) mean the experts' own, not a linear."""
+    return Family(name, model_types, causal_lm, decoder_layer,
+                  projections={k: v for k, v in LLAMA_PROJECTIONS.items() if k in ("q", "k", "v", "o")},
+                  gate_up=(), fused_groups=(QKV,), aliases={"gate": None, "up": None, "down": None},
+                  experts=experts, **kw)
+
+
 def families() -> tuple[Family, ...]:
     from .families import FAMILIES
 
     return FAMILIES
+
+
+def llama_norm_classes() -> tuple[str, ...]:
+    """The RMSNorm classes that compute w * x_hat.to(dtype) (Family.llama_norm), which the decode glue
+    restates as a fused norm and AQN perturbs; every other family's norm is left to its own module."""
+    return tuple(f.norm_class for f in families() if f.llama_norm)
 
 
 def supported_architectures() -> tuple[str, ...]:

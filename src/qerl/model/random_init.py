@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from ..formats import get_format
 from .architectures import DEFAULT_TARGETS, check_architecture
 from .family import family_of_model
-from .load import Policy, _build_skeleton, _install, _materialize_buffers, _set_tensor, build_projections, install_group
+from .load import Policy, build_skeleton, install_module, materialize_buffers, set_tensor
+from .projections import build_projections, install_group
 
 # Shapes of the models the benchmarks use (hidden, intermediate, layers, heads, kv heads, vocab).
 QWEN25 = {
@@ -53,7 +54,7 @@ def _gpt_oss(layers, **kw):
     return GptOssConfig(architectures=["GptOssForCausalLM"], num_hidden_layers=layers, **kw)
 
 
-# MoE shapes (bench/step_plan.py's MOE_SHAPES hold the same dimensions): name -> (layers, config of n layers)
+# MoE shapes (bench/step_plan.py's MOE_SHAPES are read from these): name -> (layers, config of n layers)
 MOE = {
     "qwen3-30b-a3b": (48, lambda n: _qwen3_moe(
         n, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
@@ -74,9 +75,6 @@ MOE = {
         eos_token_id=1, pad_token_id=0)),
 }
 
-# Experts' format where a family's checkpoint fixes it: gpt-oss ships MXFP4 experts, which load_policy
-# repacks as qerl's mxfp4 whatever format the rest of the model takes (never re-quantized).
-CHECKPOINT_EXPERT_FORMAT = {"gpt_oss": "mxfp4"}
 EXPERT_CHUNK = 16  # experts generated (bf16) and quantized at once: 0.8 GB at gpt-oss's 2880 x 5760 + 2880 x 2880
 
 
@@ -103,7 +101,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
                   experts_quant: str | None = None, expert_chunk: int = EXPERT_CHUNK) -> Policy:
     """Random weights (normal, `std`; norms ones) in `config`'s shape, built as load_policy builds a model of
     its family: targeted projections quantized + LoRA, an MoE's experts a QuantExperts in `experts_quant`
-    (default: the family's checkpoint format, CHECKPOINT_EXPERT_FORMAT, else `quant`), routers, sinks,
+    (default: the family's checkpoint format, Experts.checkpoint_format, else `quant`), routers, sinks,
     norms and embeddings in `dtype`. LoRA on the experts only if the targets name "experts"."""
     source = f"random:{'/'.join(getattr(config, 'architectures', None) or [config.model_type])}"
     family = check_architecture(config, source)
@@ -112,7 +110,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
     experts_lora = lora_rank if family.lora_on_experts(target_modules) else 0
     alpha = float(lora_alpha if lora_alpha is not None else 2 * lora_rank)
     device = torch.device(device)
-    model, cfg = _build_skeleton(config, dtype, False)
+    model, cfg = build_skeleton(config, dtype, False)
     family_of_model(model, source)
     g = torch.Generator(device=device).manual_seed(seed)
     lora = dict(r=lora_rank, lora_alpha=alpha, dtype=dtype) if lora_rank else dict(dtype=dtype)
@@ -120,7 +118,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
     groups = list(fused) + [(t,) for t in family.projections if not any(t in x for x in fused)]
     exp_fmt = None
     if family.experts is not None:
-        exp_fmt = get_format(experts_quant or CHECKPOINT_EXPERT_FORMAT.get(family.name, quant))
+        exp_fmt = get_format(experts_quant or family.experts.checkpoint_format or quant)
     for i in tqdm(range(cfg.num_hidden_layers), desc=f"random {quant} model", disable=not progress, unit="layer"):
         for group in groups:
             names = [family.module(i, t) for t in group if t in targets]
@@ -146,7 +144,7 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
         if family.experts is not None:
             module = f"model.layers.{i}.{family.experts.path}"
             q = random_experts(model.get_submodule(module), exp_fmt, device, g, std, module, expert_chunk)
-            _install(model, module, q)
+            install_module(model, module, q)
             if experts_lora:
                 q.add_lora(experts_lora, alpha, dtype)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -157,10 +155,10 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
             v = torch.ones(t.shape, device=device, dtype=dtype)
         else:
             v = torch.randn(t.shape, device=device, generator=g, dtype=torch.float32).mul_(std).to(dtype)
-        _set_tensor(model, name, v, "random init")
+        set_tensor(model, name, v, "random init")
     if tied:
         model.tie_weights()
-    _materialize_buffers(model, cfg, device)
+    materialize_buffers(model, cfg, device)
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     model.eval()

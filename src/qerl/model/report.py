@@ -7,7 +7,7 @@ import time
 import torch
 
 from .load import load_policy, quantized_layers
-from .safetensors_reader import SafetensorsCheckpoint
+from ..checkpoint.safetensors_reader import SafetensorsCheckpoint
 
 
 def _bytes(t: torch.Tensor) -> int:

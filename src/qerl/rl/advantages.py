@@ -35,7 +35,7 @@ def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
 def rollout_batch(groups, G: int, scale_rewards: str, dist):
     """The advantages phase: the chosen (round, group) pairs -> a flat RolloutBatch. 'batch' scaling
     divides by the std of the whole step's chosen rewards, over all ranks."""
-    from .batch import RolloutBatch
+    from ..train.batch import RolloutBatch
 
     comp, adv = [], []
     for r, g in groups:

@@ -195,12 +195,13 @@ class AQN:
 
 
 def _llama_eps(name: str, norm: nn.Module) -> float:
-    from ..rollout.forward import _rms_eps
+    """eps of a Llama-form RMSNorm (its family's `llama_norm`, model/family.py); another norm is refused."""
+    from ..model.family import llama_norm_classes
 
-    eps = _rms_eps(norm)
-    if eps is None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if type(norm).__name__ not in llama_norm_classes() or eps is None or getattr(norm, "weight", None) is None:
         raise ValueError(f"AQN: {name} ({type(norm).__name__}) is not a Llama-style RMSNorm (weight * x / rms(x))")
-    return eps
+    return float(eps)
 
 
 def _noise_buffer(norm: nn.Module) -> torch.Tensor:

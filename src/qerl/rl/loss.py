@@ -21,7 +21,7 @@ TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # sum over tokens / norm_tokens (
 @dataclass(frozen=True)
 class LossSettings:
     """What the policy loss is, fixed for a run (policy_loss's doc says what each field does): a GRPO
-    config's loss fields (`LossSettings.of`), or the settings under which it is SFT's NLL (`nll`)."""
+    config's loss fields (`LossSettings.of`)."""
     loss_type: str
     epsilon: float
     epsilon_high: float | None
@@ -45,12 +45,6 @@ class LossSettings:
                    cfg.use_bias_correction_kl, cfg.delta, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg,
                    cfg.off_policy_mask_threshold, (cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
                                                    cfg.vespo_lambda_neg))
-
-    @classmethod
-    def nll(cls) -> "LossSettings":
-        """SFT's: with advantages 1 and old logprobs equal to the current ones (sft/batch.py), cispo with its
-        weight capped at 1 is -logp per token, token-mean: the negative log-likelihood; nothing else added."""
-        return cls("cispo", epsilon=0.2, epsilon_high=1.0, max_completion_length=512)
 
 
 def rollout_is_weights(old_logp, rollout_logp, mask, mode: str, cap: float | None, cap_min: float | None = None):
@@ -126,7 +120,7 @@ def policy_loss(logp, old_logp, adv, mask, settings: LossSettings | None = None,
     loss_type gives the per-token term and its aggregation (TRL 1.16's list):
       grpo     clipped surrogate; mean over each completion's tokens, then over completions
       bnpo     clipped surrogate; mean over the micro-batch's tokens
-      dapo     clipped surrogate; sum over tokens / norm_tokens (the update's tokens, see rl/update.py)
+      dapo     clipped surrogate; sum over tokens / norm_tokens (the update's tokens, see train/update.py)
       dr_grpo  clipped surrogate; sum over tokens / (completions x max_completion_length)
       cispo    -sg(min(ratio, epsilon_high)) * adv * logp (MiniMax-M1, arXiv 2506.13585: the IS weight
                is clipped and carries no gradient, so no token's gradient is dropped); aggregated as dapo

@@ -32,8 +32,8 @@ from ..layers.quant_experts import QuantExperts
 from ..layers.routing import record_routing
 from ..rollout import SamplingParams, processed_logprobs
 from ..rollout.forward import decode, prefill
-from .logprobs import completion_logprobs, pad_batch
-from .update import TrainingError
+from ..train.logprobs import completion_logprobs, pad_batch
+from ..train.optim import TrainingError
 
 PROBE_PROMPTS = 4
 PROBE_TOKENS = 32

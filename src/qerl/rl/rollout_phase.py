@@ -20,10 +20,10 @@ from ..rollout import SamplingParams
 from .advantages import informative_groups, overlong_penalty
 from .batch import RolloutRound
 from .config import GRPOConfig
-from .profiling import Profiler
+from ..train.profiling import Profiler
 from .reward_hooks import RewardHooks
 from .rewards import score
-from .sampler import PromptSampler
+from ..train.sampler import PromptSampler
 from .step_context import StepContext
 
 
@@ -48,7 +48,7 @@ class RolloutInputs:
     rows: list                          # the training rows
     reward_funcs: list
     reward_weights: list | None
-    dist: object                        # rl.distributed.Dist
+    dist: object                        # train.distributed.Dist
     device: torch.device
     encode: Callable                    # row -> prompt token ids
     turns_for: Callable                 # rows -> multi-turn handler or None

@@ -1,11 +1,11 @@
 """The QeRL training loop (paper.md, Algorithm 1): GRPO / DAPO on a quantized LoRA policy with AQN.
 
-`train_step` is a loop over named, timed phases (rl/profiling.py), each in its own module and each a
+`train_step` is a loop over named, timed phases (train/profiling.py), each in its own module and each a
 function of explicit inputs and the step's frozen context (rl/step_context.py):
 rollout (rl/rollout_phase.py: G rollouts per prompt from the noisy behaviour policy, rewards, DAPO's
 dynamic sampling) -> advantages (rl/advantages.py) -> metrics (rl/rollout_metrics.py) -> update
-(rl/update.py: num_iterations passes of clipped policy-gradient updates; the trainer's
-`optimizer_step` applies each) -> checkpoint (rl/state.py).
+(train/update.py with GRPO's objective, rl/objective.py: num_iterations passes of clipped policy-gradient
+updates; the trainer's `optimizer_step` applies each) -> checkpoint (train/checkpoints.py).
 With max_staleness 1 the rollout of the next step runs during the update (rl/staleness.py) on the
 engine's own adapter copy (rl/adapter_snapshot.py). The KL reference, when beta > 0, is the same
 model with adapters off.
@@ -14,76 +14,38 @@ model with adapters off.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import random
 import time
 from pathlib import Path
-
-import torch
 
 from ..kernels import settings
 from ..kernels.settings import KernelSettings
 from ..model.adapter_start import base_of
 from ..rollout import Engine
 from ..train import checkpoints as ckpt
-from ..train import levers
 from ..train.loop import TrainLoop
+from ..train.parts import Needs, TrainParts, resolve_device_dtype  # noqa: F401 - resolve_device_dtype re-exported
+from ..train.profiling import Profiler
 from .advantages import rollout_batch
 from .adapter_snapshot import AdapterSnapshot
 from .aqn import AQN, AdaptiveSigma, sigma_at
 from .batching import batch_plan
 from .config import GRPOConfig
-from ..train.distributed import Dist
 from ..train.metrics import MetricsLog
-from ..train.optim import lr_lambda, make_optimizer
 from .parity import ParityGate, ParityInputs
-from ..train.profiling import Profiler
 from .rollout_metrics import rollout_metrics
 from .rollout_phase import RolloutInputs, StepRollouts, collect
 from ..train.sampler import PromptSampler
 from .rollout_source import RolloutSource
 from .staleness import ROLLOUT_ADAPTER, InFlight, context_of
 from .step_context import StepContext, step_seed
-from .update import PolicyUpdate, TrainingError, UpdateInputs, UpdateSettings
+from .objective import PolicyObjective, PolicySettings, update_settings
+from ..train.optim import TrainingError
+from ..train.update import PolicyUpdate, UpdateInputs
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
-__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError", "make_optimizer", "resolve_device_dtype"]
-
-
-def resolve_device_dtype(cfg: GRPOConfig):
-    """(device, compute dtype) that a config's `device` and `dtype` fields name ("auto" resolved here)."""
-    dev = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if cfg.device == "auto" else cfg.device))
-    if cfg.dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dt = getattr(torch, cfg.dtype)
-    return dev, dt
-
-
-def set_lora_dtype(model, dtype: torch.dtype, device: torch.device) -> None:
-    """Keep every LoRA factor in `dtype` (the compute stays in the model's dtype: the LoRA branch
-    casts its input, and its output back). Fused groups are rebuilt on the converted factors."""
-    from ..layers import QLoRALinear
-    from ..layers.fused_group import fused_groups
-    from ..layers.quant_experts import QuantExperts
-
-    layers = [m for m in model.modules() if isinstance(m, QLoRALinear) and m.r]
-    experts = [m for m in model.modules() if isinstance(m, QuantExperts) and m.r]  # cast x and back themselves
-    if (all(m.lora_A.weight.dtype == dtype for m in layers)
-            and all(p.dtype == dtype for m in experts for p in m.lora_A.values())):
-        return
-    if layers and device.type == "cuda" and dtype != layers[0].dtype:
-        raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} differs from the compute dtype "
-                         f"{str(layers[0].dtype).removeprefix('torch.')}: the CUDA kernels read adapters in the compute "
-                         "dtype (set lora_dtype: auto on a GPU)")
-    for m in layers + experts:
-        m.lora_A.to(dtype)
-        m.lora_B.to(dtype)
-    for _, g in fused_groups(model):
-        g.attach_lora()
+__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError", "resolve_device_dtype"]
 
 
 class GRPOTrainer(TrainLoop):
@@ -111,32 +73,15 @@ class GRPOTrainer(TrainLoop):
         if cfg.max_staleness not in (0, 1):
             raise ValueError(f"config field 'max_staleness': {cfg.max_staleness} is not supported (0: synchronous, "
                              "1: the next step's rollout during the update)")
-        random.seed(cfg.seed)  # dropout and anything else on the global generators (resume restores them)
-        torch.manual_seed(cfg.seed)
-        self.device, self.dtype = resolve_device_dtype(cfg)
-        self.dist = Dist.from_env(self.device.type, cfg.ddp_timeout, cfg.ddp_backend)
-        if self.dist.world > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.dist.local_rank)
-        self.plan = batch_plan(cfg, self.dist.world)  # TRL's batch semantics; explains a batch that cannot split
-        if cfg.max_staleness and cfg.lora_dropout and self.device.type == "cuda":
-            # the engine's CUDA graphs sample from the default CUDA generator (seeded per rollout), which
-            # dropout in the concurrent update would draw from too: neither would be reproducible
-            raise ValueError("config fields 'max_staleness' and 'lora_dropout': a rollout beside the update "
-                             "shares the default CUDA generator with the update's dropout on a GPU; set "
-                             "lora_dropout: 0 (the default) or max_staleness: 0")
-        self.progress = progress
-        self._setup_policy(cfg, policy, progress)
-        self._setup_data(cfg, task, reward_funcs, train_dataset, eval_dataset, tools, environment_factory)
-        self.params = self._trainable(cfg)
-        self.dist.broadcast_(self.params)  # every rank starts from rank 0's adapter
-        self._setup_engine(cfg)
-        # the config is final from here: unset memory levers filled in from what is free now
-        self.cfg = cfg = self._choose_levers(cfg)
-        self.optimizer, self.optim_name = make_optimizer(cfg, self.params, self.device, self.master_weights)
-        self._updates_per_step = cfg.num_iterations * self.plan.updates_per_rank  # on each rank
-        total_updates = cfg.max_steps * self._updates_per_step
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_updates))
-        self.aqn = AQN(self.model) if cfg.aqn else None  # the live norms: the update's noise (aqn_in_training)
+        data = (task, reward_funcs, train_dataset, eval_dataset, tools, environment_factory)
+        parts = TrainParts.build(cfg, Needs(micro_batch_tokens=self._micro_batch_tokens,
+                                            total_updates=self._total_updates, trainable=self._trainable,
+                                            on_ranks=self._check_ranks,
+                                            on_policy=lambda parts: self._setup_data(parts.cfg, *data),
+                                            reserve_bytes=self._setup_engine),
+                                 policy=policy, progress=progress, announce=True)
+        cfg = parts.cfg  # final: the memory levers filled in
+        self.aqn = AQN(parts.model) if cfg.aqn else None  # the live norms: the update's noise (aqn_in_training)
         # the rollout's noise lives on the engine's norms: the snapshot's own under max_staleness 1
         self.rollout_aqn = (AQN(self.snapshot.model) if cfg.aqn else None) if self.snapshot is not None else self.aqn
         # closed-loop AQN: sigma steered by a rollout signal instead of the stage schedule
@@ -147,34 +92,34 @@ class GRPOTrainer(TrainLoop):
         # each step's rollout: collected at the step (max_staleness 0) or launched during the last update (1)
         self.rollouts = RolloutSource(self.snapshot, context=self.step_context, inputs=self.rollout_inputs,
                                       collect=self.collect_rollouts, sampler_state=lambda: self.sampler.state(),
-                                      warm=self._warm_decode_graphs, threaded=self.dist.world == 1,
-                                      device=self.device)
+                                      warm=self._warm_decode_graphs, threaded=parts.dist.world == 1,
+                                      device=parts.device)
         self.sample_max_new_tokens = None
-        self.profiler = Profiler()  # each phase's seconds: the step's time_<phase> metrics
-        self.update = PolicyUpdate(UpdateInputs(self.model, UpdateSettings.of(cfg), self.device, self.dtype, self.tok.pad_token_id or 0,
-                                                self.dist, self.profiler, self.aqn, self.optimizer_step))
+        self.update = PolicyUpdate(UpdateInputs(parts.model, update_settings(cfg), parts.device, parts.dtype,
+                                                parts.tok.pad_token_id or 0, parts.dist, parts.profiler,
+                                                self.optimizer_step),
+                                   PolicyObjective(PolicySettings.of(cfg), self.aqn, parts.dist, parts.device))
         self.parity = ParityGate()  # checks with ParityInputs.of(self): the trainer's state at the time
-        self.setup_loop(callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
+        self.setup_loop(parts, callbacks)  # the run folder, trainer.state, the callbacks (train/loop.py)
 
-    # ---- construction ----------------------------------------------------------------------
-    def _setup_policy(self, cfg: GRPOConfig, policy, progress: bool) -> None:
-        if policy is None:
-            from ..model import load_policy
+    # ---- construction (what TrainParts.build asks, in its order) ----------------------------
+    def _check_ranks(self, parts: TrainParts) -> None:
+        cfg = parts.cfg
+        self.plan = batch_plan(cfg, parts.dist.world)  # TRL's batch semantics; explains a batch that cannot split
+        if cfg.max_staleness and cfg.lora_dropout and parts.device.type == "cuda":
+            # the engine's CUDA graphs sample from the default CUDA generator (seeded per rollout), which
+            # dropout in the concurrent update would draw from too: neither would be reproducible
+            raise ValueError("config fields 'max_staleness' and 'lora_dropout': a rollout beside the update "
+                             "shares the default CUDA generator with the update's dropout on a GPU; set "
+                             "lora_dropout: 0 (the default) or max_staleness: 0")
 
-            policy = load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                 lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules,
-                                 device=self.device, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code,
-                                 progress=progress, modules_to_not_convert=cfg.modules_to_not_convert)
-        self.policy, self.model, self.tok = policy, policy.model, policy.tokenizer
-        self.master_weights = False  # the optimizer steps fp32 copies of low-precision LoRA factors
-        if cfg.lora_dtype != "auto":
-            want = getattr(torch, cfg.lora_dtype)
-            if self.device.type == "cuda" and want == torch.float32 and self.dtype != torch.float32:
-                self.master_weights = True  # the CUDA kernels read the adapters in the compute dtype
-            else:
-                set_lora_dtype(self.model, want, self.device)
-        if self.tok is None:
-            raise ValueError("the policy has no tokenizer: rewards need completion text")
+    def _micro_batch_tokens(self, parts: TrainParts) -> int:
+        cfg = parts.cfg
+        return cfg.per_device_train_batch_size * (cfg.max_prompt_length + cfg.max_completion_length)
+
+    def _total_updates(self, parts: TrainParts) -> int:
+        self._updates_per_step = parts.cfg.num_iterations * self.plan.updates_per_rank  # on each rank
+        return parts.cfg.max_steps * self._updates_per_step
 
     def _setup_data(self, cfg: GRPOConfig, task, reward_funcs, train_dataset, eval_dataset, tools,
                     environment_factory) -> None:
@@ -203,28 +148,28 @@ class GRPOTrainer(TrainLoop):
 
         check_rows(self.train_rows, "train_dataset")  # every row, not only row 0
 
-    def _trainable(self, cfg: GRPOConfig) -> list:
-        if cfg.train_norms:
-            for n, p in self.model.named_parameters():
+    def _trainable(self, parts: TrainParts) -> list:
+        if parts.cfg.train_norms:
+            for n, p in parts.model.named_parameters():
                 if n.endswith("norm.weight") and ".layers." in n:
                     p.requires_grad_(True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("nothing to train: the policy has no LoRA (lora_r = 0) and train_norms is off")
-        return params
+        return [p for p in parts.model.parameters() if p.requires_grad]
 
-    def _setup_engine(self, cfg: GRPOConfig) -> None:
+    def _setup_engine(self, parts: TrainParts) -> int:
         """The rollout engine: on the live policy, or (max_staleness 1) on its own adapter copy, built
-        first so that the KV budget and the memory levers see its bytes."""
-        self.snapshot = AdapterSnapshot(self.model, self.params) if cfg.max_staleness else None
-        self.engine = Engine(self.snapshot.model if self.snapshot is not None else self.model, self.tok,
+        before the memory levers, which must leave its bytes free. Returns what a rollout beside the
+        update needs besides (rollout_reserve_bytes)."""
+        cfg, model = parts.cfg, parts.model
+        self.snapshot = AdapterSnapshot(model, parts.params) if cfg.max_staleness else None
+        self.engine = Engine(self.snapshot.model if self.snapshot is not None else model, parts.tok,
                              max_len=cfg.max_prompt_length + 1 +
                              max(cfg.max_completion_length, cfg.eval_max_completion_length or 0),
-                             max_slots=max(self.plan.generation_batch_size // self.dist.world,
+                             max_slots=max(self.plan.generation_batch_size // parts.dist.world,
                                            min(256, self._eval_slots(cfg))),
                              kv_cache_gb=cfg.rollout_kv_cache_gb if cfg.rollout_kv_cache_gb is not None else
-                             (None if self.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype,
+                             (None if parts.device.type == "cuda" else 2.0), kv_cache_dtype=cfg.rollout_kv_cache_dtype,
                              kernel_settings=self.kernel_settings)
+        return self.rollout_reserve_bytes()
 
     def rollout_reserve_bytes(self) -> int:
         """Memory the update cannot use because a rollout runs beside it (max_staleness 1): the decode
@@ -234,21 +179,6 @@ class GRPOTrainer(TrainLoop):
         if self.snapshot is None:
             return 0
         return 3 * self.engine.n_slots * self.engine.view.vocab * 4
-
-    def _choose_levers(self, cfg: GRPOConfig) -> GRPOConfig:
-        self.levers = levers.choose(levers.Shape.of(self.model.config),
-                                    cfg.per_device_train_batch_size * (cfg.max_prompt_length + cfg.max_completion_length),
-                                    max(0, levers.free_memory(self.device) - self.rollout_reserve_bytes()),
-                                    gradient_checkpointing=cfg.gradient_checkpointing,
-                                    logprob_chunk_size=cfg.logprob_chunk_size)
-        if self.levers.chosen:
-            cfg = dataclasses.replace(cfg, gradient_checkpointing=self.levers.gradient_checkpointing,
-                                      logprob_chunk_size=self.levers.logprob_chunk_size)
-            if self.dist.is_main:
-                print(f"qerl: {self.levers.describe()}", flush=True)
-        if cfg.gradient_checkpointing:
-            levers.enable_gradient_checkpointing(self.model)
-        return cfg
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode_prompt(self, row) -> list[int]:

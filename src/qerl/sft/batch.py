@@ -1,26 +1,24 @@
 """SFT examples as the update's batch: each example a "completion" of the tokens its micro-batch shares.
 
-The policy update (rl/update.py) trains on completions after a prompt, with a loss mask. An
+The policy update (train/update.py) trains on completions after a prompt, with a loss mask. An
 example becomes one: its "prompt" is the leading tokens every example of its micro-batch shares
 (a chat template's system turn, a tool offer; at least the first token, never a trained one), its
 "completion" the rest, and its untrained tokens (a user turn, a tool's answer) are spans left out
-of the loss as tool output is in multi-turn RL. With packing, rl/packing.py then lays a
+of the loss as tool output is in multi-turn RL. With packing, train/packing.py then lays a
 micro-batch's examples end to end in one row after the shared tokens, each example attending
 only to them and to itself, positions continuing from them: the logprobs of separate rows with
 no padding and the shared part computed once. Examples that share no first token get rows of
 their own.
 
-Every advantage is 1 and the sampling policy is the current one (one update per batch), so the
-policy loss's per-token term under loss_type cispo, -sg(min(ratio, 1)) * 1 * log p, is exactly
--log p: the update minimises the token-mean negative log-likelihood over the update's trained
-tokens (TRL's SFT loss with gradient accumulation), and its "loss" metric is that mean.
+The loss (sft/loss.py) reads only each token's log-probability and the loss mask: the advantages (1)
+and the rollout logprobs (0) of the batch are placeholders of the update's batch type.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..rl.batch import RolloutBatch
+from ..train.batch import RolloutBatch
 from ..rollout.engine import Completion
 from .data import Example
 

@@ -45,7 +45,7 @@ def jobs(losses, arms, seeds, out: Path, extra: list[str], lr: float | None = No
 
 def command(run_dir: Path, args: list[str]) -> list[str]:
     """`qerl train` for a run: from its latest checkpoint when an earlier call stopped it."""
-    from ..rl.state import checkpoints
+    from ..train.checkpoints import checkpoints
 
     # No checkpoint yet: a fresh start over what a killed earlier call left (its metrics), which
     # `qerl train` otherwise refuses to mix with a new run.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -26,10 +25,9 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
 from ..checkpoint.peft_adapter import save_adapter
+from ..checkpoint.run_files import STATE_NAME, checkpoints
 from ..layers.qlora_linear import standalone
 
-STATE_NAME = "trainer_state.json"
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -90,14 +88,6 @@ def _jsonable(x):
 
 def _tupled(x):
     return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
-
-
-def checkpoints(output_dir, complete: bool = True) -> list[Path]:
-    """Checkpoints in a run directory, oldest first (complete: those with their trainer_state.json)."""
-    out = Path(output_dir)
-    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := _CKPT.match(p.name))
-             and p.is_dir() and (not complete or (p / STATE_NAME).exists())]
-    return [p for _, p in sorted(found)]
 
 
 class CorruptCheckpoint(ValueError):

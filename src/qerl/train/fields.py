@@ -17,7 +17,8 @@ from pathlib import Path
 import yaml
 
 
-def _f(default, help: str, **kw):
+def setting(default, help: str, **kw):
+    """A config field with its help text (and `choices=`, `item=` for a list's items) as metadata."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -55,7 +56,7 @@ def yaml_mapping(path) -> dict:
     return d
 
 
-def _parse(name: str, text: str, cls):
+def parse_value(name: str, text: str, cls):
     """A command-line value as YAML would read it (from_dict then types it by the field)."""
     hints = typing.get_type_hints(cls)
     if name not in hints:

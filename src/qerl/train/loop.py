@@ -1,7 +1,8 @@
 """The run around the steps, one for GRPO and SFT: claim the run folder, resume (past a corrupt checkpoint),
 run the steps, log them, checkpoint, stop on request, write the adapter and the summary.
 
-A trainer subclasses `TrainLoop` and says what differs: what a step does (`train_step`), how many steps
+A trainer builds its parts (train/parts.py: `TrainParts.build`) and hands them to `setup_loop`; it
+subclasses `TrainLoop` and says what differs: what a step does (`train_step`), how many steps
 (`max_steps`), what its checkpoints carry besides the adapter, optimizer and scheduler
 (`checkpoint_contents`, `restore`), and, for GRPO, what runs before, after and beside the steps
 (evaluations, the rollout in flight). Everything else, and its order, is here:
@@ -27,6 +28,7 @@ from . import run_folder
 from .callbacks import Callbacks
 from .metrics import MetricsLog, read_rows
 from .optim import step_optimizer
+from .parts import TrainParts
 from .trainer_state import log_entry, new_state, summary_entry
 
 
@@ -77,8 +79,16 @@ class TrainLoop:
         """Leave nothing running when train() returns (GRPO: a rollout in flight)."""
 
     # ---- set up ----------------------------------------------------------------------------------
-    def setup_loop(self, callbacks=None) -> None:
-        """After the trainer's model, optimizer, scheduler, sampler and profiler exist."""
+    def setup_loop(self, parts: TrainParts, callbacks=None) -> None:
+        """Take the built parts (train/parts.py: config, device, ranks, policy, parameters, optimizer,
+        schedule, profiler) and set up the run folder, trainer.state and the callbacks. The trainer has
+        its `max_steps`, sampler and `train_step` by now."""
+        self.parts = parts
+        self.cfg, self.device, self.dtype, self.dist = parts.cfg, parts.device, parts.dtype, parts.dist
+        self.policy, self.model, self.tok = parts.policy, parts.model, parts.tok
+        self.params, self.master_weights, self.levers = parts.params, parts.master_weights, parts.levers
+        self.optimizer, self.optim_name, self.scheduler = parts.optimizer, parts.optim_name, parts.scheduler
+        self.profiler, self.progress = parts.profiler, parts.progress
         cfg = self.cfg
         self.step = 0
         self.out = Path(cfg.output_dir)
@@ -298,6 +308,7 @@ class TrainLoop:
         from ..checkpoint.checksums import write_checksums
         from ..checkpoint.peft_adapter import save_adapter
 
-        save_adapter(self.model, self.out / "adapter", base_model_name_or_path=self.base_name(), checksums=True)
+        save_adapter(self.model, self.out / "adapter", base_model_name_or_path=self.base_name(), checksums=True,
+                     modules_to_not_convert=getattr(self.policy, "modules_to_not_convert", None))
         self.tok.save_pretrained(self.out / "adapter")
         write_checksums(self.out / "adapter")

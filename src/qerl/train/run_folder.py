@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 
 from ..checkpoint.atomic import recover_all
-
-LOCK = ".qerl.lock"
-# what a run writes; an output_dir holding any of these (but a config alone) holds a run
-RUN_FILES = ("metrics.jsonl", "adapter", "eval", "tensorboard", "curves.png")
+from ..checkpoint.run_files import LOCK, earlier_run
+from ..invocation import qerl_command
 _TEMP_PREFIXES = (".checkpoint-", ".old-checkpoint-")  # temporary names of saves before checkpoint/atomic.py
 
 
@@ -139,25 +137,13 @@ def clean_temporaries(folder) -> list[str]:
     return gone
 
 
-def earlier_run(folder) -> list[str]:
-    """The names in `folder` that belong to an earlier run (empty: the folder is free to use)."""
-    from .checkpoints import checkpoints
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [n for n in RUN_FILES if (folder / n).exists()]
-    return found + [p.name for p in checkpoints(folder, complete=False)]
-
-
 def refuse_or_clear(folder, overwrite: bool) -> None:
     """A fresh run's folder: refuse one that holds an earlier run, or (overwrite) delete that run."""
     found = earlier_run(folder)
     if not found:
         return
     if not overwrite:
-        from ..cli.invocation import qerl_command  # the hint as the user can paste it (.venv/bin/qerl, python -m qerl)
-
+        # the hint as the user can paste it (.venv/bin/qerl, python -m qerl)
         shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
         raise RunFolderError(f"{folder} already holds a run ({shown}); continue it with `{qerl_command()} train --resume "
                              f"{folder}`"

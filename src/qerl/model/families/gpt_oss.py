@@ -6,12 +6,12 @@ columns. The stock checkpoint holds the experts fused and transposed ([E, K, N])
 (`*_blocks`, `*_scales`) or dense; MXFP4 is repacked as qerl's mxfp4 tensors, never re-quantized.
 LoRA on attention."""
 
-from ..family import LLAMA_PROJECTIONS, QKV, Experts, Family
+from ..family import Experts, attention_only_moe
 
-FAMILY = Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer",
-                projections={k: v for k, v in LLAMA_PROJECTIONS.items() if k in ("q", "k", "v", "o")},
-                gate_up=(), fused_groups=(QKV,), aliases={"gate": None, "up": None, "down": None},
-                llama_norm=False, experts=Experts(count="num_local_experts", per_expert=False),
-                rope_halves=True, sinks=True,
-                tested_against="HF generate on a tiny random GptOssForCausalLM from a stock MXFP4 checkpoint "
-                               "(transformers' dequantization; sinks, window 8), byte-exact MXFP4 round trip")
+FAMILY = attention_only_moe("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer",
+                            Experts(count="num_local_experts", intermediate="intermediate_size", per_expert=False,
+                                    bias=True, checkpoint_format="mxfp4"),
+                            llama_norm=False, rope_halves=True, sinks=True,
+                            tested_against="HF generate on a tiny random GptOssForCausalLM from a stock MXFP4 "
+                                           "checkpoint (transformers' dequantization; sinks, window 8), byte-exact "
+                                           "MXFP4 round trip")

@@ -4,11 +4,10 @@ MoE (softmax over all experts, top-k, renormalised). The stock checkpoint names 
 renames and fuses them on load, qerl reads and writes the stock names. Experts in 4 bits, LoRA on
 attention."""
 
-from ..family import LLAMA_PROJECTIONS, QKV, Experts, Family
+from ..family import Experts, attention_only_moe
 
-FAMILY = Family("mixtral", ("mixtral",), "MixtralForCausalLM", "MixtralDecoderLayer",
-                projections={k: v for k, v in LLAMA_PROJECTIONS.items() if k in ("q", "k", "v", "o")},
-                gate_up=(), fused_groups=(QKV,), aliases={"gate": None, "up": None, "down": None},
-                experts=Experts(gate="w1", up="w3", down="w2", count="num_local_experts"),
-                renames=((".mlp.", ".block_sparse_moe."),), windows_from="every_layer",
-                tested_against="HF generate on a tiny random MixtralForCausalLM (NVFP4 experts, window 8)")
+FAMILY = attention_only_moe("mixtral", ("mixtral",), "MixtralForCausalLM", "MixtralDecoderLayer",
+                            Experts(gate="w1", up="w3", down="w2", count="num_local_experts",
+                                    intermediate="intermediate_size"),
+                            renames=((".mlp.", ".block_sparse_moe."),), windows_from="every_layer",
+                            tested_against="HF generate on a tiny random MixtralForCausalLM (NVFP4 experts, window 8)")

@@ -1,8 +1,9 @@
 """Olmo 3: Olmo 2's layer with sliding and full layers (config.layer_types), rotary tables per layer type."""
 
-from ..family import Family, Norms
+import dataclasses
 
-FAMILY = Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", "Olmo3DecoderLayer",
-                norms=Norms(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                qk_norm="width", llama_norm=False, rope_per_layer_type=True,
-                tested_against="HF generate on tiny random Olmo3ForCausalLM (window 8)")
+from .olmo2 import FAMILY as OLMO2
+
+FAMILY = dataclasses.replace(OLMO2, name="olmo3", model_types=("olmo3",), causal_lm="Olmo3ForCausalLM",
+                             decoder_layer="Olmo3DecoderLayer", rope_per_layer_type=True,
+                             tested_against="HF generate on tiny random Olmo3ForCausalLM (window 8)")

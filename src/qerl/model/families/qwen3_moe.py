@@ -1,7 +1,7 @@
 """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention, every MLP a routed MoE (softmax, top-k,
 renormalised when norm_topk_prob). Experts in 4 bits (layers/quant_experts.py); LoRA on attention only."""
 
-from ..family import LLAMA_PROJECTIONS, QKV, Experts, Family
+from ..family import Experts, attention_only_moe
 
 
 def _check(config):
@@ -10,8 +10,7 @@ def _check(config):
     return None
 
 
-FAMILY = Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer",
-                projections={k: v for k, v in LLAMA_PROJECTIONS.items() if k in ("q", "k", "v", "o")},
-                gate_up=(), fused_groups=(QKV,), aliases={"gate": None, "up": None, "down": None},
-                qk_norm="head", experts=Experts(), check=_check,
-                tested_against="HF generate on a tiny random Qwen3MoeForCausalLM (NVFP4 experts, eager experts loop)")
+FAMILY = attention_only_moe("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer", Experts(),
+                            qk_norm="head", check=_check,
+                            tested_against="HF generate on a tiny random Qwen3MoeForCausalLM (NVFP4 experts, eager "
+                                           "experts loop)")

@@ -1,7 +1,6 @@
-"""Issue 40, silent: a checkpoint whose checksums.json was deleted, lists no files, or leaves a file
-out resumed unverified although the run's other checkpoints have checksums; the final adapter/ had
-no checksums at all. Now such a checkpoint is skipped (set aside, the resume falls back), and the
-final adapter is verified wherever it is loaded."""
+"""Checkpoints and the final adapter verify: bytes changed inside a checkpoint fall back to the previous one,
+naming the changed file; a checkpoint whose checksums.json is missing, empty or leaves a file out is
+skipped when the run's other checkpoints have checksums; the final adapter is verified wherever it loads."""
 
 from __future__ import annotations
 
@@ -9,24 +8,48 @@ import json
 import shutil
 
 import pytest
-from tiny_models import save_tiny, tiny_tokenizer
+from cli_runs import train_args
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "m"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
+
+def kept_args(model, out, *extra):
+    """The short run, keeping two checkpoints."""
+    return train_args(model, out, "--save_total_limit", "2", *extra)
 
 
-def train_args(model, out, *extra):
-    return ["train", "--model", model, "--dataset_name", "arithmetic", "--dataset_config", "{size: 16, eval_size: 4}",
-            "--max_steps", "2", "--generation_batch_size", "4", "--num_generations", "2",
-            "--per_device_train_batch_size", "4", "--max_completion_length", "4", "--max_prompt_length", "64",
-            "--aqn_stages", "2", "--save_steps", "1", "--report_to", "none", "--parity_check_steps", "0",
-            "--optim", "adamw_torch", "--save_total_limit", "2", "--eval_on_start", "false", "--eval_on_end", "false",
-            "--output_dir", out, *extra]
+# ---- checkpoints: checksums written at save, verified at resume -----------------------------------
+def test_bytes_flipped_inside_a_checkpoint_fall_back_to_the_previous_one(cli, model, tmp_path):
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    assert cli(*kept_args(model, run))[0] == 0
+    assert json.loads((run / "checkpoint-2" / "checksums.json").read_text())["files"]["trainable.safetensors"]
+    f = run / "checkpoint-2" / "trainable.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-200:-136] = bytes(b ^ 0x5A for b in data[-200:-136])  # 64 bytes inside the last tensor, same size
+    f.write_bytes(bytes(data))
+    one = load_file(run / "checkpoint-1" / "trainable.safetensors")
+    rc, out, err = cli("train", "--resume", run, "--max_steps", "2")
+    assert rc == 0, err
+    assert "skipping checkpoint-2" in out and "bytes changed" in out and "at step 1/2" in out
+    assert (run / "checkpoint-2.corrupt").is_dir()
+    # the rerun step 2 started from checkpoint-1's values (a fresh checkpoint-2 was written from them)
+    assert set(load_file(run / "checkpoint-2" / "trainable.safetensors")) == set(one)
+
+
+def test_checksums_name_the_changed_file(tmp_path):
+    from qerl.checkpoint.checksums import ChecksumError, verify_checksums, write_checksums
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"\0" * 100)
+    (tmp_path / "y.json").write_text("{}")
+    write_checksums(tmp_path)
+    assert verify_checksums(tmp_path)
+    (tmp_path / "a" / "x.bin").write_bytes(b"\0" * 99 + b"\1")
+    with pytest.raises(ChecksumError, match=r"x\.bin: its bytes changed"):
+        verify_checksums(tmp_path)
+    (tmp_path / "y.json").unlink()
+    assert not verify_checksums(tmp_path / "a")  # no checksums.json: not checked
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +57,7 @@ def finished(model, tmp_path_factory):
     from qerl.cli import main
 
     run = tmp_path_factory.mktemp("f") / "run"
-    assert main([str(a) for a in train_args(model, run)]) == 0
+    assert main([str(a) for a in kept_args(model, run)]) == 0
     return run
 
 

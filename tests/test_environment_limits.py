@@ -1,7 +1,7 @@
-"""Issue 34, the hang: a user's environment (`environment_factory`) runs under the tools' limits. A
-`step` or `respond` that sleeps is answered at `tool_timeout_s`; a 4 MB observation is cut to
-`tool_max_output_chars`; the constructor, `reset` or `respond` raising, or `respond` answering
-something that is not a list of messages, become error text for the model (the sample then ends)."""
+"""A user's environment (`environment_factory`) runs under the tools' limits: a `step` or `respond` that sleeps
+is answered at `tool_timeout_s` (its text conversion included); a large observation, or many messages, are
+cut to `tool_max_output_chars`; the constructor, `reset` or `respond` raising, or answering something that is
+not a list of messages, become error text for the model (the sample then ends)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ import time
 import pytest
 
 from qerl.tools import ToolEnvironment, ToolLimits, ToolTurnHandler
+from qerl.tools.handler import MAX_MESSAGES
+
 
 LIMITS = ToolLimits(timeout_s=0.3, max_output_chars=100)
+
+
 CALL = '<tool_call>{"name": "look", "arguments": {"x": 1}}</tool_call>'
 
 
@@ -62,7 +66,7 @@ def _sleep(s=30):
 
 def test_a_step_that_sleeps_is_answered_at_the_tool_timeout(tok):
     h, text, dt, _ = _respond(tok, lambda: Stepper(_sleep))
-    assert dt < 3 and "took longer than 0.3 s" in text
+    assert dt < 15 and "took longer than 0.3 s" in text  # the step sleeps 30 s: answered long before
 
 
 def test_a_huge_observation_is_cut(tok):
@@ -97,7 +101,7 @@ def _boom():
 ])
 def test_environment_failures_are_text_for_the_model_and_end_the_sample(tok, factory, needle):
     h, text, dt, ids = _respond(tok, factory)
-    assert needle in text and text.count("Error") >= 1 and dt < 3
+    assert needle in text and text.count("Error") >= 1 and dt < 15  # a 30 s sleep was not waited for
     assert h.env_errors == 1
     assert h.respond(0, 0, ids, CALL) is None  # a broken environment answers nothing more
 
@@ -159,3 +163,67 @@ def test_a_closure_tool_whose_result_cannot_be_shown_is_error_text():
     runner = ToolRunner([odd], LIMITS)
     (call,) = parse_tool_calls('<tool_call>{"name": "odd", "arguments": {"x": 1}}</tool_call>', runner.tools)
     assert runner.run(call).startswith("Error: RuntimeError: no str")
+
+
+class SlowStr:
+    def __str__(self):
+        time.sleep(30)
+        return "slow"
+
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: RespondOnly(respond=lambda: [{"role": "tool", "content": SlowStr()}]),
+    lambda: RespondOnly(respond=lambda: SlowStr()),
+    lambda: Stepper(SlowStr),
+], ids=["message-content", "whole-answer", "overridden-step"])
+def test_a_slow_str_is_under_the_tool_timeout(tok, factory):  # noqa: F811
+    h, text, dt, _ = _respond(tok, factory)
+    assert dt < 15, f"held the rollout {dt:.1f} s past the 0.3 s limit (the text takes 30 s)"
+    assert "took longer than 0.3 s" in text
+
+
+def test_a_slow_str_of_a_closure_tools_result_is_under_the_timeout():
+    from qerl.tools import ToolRunner
+    from qerl.tools.calls import parse_tool_calls
+
+    def make():
+        def slow(x: int):
+            """Return something slow to show.
+
+            Args:
+                x: Anything.
+            """
+            return SlowStr()
+        return slow
+
+    runner = ToolRunner([make()], LIMITS)
+    (call,) = parse_tool_calls('<tool_call>{"name": "slow", "arguments": {"x": 1}}</tool_call>', runner.tools)
+    t0 = time.perf_counter()
+    out = runner.run(call)
+    assert time.perf_counter() - t0 < 15 and "took longer than 0.3 s" in out  # not the 30 s the text takes
+
+
+def test_ten_thousand_messages_are_bounded_in_number_and_characters(tok):  # noqa: F811
+    many = [{"role": "tool", "content": f"observation number {i:05d} here"} for i in range(10_000)]
+    h, text, _, _ = _respond(tok, lambda: RespondOnly(respond=lambda: many))
+    shown = [i for i in range(10_000) if f"observation number {i:05d}" in text]
+    # 100 characters in all (LIMITS.max_output_chars): the first three 31-character messages fit whole
+    assert shown[:3] == [0, 1, 2] and len(shown) <= 4
+    assert "more messages not shown" in text and len(text) < 2000, len(text)
+    assert h.env_errors == 0
+
+
+def test_a_few_short_messages_pass_whole(tok):  # noqa: F811
+    msgs = [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]
+    h, text, _, _ = _respond(tok, lambda: RespondOnly(respond=lambda: msgs))
+    assert "a" in text and "b" in text and "not shown" not in text
+
+
+def test_many_empty_messages_are_capped_in_number(tok):  # noqa: F811
+    empty = [{"role": "tool", "content": ""}] * 10_000
+    from qerl.tools.handler import as_messages
+
+    out = as_messages(empty, 100)
+    assert len(out) == MAX_MESSAGES + 1 and "9984 more messages not shown" in out[-1]["content"]

@@ -13,9 +13,9 @@ import torch
 
 from qerl.model import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer
-from qerl.rl import state as ckpt
-from qerl.rl.metrics import read_metrics
-from qerl.rl.run_folder import LOCK, RunFolderError, RunLock
+from qerl.train import checkpoints as ckpt
+from qerl.train.metrics import read_metrics
+from qerl.train.run_folder import LOCK, RunFolderError, RunLock
 from qerl.tasks import get_task
 from tiny_models import config, tiny_tokenizer
 
@@ -103,7 +103,7 @@ def test_the_cli_refuses_before_loading_the_model(run, monkeypatch):
 def test_a_second_process_is_kept_out_of_a_folder_in_use(tmp_path):
     mine = RunLock(tmp_path)
     mine.acquire()
-    code = (f"from qerl.rl.run_folder import RunLock\nRunLock({str(tmp_path)!r}).acquire()")
+    code = (f"from qerl.train.run_folder import RunLock\nRunLock({str(tmp_path)!r}).acquire()")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode != 0 and f"pid {os.getpid()}" in p.stderr and "another qerl run" in p.stderr
     mine.release()
@@ -209,8 +209,8 @@ def test_a_run_killed_mid_save_resumes_from_the_last_complete_checkpoint(run):
     code = f"""
 import os, signal, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
-import qerl.rl.state as st
-from test_reliability_run_folder import _trainer
+import qerl.train.checkpoints as st
+from test_run_folder import _trainer
 real = st.save_file
 def dying(tensors, path, *a, **k):
     real(tensors, path, *a, **k)
