@@ -93,3 +93,8 @@ def test_sft_keeps_the_layers_and_its_adapter_brings_them_back_in_bf16(tmp_path)
     other = load_policy(str(adapter), "nvfp4", device="cpu", dtype=torch.float32, progress=False,
                         modules_to_not_convert=["up_proj"])
     assert _fmt_of(other.model, "mlp.down_proj") == {"nvfp4"} and _fmt_of(other.model, "mlp.up_proj") == {"bf16"}
+    # the CLI's loader (qerl export / eval: base + adapter) keeps them too, so a merge starts from bf16
+    from qerl.cli.policy import load_cli_policy
+
+    cli_pol, _ = load_cli_policy(str(base), "nvfp4", str(adapter), "cpu")
+    assert _fmt_of(cli_pol.model, "mlp.down_proj") == {"bf16"} and _fmt_of(cli_pol.model, "mlp.up_proj") == {"nvfp4"}

@@ -30,7 +30,7 @@ CMD = "python -m qerl.bench.cpu_rollout"
 def _setup():
     from ..model import load_policy
     from ..rl.default_run import default_run_config
-    from ..rl.trainer import resolve_device_dtype
+    from ..train.parts import resolve_device_dtype
     from ..tasks import get_task
     from ..tasks.prompts import encode_prompt
 

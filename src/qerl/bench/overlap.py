@@ -42,8 +42,8 @@ def _sync(dev):
 def build(a):
     """(policy, snapshot, engine, update micro-batch, decode prompts) at the shape."""
     from ..rl.adapter_snapshot import AdapterSnapshot
-    from ..rl.batch import RolloutBatch, micro_batches
-    from ..rl.packing import FLEX, attention_kind, packed_micro_batches, use_flex_attention
+    from ..train.batch import RolloutBatch, micro_batches
+    from ..train.packing import FLEX, attention_kind, packed_micro_batches, use_flex_attention
     from ..rollout import Completion, Engine
     from .step import build_policy
 
@@ -93,7 +93,7 @@ def update_work(model, mb, passes: int) -> None:
     """`passes` forward + backward passes of the packed micro-batch (gradients accumulate; no optimizer
     step, so every pass costs the same)."""
     from ..layers import unfused_lora
-    from ..rl.logprobs import completion_logprobs
+    from ..train.logprobs import completion_logprobs
 
     model.train()
     for _ in range(passes):

@@ -87,7 +87,7 @@ def _engine_case(pol, batches, prompt_len, new, log, bw, cfg, kv_dtype="auto", f
 def _mismatch(pol, completions, n: int = 4) -> tuple[float, float]:
     """Mean and max |engine logprob - trainer logprob| per token over n completions (the trainer's
     teacher-forced forward: dequantize + cuBLAS, the same weights)."""
-    from ..rl.logprobs import completion_logprobs, pad_batch
+    from ..train.logprobs import completion_logprobs, pad_batch
 
     d = []
     with torch.no_grad():

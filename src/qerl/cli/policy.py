@@ -95,7 +95,13 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
 
         rank = int(_read_config(Path(adapter))["r"])
         quant = resolve_quant(adapter, quant)
-    pol = load_policy(model, quant, lora_rank=rank, device=device, dtype=dtype, progress=False)
+    keep = None
+    if adapter:  # the layers the adapter was trained on in bf16 stay bf16 (merged from bf16 on export)
+        from ..checkpoint.peft_adapter import recorded_modules_to_not_convert
+
+        keep = recorded_modules_to_not_convert(adapter) or None
+    pol = load_policy(model, quant, lora_rank=rank, device=device, dtype=dtype, progress=False,
+                      modules_to_not_convert=keep)
     if adapter:
         from ..checkpoint import load_adapter
 

@@ -185,7 +185,7 @@ def run(seed: int = 0, output_dir: str = "runs/tool_recipe", *, overwrite: bool 
     t = time.perf_counter()
     the_task = get_task("tool_arithmetic", **task_opts)
     if policy is None:
-        from ..rl.trainer import resolve_device_dtype
+        from ..train.parts import resolve_device_dtype
 
         device, dtype = resolve_device_dtype(rl_cfg)
         policy = load_policy(rl_cfg.model_name_or_path, rl_cfg.quant, lora_rank=rl_cfg.lora_r,

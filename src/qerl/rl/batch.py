@@ -18,5 +18,3 @@ class RolloutRound:
     lengths: torch.Tensor      # [prompts * G] completion tokens
     stats: object              # rollout.RolloutStats of the round
 
-
-from ..train.batch import MicroBatch, RolloutBatch, micro_batches  # noqa: E402,F401 - bench/overlap.py's import, until it points at train.batch

@@ -24,7 +24,7 @@ from ..model.adapter_start import base_of
 from ..rollout import Engine
 from ..train import checkpoints as ckpt
 from ..train.loop import TrainLoop
-from ..train.parts import Needs, TrainParts, resolve_device_dtype  # noqa: F401 - resolve_device_dtype re-exported
+from ..train.parts import Needs, TrainParts
 from ..train.profiling import Profiler
 from .advantages import rollout_batch
 from .adapter_snapshot import AdapterSnapshot
@@ -45,7 +45,7 @@ from ..train.update import PolicyUpdate, UpdateInputs
 
 from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
 
-__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError", "resolve_device_dtype"]
+__all__ = ["GRPOTrainer", "PromptSampler", "TrainingError"]
 
 
 class GRPOTrainer(TrainLoop):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..kernels import dispatch
 from ..layers.fused_group import project
-from ..model.family import UnsupportedModelError, family_of_model
+from ..model.family import UnsupportedModelError, family_of_model, llama_norm_classes
 from . import attention, rope_kv
 from .kv_cache import dequantize
 
@@ -201,8 +201,7 @@ def _check_rope_type(rotary, config, max_len: int) -> None:
                                     f"max_len {max_len} cannot follow it: use max_len <= {orig}")
 
 
-LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm", "MixtralRMSNorm",
-               "Qwen3MoeRMSNorm")
+LLAMA_NORMS = llama_norm_classes()  # the family spec's (Family.llama_norm): one source
 
 
 def _rms_eps(m):
