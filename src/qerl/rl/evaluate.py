@@ -92,7 +92,7 @@ def evaluate(engine, tok, rows: list[dict], accuracy_func, *, samples: int = 1, 
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in outs]
         cols = {k: [part[c.prompt_index][k] for c in outs] for k in part[0] if k != "prompt"}
         cols["prompts"] = [part[c.prompt_index]["prompt"] for c in outs]
-        sc = score(funcs, None, texts, cols)
+        sc = score(funcs, None, texts, cols, completion_ids=[list(c.token_ids) for c in outs])
         errors += sc.errors
         acc = sc.per_func[next(iter(sc.per_func))]
         fmt = sc.per_func.get("format")
