@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,29 +48,7 @@ def finished(model, tmp_path_factory):
     return run
 
 
-# ---- Ctrl-C in a command's first seconds: one line, qerl train's, everywhere -----------------------------
-@pytest.mark.parametrize("command, after_s", [("train", 0.5), ("train", 2.5), ("export", 0.5), ("export", 2.0),
-                                              ("sft", 0.5), ("sft", 2.5)])
-def test_ctrl_c_in_the_first_seconds_is_one_line(model, tmp_path, command, after_s):
-    args = {"train": train_args(model, tmp_path / "run", "--max_steps", "100000"),
-            "export": ["export", model, tmp_path / "merged"],
-            "sft": sft_args(model, tmp_path / "run", "--max_steps", "100000")}[command]
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "qerl", *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    time.sleep(after_s)
-    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "error_already_set" not in err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"qerl {command}: stopped by SIGINT"), last
-    if command == "export":
-        assert not (tmp_path / "merged").exists() and "nothing written" in last
-    else:
-        assert "checkpoint" in last and ("continue with" in last or "start again with the same command" in last)
-
-
+# ---- Ctrl-C in a command's first seconds: tests/test_cli_interrupts.py (timed from qerl's handler, under load)
 def test_ctrl_c_while_an_export_loads_is_one_line(cli, model, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt

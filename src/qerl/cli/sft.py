@@ -102,6 +102,7 @@ def run(args):
         raise RunFolderError(earlier_run_message(Path(cfg.output_dir), "sft"))
     import sys
 
+    from . import check_interrupted
     from .train import interrupted, interruptible
 
     with interruptible() as stop:
@@ -111,6 +112,7 @@ def run(args):
             if args.resume:
                 step = trainer.resume()
                 print(f"qerl sft: resuming {args.resume} at step {step}/{trainer.max_steps}")
+            check_interrupted()  # a Ctrl-C swallowed while the model loaded: not a whole run later
             rows = trainer.train()
         except KeyboardInterrupt:  # one line, as `qerl train` says it: the step, what is saved, how to go on
             from . import after_interrupt
