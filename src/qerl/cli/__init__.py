@@ -215,13 +215,23 @@ def _main(argv: list[str]) -> int:
     _begin_running()
     try:
         return COMMANDS[args.command].run(args) or 0
-    except (ValueError, OSError, KeyError, ModuleNotFoundError) as e:
-        if os.environ.get("QERL_DEBUG"):  # the traceback, for bug reports
+    except Exception as e:
+        if not said_in_one_line(e) or os.environ.get("QERL_DEBUG"):  # the traceback: a bug, or asked for
             raise
         from .hub import with_offline_choices
 
         print(f"qerl {args.command}: error: {with_offline_choices(e)}", file=sys.stderr)
         return 2
+
+
+def said_in_one_line(e: BaseException) -> bool:
+    """Errors whose message says what went wrong and what to do (bad input, a missing file, a run that
+    stopped on a non-finite loss and names its last good checkpoint); anything else is a bug and keeps
+    its traceback."""
+    if isinstance(e, (ValueError, OSError, KeyError, ModuleNotFoundError)):
+        return True
+    optim = sys.modules.get("qerl.train.optim")  # loaded whenever it raised: no torch import here
+    return optim is not None and isinstance(e, optim.TrainingError)
 
 
 if __name__ == "__main__":
