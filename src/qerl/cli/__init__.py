@@ -78,6 +78,9 @@ def restore_signal_handlers() -> None:
 
 def _started_as_the_command() -> bool:
     """`qerl ...` (the installed script) or `python -m qerl ...`, not a program importing qerl.cli."""
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None and mp.parent_process() is not None:  # a spawned worker: its parent handles Ctrl-C
+        return False
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return (getattr(spec, "name", None) == "qerl.__main__"
             or os.path.basename(sys.argv[0] if sys.argv else "").removesuffix(".exe") == "qerl")
