@@ -231,12 +231,13 @@ def test_ctrl_c_and_sigterm_end_with_one_line_and_the_resume_command(model, tmp_
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "qerl", *map(str, args)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a loaded 2-core machine takes minutes to import, load and train 2 steps
     # any checkpoint: at tens of steps a second checkpoint-2 is already rotated out between two polls
     while not any(run.glob("checkpoint-*")) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.2)
     os.killpg(p.pid, sig)  # as a terminal's Ctrl-C: the whole process group
-    out, err = p.communicate(timeout=60)
+    out, err = p.communicate(timeout=120)
+    assert any(run.glob("checkpoint-*")), f"no checkpoint within 300 s: {err[-2000:]}"
     assert p.returncode == (130 if sig == signal.SIGINT else 143), err[-2000:]
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -246,28 +247,7 @@ def test_ctrl_c_and_sigterm_end_with_one_line_and_the_resume_command(model, tmp_
 
 
 # ---- Ctrl-C in a command's first seconds: one line, qerl train's, everywhere -----------------------------
-@pytest.mark.parametrize("command, after_s", [("train", 0.5), ("train", 2.5), ("export", 0.5), ("export", 2.0),
-                                              ("sft", 0.5), ("sft", 2.5)])
-def test_ctrl_c_in_the_first_seconds_is_one_line(model, tmp_path, command, after_s):
-    args = {"train": train_args(model, tmp_path / "run", "--max_steps", "100000"),
-            "export": ["export", model, tmp_path / "merged"],
-            "sft": sft_args(model, tmp_path / "run", "--max_steps", "100000")}[command]
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "qerl", *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    time.sleep(after_s)
-    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "error_already_set" not in err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"qerl {command}: stopped by SIGINT"), last
-    if command == "export":
-        assert not (tmp_path / "merged").exists() and "nothing written" in last
-    else:
-        assert "checkpoint" in last and ("continue with" in last or "start again with the same command" in last)
-
-
+# Ctrl-C in a command's first seconds: tests/test_cli_interrupts.py (timed from qerl's handler, under load)
 def test_ctrl_c_while_an_export_loads_is_one_line(cli, model, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -473,3 +453,24 @@ def test_train_warning_text(model, tmp_path, capsys):
     preflight(GRPOConfig(model_name_or_path=str(model), max_prompt_length=64, max_completion_length=100,
                          dataset_config={"size": 8, "eval_size": 2}, output_dir=str(tmp_path / "r")))
     assert "exceed the model's 128 positions" in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_a_non_finite_loss_is_one_line(cli, model, tmp_path):
+    """A TrainingError (a non-finite loss) is one line naming where the run can go on from, not a traceback."""
+    # a learning rate of 1e30 is finite and positive: the first update overflows, the next loss is NaN
+    run = tmp_path / "run"
+    rc, _, err = cli("sft", "--model_name_or_path", model, "--max_steps", "4", "--per_device_train_batch_size", "2",
+                     "--max_length", "128", "--report_to", "none", "--output_dir", run, "--learning_rate", "1e30",
+                     "--save_steps", "1")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("qerl sft: error: ") and "loss is nan" in last, err[-2000:]
+    assert str(run / "checkpoint-") in last  # where the run can go on from
+
+
+def test_only_errors_that_explain_themselves_lose_their_traceback():
+    from qerl.cli import said_in_one_line
+    from qerl.train.optim import TrainingError
+
+    assert said_in_one_line(TrainingError("step 3: loss is nan"))
+    assert said_in_one_line(ValueError("x")) and said_in_one_line(FileNotFoundError("x"))
+    assert not said_in_one_line(RuntimeError("a bug")) and not said_in_one_line(TypeError("a bug"))

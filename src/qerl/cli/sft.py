@@ -86,6 +86,19 @@ def build_config(args):
     return SFTConfig().with_overrides(ov)
 
 
+def data_file(name) -> None:
+    """A local dataset that is a FIFO, a device or a folder: said by name before the model loads (reading
+    a FIFO would wait for a writer, /dev/zero would never end)."""
+    import os
+    from pathlib import Path
+
+    from ..tasks.data import regular_file
+
+    path = Path(str(name)).expanduser()
+    if path.suffix.lower() in (".jsonl", ".json", ".parquet") or os.path.lexists(path):
+        regular_file(path, "dataset_name")
+
+
 def run(args):
     cfg = build_config(args)
     if args.print_config:
@@ -97,11 +110,13 @@ def run(args):
     from ..sft import SFTTrainer
     from .preflight import earlier_run_message
 
+    data_file(cfg.dataset_name)
     if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
         # before minutes of model loading
         raise RunFolderError(earlier_run_message(Path(cfg.output_dir), "sft"))
     import sys
 
+    from . import check_interrupted
     from .train import interrupted, interruptible
 
     with interruptible() as stop:
@@ -111,6 +126,7 @@ def run(args):
             if args.resume:
                 step = trainer.resume()
                 print(f"qerl sft: resuming {args.resume} at step {step}/{trainer.max_steps}")
+            check_interrupted()  # a Ctrl-C swallowed while the model loaded: not a whole run later
             rows = trainer.train()
         except KeyboardInterrupt:  # one line, as `qerl train` says it: the step, what is saved, how to go on
             from . import after_interrupt

@@ -100,6 +100,7 @@ def run(args):
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from . import check_interrupted
     from .preflight import check_run_folder, preflight
 
     check_run_folder(cfg, resuming=bool(args.resume))  # the lock, an earlier run, a file in the way
@@ -134,6 +135,7 @@ def run(args):
             import time
 
             t0 = time.perf_counter()
+            check_interrupted()  # a Ctrl-C swallowed while the model loaded: not a whole run later
             rows = trainer.train()
             wall = time.perf_counter() - t0
         except KeyboardInterrupt:

@@ -9,6 +9,8 @@ is an error naming the file and row, or, with `on_error="skip"`, left out and co
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import zipfile
@@ -99,14 +101,35 @@ def _jsonl_records(path: Path):
                 yield n, DataError(f"not valid JSON ({e.msg} at column {e.colno})")
 
 
+KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(path, what: str = "") -> Path:
+    """`path` as a Path once os.stat says it is a regular file (links followed); otherwise an error
+    naming it and what it is. Never opens it: reading a FIFO would wait for a writer, /dev/zero never ends."""
+    path = Path(path)
+    where = f"{what} {path}" if what else str(path)
+    link = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        gone = f": a link to {os.path.realpath(path)}, which does not exist" if link else ": no such file"
+        raise FileNotFoundError(where + gone) from None
+    except OSError as e:
+        raise DataError(f"{where}{link}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise DataError(f"{where}{link}: is a folder; name the data file in it (.jsonl, .json or .parquet)")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in KINDS if test(st.st_mode)), "not a file")
+        raise DataError(f"{where}{link}: is {kind}, not a regular file; give a .jsonl, .json or .parquet file")
+    return path
+
+
 def load_file(path, *, question: str = "question", answer: str = "answer", on_error: str = "raise",
               limit: int | None = None) -> Rows:
     """A local .jsonl (one object per line), .json (a list of objects) or .parquet file."""
-    path = Path(path)
-    if path.is_dir():
-        raise DataError(f"{path}: is a folder; name the data file in it (.jsonl, .json or .parquet)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+    path = regular_file(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         # numbered from 1, as editors number lines
@@ -136,6 +159,8 @@ def load_file(path, *, question: str = "question", answer: str = "answer", on_er
 def load_hub(name: str, *, config: str | None = None, split: str = "train", question: str = "question",
              answer: str = "answer", on_error: str = "raise", limit: int | None = None) -> Rows:
     """A Hugging Face dataset through `datasets` (needs the network or its local cache)."""
+    if os.path.lexists(name) and not os.path.isdir(name):  # a FIFO or device named without a data suffix
+        regular_file(name, "dataset_name")
     try:
         import datasets
     except ImportError as e:
