@@ -6,7 +6,7 @@ text for the model naming the environment, the message and the field; the sample
 from __future__ import annotations
 
 import pytest
-from test_reliability_environments import CALL, LIMITS, RespondOnly, tok  # noqa: F401 - tok: a fixture
+from test_environment_limits import CALL, LIMITS, RespondOnly, tok  # noqa: F401 - tok: a fixture
 
 from qerl.tools import ToolTurnHandler
 
