@@ -41,6 +41,31 @@ def gain_interval(rows: list[dict]) -> tuple[float, float]:
     return m - t * se, m + t * se
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for rows whose figure depends on it; the platform where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def run_measured(cmd: list[str], logs: Path) -> tuple[int, str, str, float]:
+    """Run cmd with its output in files under `logs`: (return code, stdout, stderr, its peak resident memory
+    in GiB). os.wait4 gives that one child's own rusage (RUSAGE_CHILDREN would mix in earlier seeds)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "stdout.txt", "w") as o, open(logs / "stderr.txt", "w") as e:
+        p = subprocess.Popen(cmd, stdout=o, stderr=e, text=True)
+        _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    out, err = (logs / "stdout.txt").read_text(), (logs / "stderr.txt").read_text()
+    return p.returncode, out, err, usage.ru_maxrss / 2**20  # Linux: kilobytes
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench default_run")
     ap.add_argument("--seeds", default="0,1,2")
@@ -68,12 +93,12 @@ def main(argv=None):
         log(f"$ {' '.join(map(shlex.quote, cmd))}")
         load = os.getloadavg()[0]  # others' work beside the run shows here
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        rc, stdout, stderr, rss = run_measured(cmd, out / f"logs_seed{seed}")
         wall = time.perf_counter() - t0
         (run_dir / "stdout.log").parent.mkdir(parents=True, exist_ok=True)
-        (run_dir / "stdout.log").write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
-        if p.returncode:
-            log(f"seed {seed}: failed ({p.returncode}); see {run_dir}/stdout.log\n{p.stderr[-2000:]}")
+        (run_dir / "stdout.log").write_text(stdout + "\n--- stderr ---\n" + stderr)
+        if rc:
+            log(f"seed {seed}: failed ({rc}); see {run_dir}/stdout.log\n{stderr[-2000:]}")
             return 1
         evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_pass_at_1" in x]
         before, after = evals[0], evals[-1]
@@ -81,8 +106,10 @@ def main(argv=None):
         r = dict(seed=seed, wall_s=wall, before=100 * before["eval_pass_at_1"], after=100 * after["eval_pass_at_1"],
                  gain=gain, se=100 * (before["eval_stderr"] ** 2 + after["eval_stderr"] ** 2) ** 0.5,
                  steps=after["step"])
-        r["note"] = f"1-min load average {load:.2f} at the start (the run alone: ~0-1)"
+        r["peak_rss_gib"] = rss
+        r["note"] = f"1-min load average {load:.2f} at the start (the run alone: ~0-1); CPU {cpu_model()}"
         rows.append(r)
+        log(f"seed {seed}: peak RSS {rss:.2f} GiB on {cpu_model()}")
         log(f"seed {seed}: {wall / 60:.1f} min, held-out {r['before']:.1f} -> {r['after']:.1f} % "
             f"({gain:+.1f} ± {r['se']:.1f} points), {r['steps']} steps")
         if args.record:  # each seed as soon as it is measured (a run cut off keeps its finished seeds)
@@ -90,6 +117,8 @@ def main(argv=None):
                    results_dir=rd, note=r["note"])
             record("default_run", f"{case} seed {seed}", "heldout_gain", round(gain, 2), "points", None,
                    command=cmd_text, results_dir=rd, note=r["note"])
+            record("default_run", f"{case} seed {seed}", "peak_rss", round(rss, 2), "GiB",
+                   None if gpu else "<=4", command=cmd_text, results_dir=rd, note=r["note"])
     n = len(rows)
     mean_wall = statistics.mean(r["wall_s"] for r in rows)
     mean_gain = statistics.mean(r["gain"] for r in rows)
@@ -108,6 +137,8 @@ def main(argv=None):
                command=cmd, results_dir=rd, note=note)
         record("default_run", f"{case} mean of {n} seeds", "heldout_gain", round(mean_gain, 2), "points", target_gain,
                command=cmd, results_dir=rd, note=note)
+        record("default_run", f"{case} mean of {n} seeds", "peak_rss", round(max(r["peak_rss_gib"] for r in rows), 2),
+               "GiB", None if gpu else "<=4", command=cmd, results_dir=rd, note=note)
         record("default_run", f"{case} mean of {n} seeds", "heldout_before", round(statistics.mean(r["before"] for r in rows), 2),
                "%", None, command=cmd, results_dir=rd)
         record("default_run", f"{case} mean of {n} seeds", "heldout_after", round(statistics.mean(r["after"] for r in rows), 2),
