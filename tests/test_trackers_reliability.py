@@ -197,7 +197,7 @@ def test_an_unreachable_wandb_server_is_one_line_in_seconds(tmp_path, monkeypatc
 
 def test_qerl_train_with_an_unreachable_wandb_server_is_one_line_and_trains_nothing(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
-    from test_reliability_cli import train_args
+    from cli_runs import train_args
     from tiny_models import save_tiny, tiny_tokenizer
 
     from qerl.cli import main
