@@ -12,18 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny, tiny_tokenizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "m"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def command_args(command, model, tmp_path):

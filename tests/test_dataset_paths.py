@@ -8,19 +8,10 @@ import os
 import threading
 
 import pytest
-from tiny_models import save_tiny, tiny_tokenizer
 
 from qerl.tasks.data import load_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="POSIX")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "m"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 @pytest.fixture
