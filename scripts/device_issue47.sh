@@ -36,6 +36,12 @@ check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kerne
   ;;
 esac
 case "${STEP:-kernels}" in
+profile)  # where one 7B decode step's time goes, by kernel kind, nvfp4 and bf16 (issue 47 section 4)
+  timeout ${PROFILE_S:-300} python3 scripts/profile_decode.py --skip-attention --quants ${QUANTS:-nvfp4,bf16} \
+    --batches ${BATCHES:-1,64} --out $OUT 2>&1 | grep -v Warning | tail -${TAIL:-70}
+  ;;
+esac
+case "${STEP:-kernels}" in
 moe)  # one Qwen3-30B-A3B GRPO step at defaults (MoE decode from graphs): rollout tok/s and peak memory
   LIMIT=${LIMIT:-400} SHAPE=${SHAPE:-qwen3-30b-a3b} NEW=${NEW:-256} KV=${KV:-3.4} bash scripts/device_moe.sh step
   ;;

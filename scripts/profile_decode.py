@@ -23,7 +23,11 @@ from qerl.rollout import Engine, SamplingParams, attention  # noqa: E402
 from qerl.rollout.kv_cache import FP8_MAX, _quantize  # noqa: E402
 
 KINDS = [  # first match wins
+    ("humming-kernels W4 GEMM", ("humming",)),
+    ("LoRA expand (Triton, one launch a group)", ("_expand_kernel",)),
+    ("LoRA shrink (Triton decode GEMV)", ("shrink_kernel",)),
     ("W4 matmul (MMA)", ("w4_mma_matmul",)),
+    ("W4 matmul (wgmma)", ("w4_wgmma",)),
     ("W4 dequantize", ("w4_mma_dequantize",)),
     ("attention split-KV", ("split_kernel",)),
     ("attention merge", ("merge_kernel",)),
@@ -110,12 +114,13 @@ def shrink_bench(log):
     return rows
 
 
-def step_profile(layers, log):
+def step_profile(layers, log, quants=("nvfp4",), batches=(1, 64)):
     cfg = qwen25_config("qwen2.5-7b", layers)
-    pol = random_policy(cfg, "nvfp4", lora_rank=32, device="cuda", progress=False)
     out = []
-    for fused in (True,):  # the torch decode path (fused=False) was profiled at f73d1df
-        for b in (1, 64):
+    for quant in quants:
+        pol = random_policy(cfg, quant, lora_rank=32, device="cuda", progress=False)
+        fused = True  # the torch decode path (fused=False) was profiled at f73d1df
+        for b in batches:
             eng = Engine(pol.model, max_len=640, max_slots=b, fused_attention=fused)
             p = SamplingParams(max_new_tokens=96, temperature=1.0, ignore_eos=True, seed=0)
             prompts = [list(range(256))] * b
@@ -144,17 +149,19 @@ def step_profile(layers, log):
                     names[e.name[:90]] += 1
             total_n = sum(v[0] for v in per.values())
             total_us = sum(v[1] for v in per.values())
-            log(f"\nfused_attention={fused} batch={b}: graph step {ms:.3f} ms; eager profile: {total_n / steps:.0f} "
+            log(f"\n{quant} batch={b}: graph step {ms:.3f} ms; eager profile: {total_n / steps:.0f} "
                 f"kernels and {total_us / steps / 1e3:.3f} ms kernel time per step (decode only, 384 keys)")
             for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
                 log(f"   {k:44s} {n / steps:7.1f} per step {us / steps:9.1f} us per step")
-            out.append(dict(fused=fused, batch=b, ms_per_step=ms, kernels_per_step=total_n / steps,
+            out.append(dict(quant=quant, batch=b, ms_per_step=ms, kernels_per_step=total_n / steps,
                             kernel_ms_per_step=total_us / steps / 1e3,
                             kinds={k: dict(per_step=n / steps, us_per_step=us / steps) for k, (n, us) in per.items()}))
             for nm, cnt in names.most_common(12):
                 log(f"      other: {cnt / steps:5.1f} per step  {nm}")
             del eng, eng_e
             torch.cuda.empty_cache()
+        del pol
+        torch.cuda.empty_cache()
     return out
 
 
@@ -165,6 +172,8 @@ def main():
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--shrink", action="store_true", help="also time the decode LoRA shrink variants")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--quants", default="nvfp4", help="policies to profile a decode step of (nvfp4, bf16)")
+    ap.add_argument("--batches", default="1,64")
     a = ap.parse_args()
     logf = open(f"{a.out}/profile_decode.log", "w")
 
@@ -180,7 +189,7 @@ def main():
     if a.shrink:
         res["shrink"] = shrink_bench(log)
     if not a.skip_step:
-        res["step"] = step_profile(a.layers, log)
+        res["step"] = step_profile(a.layers, log, a.quants.split(","), [int(b) for b in a.batches.split(",")])
     with open(f"{a.out}/profile_decode.json", "w") as f:
         json.dump(res, f, indent=1)
 

@@ -28,7 +28,7 @@ from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
-         "humming", "humming_lora32", "triton", "tinygemm"]
+         "humming", "humming_lora32", "humming_lora32_addmm", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -231,8 +231,10 @@ def _time(sets, mode, x, group, **cfg):
 
     try:
         # "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
-        with settings.use(humming=mode == "routed"):
-            fns = _fns(sets, "nvfp4" if mode == "routed" else mode, x, group, **cfg)
+        # "humming_lora32_addmm": humming + LoRA with the expand as one addmm per segment (the one-launch kernel's baseline)
+        with settings.use(humming=mode == "routed", lora_expand_kernel=mode != "humming_lora32_addmm"):
+            base = {"routed": "nvfp4", "humming_lora32_addmm": "humming_lora32"}.get(mode, mode)
+            fns = _fns(sets, base, x, group, **cfg)
             return None if fns is None else time_calls(fns)
     except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
         print(f"  {mode} M={x.shape[0]} {sets.n}x{sets.k}: {type(e).__name__}: {str(e)[:200]}")
@@ -357,6 +359,8 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_lora32", m) in agg:
             rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
+        if ("humming_lora32_addmm", m) in agg:
+            rows.append((case, "humming_lora32_addmm_overhead", g("humming_lora32_addmm") / g("humming") - 1, "", None))
         if ("nvfp4_lora32_cublas_shrink", m) in agg:
             rows.append((case, "lora32_overhead_cublas_shrink", g("nvfp4_lora32_cublas_shrink") / q - 1, "", None))
     return rows, final

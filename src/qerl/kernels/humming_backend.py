@@ -4,7 +4,7 @@ Why a library here: on sm_90 it runs the weights as wgmma's register operand wit
 specialization and stream-K, the Hopper structure our own kernels lack (../shared/docs/kernel-anchors.md);
 on the H200 it was 1.2-1.45x faster than our routed path at M 32-2048 (issue 47). We use it as it is
 and keep our effort for what it does not do: the LoRA term runs beside it (one shrink per fused group,
-one expand per segment, into its output).
+one expand launch for all its segments, added into its output).
 
 humming takes compressed-tensors' NVFP4/MXFP4 tensors (`weight_packed`, `weight_scale`, and NVFP4's
 `weight_global_scale`) and repacks them into its own layout once (`HummingWeight.build`, timed). The
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lora_expand, settings
 from .dispatch import LoraTerm
 
 PIN = "0.1.20"  # pyproject's `cuda` extra installs exactly this
@@ -119,9 +120,12 @@ class HummingWeight:
 
 
 def add_lora(y: torch.Tensor, lora: LoraTerm) -> torch.Tensor:
-    """y[:, rows of s] += scaling * xa_s @ b_s.T in place, one cuBLAS GEMM per segment written into y's columns.
-    It reads B itself (no cached copy): a CUDA graph captured in one rollout replays in the next, after an
-    optimizer step has changed B in place. xa must be given."""
+    """y[:, rows of s] += scaling * xa_s @ b_s.T in place: one Triton launch for all segments (kernels/lora_expand.py),
+    else one cuBLAS addmm per segment. Both read B itself (no cached copy): a CUDA graph captured in one rollout
+    replays in the next, after an optimizer step has changed B in place. xa must be given."""
+    n_seg = len(lora.seg_starts) + 1
+    if settings.current().lora_expand_kernel and lora_expand.supports(y, lora.xa, lora.b, n_seg):
+        return lora_expand.expand_add(y, lora.xa, lora.b, lora.scaling, lora.seg_starts)
     r, n = lora.rank, lora.b.shape[0]
     bounds = (0, *lora.seg_starts, n)
     xa = lora.xa.to(y.dtype)

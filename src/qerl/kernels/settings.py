@@ -32,6 +32,9 @@ class KernelSettings:
     """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py) to it, where it
     imports (pyproject's `cuda` extra). H100, 7B layer set vs cuBLAS bf16: 1.82 / 1.66 / 1.32 / 0.91x at M 32 / 64 /
     128 / 256 against qerl's own 1.50 / 1.16 / 0.88 / 0.64 (bench kernels, 2026-12-06)."""
+    lora_expand_kernel: bool = True
+    """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
+    (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""
     fuse_lora: bool = True
     """No-grad forwards fuse the LoRA expand into the base kernel's epilogue (False: the training path's
     separate LoRA term, so a no-grad logprob pass gives the grad-enabled pass's bits: PPO's old policy)."""
