@@ -93,6 +93,11 @@ def _assert_same_values(got, want, what):
     # from torch's (random E8M0 bytes reach 2^-127; the H100 run showed 1-ulp subnormal differences only).
     tiny = torch.finfo(torch.float32).tiny
     diff &= ~((got.float().abs() < tiny) & (want.float().abs() < tiny))
+    # A subnormal E8M0 scale (2^-127) times an E2M1 value lands just above `tiny`; there the torch reference
+    # rounds through the subnormal scale (H100, ae245f7: 3·2^-127 came out 1.7632411e-38, the kernel's exact
+    # 1.7632415e-38). Within 1e-6 relative below 2^-100 counts as equal.
+    g64, w64 = got.double(), want.double()
+    diff &= ~((w64.abs() < 2.0**-100) & ((g64 - w64).abs() <= 1e-6 * w64.abs()))
     if bool(diff.any()):
         pos = diff.nonzero()[0].tolist()
         raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} differ; first at {pos}: "
