@@ -37,7 +37,7 @@ check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kerne
 esac
 case "${STEP:-kernels}" in
 profile)  # where one 7B decode step's time goes, by kernel kind, nvfp4 and bf16 (issue 47 section 4)
-  timeout ${PROFILE_S:-300} python3 scripts/profile_decode.py --skip-attention --quants ${QUANTS:-nvfp4,bf16} \
+  timeout ${PROFILE_S:-300} python3 scripts/profile_decode.py --skip-attention ${SHRINK:+--shrink} ${SKIP_STEP:+--skip-step} --quants ${QUANTS:-nvfp4,bf16} \
     --batches ${BATCHES:-1,64} --out $OUT 2>&1 | grep -v Warning | tail -${TAIL:-70}
   ;;
 esac

@@ -97,20 +97,22 @@ def attention_bench(bw, log):
 
 
 def shrink_bench(log):
-    """The decode LoRA shrink of the 7B's projections: cuBLAS (F.linear) against the one-kernel Triton GEMV."""
+    """The LoRA shrink of the 7B's projections: cuBLAS (F.linear), the one-row decode kernel, the split-K kernel."""
     from qerl.kernels import lora_shrink
 
     rows = []
-    for m in (1, 8):
-        for name, k, r in (("q|k|v", 3584, 96), ("o", 3584, 32), ("down", 18944, 32)):
+    for m in (1, 8, 16, 64, 128, 256):
+        for name, k, r in (("q|k|v", 3584, 96), ("o", 3584, 32), ("gate|up", 3584, 64), ("down", 18944, 32)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a = torch.randn(r, k, device="cuda", dtype=torch.bfloat16) * 0.02
             t_cb = timed(lambda: torch.nn.functional.linear(x, a))
-            t_tr = timed(lambda: lora_shrink.shrink(x, a))
-            err = float((lora_shrink.shrink(x, a).float() - torch.nn.functional.linear(x, a).float()).abs().max())
-            rows.append(dict(m=m, proj=name, us_cublas=t_cb * 1e6, us_triton=t_tr * 1e6, max_diff=err))
-            log(f"shrink M={m} {name:6s} K={k:5d} r={r}: cuBLAS {t_cb * 1e6:6.2f} us, Triton {t_tr * 1e6:6.2f} us "
-                f"(max |diff| {err:.2e})")
+            t_tr = timed(lambda: lora_shrink.shrink(x, a)) if m <= lora_shrink.MAX_M else float("nan")
+            t_sp = timed(lambda: lora_shrink.shrink_split(x, a))
+            err = float((lora_shrink.shrink_split(x, a).float() - torch.nn.functional.linear(x, a).float()).abs().max())
+            rows.append(dict(m=m, proj=name, us_cublas=t_cb * 1e6, us_triton=t_tr * 1e6, us_split=t_sp * 1e6,
+                             max_diff=err))
+            log(f"shrink M={m:3d} {name:7s} K={k:5d} r={r}: cuBLAS {t_cb * 1e6:6.2f} us, row kernel {t_tr * 1e6:6.2f} us, "
+                f"split-K {t_sp * 1e6:6.2f} us (max |diff| vs cuBLAS {err:.2e})")
     return rows
 
 

@@ -63,3 +63,105 @@ def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _kernel[(a.shape[0],)](x, a, out, m, k, x.stride(0), a.stride(0), out.stride(0),
                            BLOCK_M=bm, BLOCK_K=BLOCK_K if bm <= 4 else BLOCK_K // 2, num_warps=4)
     return out
+
+
+# ---- The shrink at any M up to SPLIT_MAX_M, split over K, in one launch ----
+# Beside a library GEMM (humming, M > 16) cuBLAS ran the shrink in ~6-7 µs a projection on the H100 (7B decode
+# step at batch 64: 112 shrinks and expands, 1.2 ms of 6.3: scripts/profile_decode.py, ae245f7): a
+# [M, 3.5k-19k] x [3.5k-19k, 32-96] product moves ~1 MB, so its time is launches and too few CTAs. Here the K
+# range is split over enough programs to fill the card; each writes its fp32 partial tile, and the last program
+# of a tile (a ticket counter) sums the partials in split order and writes xa rounded once: one launch, no
+# memset, the same bits on every run, and the counter is left at 0 for the next call or graph replay.
+SPLIT_MAX_M = 256
+SPLIT_BLOCK_K = 256
+_split_kernel = None
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def _build_split():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(x_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr, M, K, R, K_PER, sx, sa, so,
+                     BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        pm, pr, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        m = pm * BM + tl.arange(0, BM)
+        r = pr * BR + tl.arange(0, BR)
+        mm, rm = m < M, r < R
+        acc = tl.zeros([BM, BR], tl.float32)
+        k_lo = ps * K_PER
+        for k0 in range(k_lo, k_lo + K_PER, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            x = tl.load(x_ptr + m[:, None] * sx + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            a = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=km[:, None] & rm[None, :], other=0.0)
+            acc += tl.dot(x, a, out_dtype=tl.float32, input_precision=PRECISION)
+        tile = pm * tl.num_programs(1) + pr
+        ws = ws_ptr + (tile * SPLITS) * BM * BR + tl.arange(0, BM)[:, None] * BR + tl.arange(0, BR)[None, :]
+        tl.store(ws + ps * BM * BR, acc)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release below)
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLITS - 1:  # the last program of this tile: sum the partials in split order
+            total = tl.zeros([BM, BR], tl.float32)
+            for s in range(SPLITS):
+                total += tl.load(ws + s * BM * BR, cache_modifier=".cg")
+            tl.store(out_ptr + m[:, None] * so + r[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=mm[:, None] & rm[None, :])
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    return split_kernel
+
+
+def split_supports(x: torch.Tensor, a: torch.Tensor) -> bool:
+    ok_dev = x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+    return (ok_dev and x.dim() == 2 and a.dim() == 2 and a.stride(-1) == 1 and x.stride(-1) == 1
+            and x.dtype == a.dtype and x.shape[0] <= SPLIT_MAX_M and x.shape[1] == a.shape[1])
+
+
+def _split_plan(m: int, k: int, r: int, sms: int) -> tuple[int, int, int]:
+    """(BM, BR, splits): tiles of 16-64 tokens by 16-32 adapter rows, K split so the grid covers ~2 waves of SMs."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    br = 16 if r <= 16 or m > 64 else 32
+    tiles = -(-m // bm) * -(-r // br)
+    k_blocks = -(-k // SPLIT_BLOCK_K)
+    splits = max(1, min(k_blocks, (2 * sms) // tiles, 64))
+    return bm, br, splits
+
+
+def _workspace(device, tiles: int, splits: int, bm: int, br: int):
+    """fp32 partials and the zeroed ticket counters, one pair per (device, stream): calls on one stream run in
+    order; another stream (a rollout beside an update) gets its own, so tickets never mix. A pair that grows is
+    kept alive, not freed: a CUDA graph captured earlier still points at it."""
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    ws, cnt = _COUNTERS.get(key, (None, None))
+    need = tiles * splits * bm * br
+    if ws is None or ws.numel() < need or cnt.numel() < tiles:
+        if ws is not None:
+            _RETIRED.append((ws, cnt))
+        ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = (ws, cnt)
+    return ws, cnt
+
+
+def shrink_split(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x [M <= SPLIT_MAX_M, K], a [R, K] (same dtype, rows contiguous) -> x @ a.T [M, R] in that dtype."""
+    global _split_kernel
+    if _split_kernel is None:
+        _split_kernel = _build_split()
+    m, k = x.shape
+    r = a.shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+    bm, br, splits = _split_plan(m, k, r, sms)
+    k_per = -(-(-(-k // splits)) // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
+    splits = -(-k // k_per)
+    grid = (-(-m // bm), -(-r // br), splits)
+    ws, cnt = _workspace(x.device, grid[0] * grid[1], splits, bm, br)
+    out = torch.empty(m, r, dtype=x.dtype, device=x.device)
+    _split_kernel[grid](x, a, out, ws, cnt, m, k, r, k_per, x.stride(0), a.stride(0), out.stride(0),
+                        BM=bm, BR=br, BK=SPLIT_BLOCK_K, SPLITS=splits,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+    return out

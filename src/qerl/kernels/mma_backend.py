@@ -94,9 +94,13 @@ def _humming(tensors, shape, m, device):
 
 
 def _shrunk(lora, x2d):
-    """The term with xa computed: by the one-kernel decode shrink where it applies, else cuBLAS."""
-    if lora.xa is None and lora.a is not None and lora_shrink.supports(x2d, lora.a):
-        return LoraTerm(lora_shrink.shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
+    """The term with xa computed: by the split-K shrink (one launch, M <= 256), else the one-row decode shrink where
+    it applies, else cuBLAS."""
+    if lora.xa is None and lora.a is not None:
+        if settings.current().lora_shrink_split and lora_shrink.split_supports(x2d, lora.a):
+            return LoraTerm(lora_shrink.shrink_split(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
+        if lora_shrink.supports(x2d, lora.a):
+            return LoraTerm(lora_shrink.shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
     return lora.shrunk(x2d)
 
 
