@@ -23,11 +23,13 @@ def _interpreter(monkeypatch):
         monkeypatch.setattr(lora_expand, "RUN_ON_CPU_INTERPRETER", True)
 
 
-def _reference(y, xa, b, scaling, starts):
-    """float64: y + scaling · xa_s @ b_sᵀ for each segment s, by a loop (inputs first rounded to y's dtype)."""
+def _reference(y, xa, b, scaling, starts, bias=None):
+    """float64: y (+ bias) + scaling · xa_s @ b_sᵀ for each segment s, by a loop (inputs first rounded to y's dtype)."""
     n, r = b.shape
     bounds = (0, *starts, n)
     out = y.double().clone()
+    if bias is not None:
+        out += bias.double()
     xa64, b64 = xa.to(y.dtype).double(), b.to(y.dtype).double()
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -43,15 +45,17 @@ def _reference(y, xa, b, scaling, starts):
     (130, 12, (10, 20, 129)),                         # four segments, one of a single row
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expand_add_equals_the_per_segment_reference(m, n, r, starts, dtype):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_expand_add_equals_the_per_segment_reference(m, n, r, starts, dtype, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + r)
     s = len(starts) + 1
     y = torch.randn(m, n + 7, generator=g).to(DEV, dtype)[:, :n]   # a row stride other than N
     xa = torch.randn(m, s * r, generator=g).to(DEV, dtype)
     b = (torch.randn(n, r, generator=g) * 0.3).to(DEV, torch.float32)  # fp32 adapter, cast to y's dtype
-    ref = _reference(y.cpu(), xa.cpu(), b.cpu(), 0.5, starts)
+    bias = torch.randn(n, generator=g).to(DEV, dtype) if with_bias else None
+    ref = _reference(y.cpu(), xa.cpu(), b.cpu(), 0.5, starts, None if bias is None else bias.cpu())
     assert lora_expand.supports(y, xa, b, s)
-    out = lora_expand.expand_add(y, xa, b, 0.5, starts)
+    out = lora_expand.expand_add(y, xa, b, 0.5, starts, bias)
     assert out.data_ptr() == y.data_ptr()
     eps = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     assert (out.cpu().double() - ref).abs().max() <= eps * ref.abs().max()

@@ -112,20 +112,20 @@ class HummingWeight:
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16."""
         y = self.layer(x2d)
-        if bias is not None:
-            y = y + bias
         if lora is not None:
-            add_lora(y, lora.shrunk(x2d))
-        return y
+            return add_lora(y, lora.shrunk(x2d), bias)
+        return y if bias is None else y + bias
 
 
-def add_lora(y: torch.Tensor, lora: LoraTerm) -> torch.Tensor:
-    """y[:, rows of s] += scaling * xa_s @ b_s.T in place: one Triton launch for all segments (kernels/lora_expand.py),
-    else one cuBLAS addmm per segment. Both read B itself (no cached copy): a CUDA graph captured in one rollout
+def add_lora(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[:, rows of s] += scaling * xa_s @ b_s.T (+ bias) in place: one Triton launch for all segments and the bias
+    (kernels/lora_expand.py), else one cuBLAS addmm per segment. Both read B itself (no cached copy): a CUDA graph captured in one rollout
     replays in the next, after an optimizer step has changed B in place. xa must be given."""
     n_seg = len(lora.seg_starts) + 1
     if settings.current().lora_expand_kernel and lora_expand.supports(y, lora.xa, lora.b, n_seg):
-        return lora_expand.expand_add(y, lora.xa, lora.b, lora.scaling, lora.seg_starts)
+        return lora_expand.expand_add(y, lora.xa, lora.b, lora.scaling, lora.seg_starts, bias)
+    if bias is not None:
+        y += bias
     r, n = lora.rank, lora.b.shape[0]
     bounds = (0, *lora.seg_starts, n)
     xa = lora.xa.to(y.dtype)

@@ -32,8 +32,9 @@ def supports(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, n_segments: int
 
 
 @triton.jit
-def _expand_kernel(y_ptr, xa_ptr, b_ptr, M, N, R, s1, s2, s3, scaling, stride_ym, stride_xm, stride_bn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+def _expand_kernel(y_ptr, xa_ptr, b_ptr, bias_ptr, M, N, R, s1, s2, s3, scaling, stride_ym, stride_xm, stride_bn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,12 +57,15 @@ def _expand_kernel(y_ptr, xa_ptr, b_ptr, M, N, R, s1, s2, s3, scaling, stride_ym
     ptrs = y_ptr + m[:, None] * stride_ym + n[None, :]
     mask = mm[:, None] & nm[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(ptrs, (y + scaling * acc).to(dt), mask=mask)
 
 
 def expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float,
-               seg_starts: tuple[int, ...] = ()) -> torch.Tensor:
-    """y [M, N] += scaling · xa_s @ b_sᵀ per segment (xa [M, S·r], b [N, r]), in place; returns y.
+               seg_starts: tuple[int, ...] = (), bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] += scaling · xa_s @ b_sᵀ per segment (xa [M, S·r], b [N, r]) (+ bias [N]), in place; returns y.
+    With a bias the sum is rounded once (a broadcast bias add was a launch of its own: 28 a 7B step).
     xa and b are cast to y's dtype inside the kernel, as the per-segment addmm did."""
     m, n = y.shape
     r = b.shape[1]
@@ -70,8 +74,9 @@ def expand_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: floa
     block_n = 128 if m <= 16 else 64
     block_r = max(16, triton.next_power_of_2(r))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _expand_kernel[grid](y, xa, b, m, n, r, starts[0], starts[1], starts[2], float(scaling),
+    _expand_kernel[grid](y, xa, b, y if bias is None else bias, m, n, r, starts[0], starts[1], starts[2], float(scaling),
                          y.stride(0), xa.stride(0), b.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-                         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", num_warps=4)
+                         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", HAS_BIAS=bias is not None,
+                         num_warps=4)
     return y
