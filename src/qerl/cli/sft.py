@@ -117,7 +117,7 @@ def run(args):
     import sys
 
     from . import check_interrupted
-    from .train import interrupted, interruptible
+    from .train import interrupted, interruptible, write_refused
 
     with interruptible() as stop:
         trainer = None
@@ -135,6 +135,10 @@ def run(args):
             if trainer is None or trainer.dist.is_main:
                 print(interrupted(cfg, trainer, stop.signal, "sft"), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
+        except Exception as e:  # a full disk or a file past `ulimit -f`: the folder, what is kept, how to go on
+            if (refused := write_refused(e, cfg, "sft")) is not None:
+                raise refused from None
+            raise
     if not trainer.dist.is_main:
         return 0
     if rows:
