@@ -63,6 +63,9 @@ def build_config(args):
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl run directory?)")
+        from .sft import check_run_kind
+
+        check_run_kind(args.resume, "train")  # an SFT run: `qerl sft --resume` continues it
         cfg = GRPOConfig.from_yaml(saved)
         cfg = apply(cfg, {"output_dir": args.resume, **ov})
     elif config:
@@ -273,17 +276,17 @@ def finished_run(cfg) -> str | None:
     return "\n".join(lines)
 
 
-def check_resume_steps(cfg) -> None:
+def check_resume_steps(cfg, command: str = "train") -> None:
     """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
-    refused before the model loads, saying how to train further."""
+    refused before the model loads, saying how to train further (`qerl sft` alike)."""
     from ..train.checkpoints import checkpoints
 
     found = checkpoints(cfg.output_dir)
     at = int(found[-1].name.rpartition("-")[2]) if found else 0
     if at > cfg.max_steps:
         raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {cfg.max_steps} is below it, so there is "
-                         f"nothing to train (the run is left as it is). To train further: {resume_command(cfg)} "
-                         f"--max_steps N (N > {at})")
+                         f"nothing to train (the run is left as it is). To train further: "
+                         f"{resume_command(cfg, command)} --max_steps N (N > {at})")
 
 
 def run_evals(output_dir) -> list[dict]:
