@@ -287,6 +287,34 @@ def test_a_run_with_a_checkpoint_is_continued_with_resume(cli, model, finished, 
     assert rc == 2 and f"qerl train --resume {finished}" in err
 
 
+@pytest.fixture(scope="module")
+def sft_run(model, tmp_path_factory):
+    """An SFT run of 2 steps, a checkpoint each step, through the CLI."""
+    run = tmp_path_factory.mktemp("s") / "run"
+    assert main([str(a) for a in sft_args(model, run, "--max_steps", "2", "--save_steps", "1")]) == 0
+    return run
+
+
+def test_resuming_a_run_with_the_other_command_names_the_run_and_its_command(cli, finished, sft_run, no_model_load):
+    rc, _, err = cli("sft", "--resume", finished)
+    assert rc == 2 and f"{finished} holds a GRPO run of `qerl train`" in err and one_line(err), err
+    assert f"qerl train --resume {finished}" in err and "unknown field" not in err
+    rc, _, err = cli("train", "--resume", sft_run)
+    assert rc == 2 and f"{sft_run} holds an SFT run of `qerl sft`" in err and one_line(err), err
+    assert f"qerl sft --resume {sft_run}" in err and "unknown field" not in err
+
+
+def test_sft_resume_below_the_runs_step_is_refused_as_train_refuses_it(cli, finished, sft_run, no_model_load):
+    before = (sft_run / "adapter" / "adapter_model.safetensors").read_bytes()
+    rc, _, err = cli("sft", "--resume", sft_run, "--max_steps", "1")
+    rc_train, _, err_train = cli("train", "--resume", finished, "--max_steps", "1")  # both runs are at step 2
+    assert rc == rc_train == 2 and one_line(err), err
+    assert "is at step 2; max_steps 1 is below it" in err and f"qerl sft --resume {sft_run} --max_steps N (N > 2)" in err
+    assert (err.replace(str(sft_run), "D").replace("qerl sft", "qerl train")
+            == err_train.replace(str(finished), "D"))  # the same words
+    assert (sft_run / "adapter" / "adapter_model.safetensors").read_bytes() == before
+
+
 # ---- files that are not UTF-8 -------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_a_config_file_that_is_not_utf8_names_the_file_and_line(cli, tmp_path, command, no_model_load):

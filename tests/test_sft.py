@@ -132,6 +132,52 @@ def test_bad_rows_are_named(row, msg):
         Tokenizer(tiny_tokenizer(), source="data.jsonl")([row])
 
 
+@pytest.mark.parametrize("fmt", ["messages", "text", "prompt-completion"])
+def test_a_lone_surrogate_in_a_data_file_names_file_line_and_field(cli, model, tmp_path, fmt):
+    good = {"messages": _rows(1)[0], "text": {"text": "fine"}, "prompt-completion": {"prompt": "1+1", "completion": "2"}}
+    bad = json.loads(json.dumps(good[fmt]))
+    field = {"messages": "'messages'[3]['content']", "text": "'text'", "prompt-completion": "'completion'"}[fmt]
+    if fmt == "messages":
+        bad["messages"][3]["content"] = "4\ud800"
+    else:
+        bad[{"text": "text", "prompt-completion": "completion"}[fmt]] = "ok \ud800"
+    data = tmp_path / "d.jsonl"
+    # json.dumps writes the surrogate as the escape "\ud800", as a broken exporter does; line 3, after a blank one
+    data.write_text(json.dumps(good[fmt]) + "\n\n" + json.dumps(bad) + "\n")
+    rc, _, err = cli("sft", "--model_name_or_path", model, "--dataset_name", data, "--max_steps", "1",
+                     "--report_to", "none", "--output_dir", tmp_path / "run")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and f"{data} line 3: field {field} holds a lone surrogate" in last, err
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
+def test_a_lone_surrogate_in_api_rows_names_the_row_and_field():
+    rows = _rows(3)
+    rows[2]["messages"][1]["content"] = "add \ud800"
+    with pytest.raises(ValueError, match=re.escape("train_dataset: row 2: field 'messages'[1]['content'] holds a lone "
+                                                   "surrogate '\\ud800' at character 5")):
+        Tokenizer(tiny_tokenizer(), source="train_dataset")(rows)
+
+
+def test_api_data_files_that_are_not_regular_files_are_named(tmp_path):
+    import os
+
+    from qerl.sft.data import load_rows
+
+    if not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"):
+        pytest.skip("POSIX")
+    fifo = tmp_path / "rows"  # no suffix: still a local path, never a hub id
+    os.mkfifo(fifo)
+    link = tmp_path / "zero.jsonl"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=f"dataset_name {fifo}: is a FIFO"):  # returns at once: never opened
+        load_rows(str(fifo), {})
+    with pytest.raises(ValueError, match=f"dataset_name {link} \\(a link to /dev/zero\\): is a character device"):
+        load_rows(str(link), {})
+    with pytest.raises(ValueError, match=f"dataset_name {tmp_path}: is a folder"):
+        load_rows(str(tmp_path), {})
+
+
 # ---- the tool task's transcripts ---------------------------------------------------------------
 def test_tool_transcripts_come_from_the_training_split_and_make_a_rollouts_tokens():
     from qerl.model.resolve import resolve_model

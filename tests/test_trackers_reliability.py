@@ -221,3 +221,31 @@ def test_qerl_train_with_an_unreachable_wandb_server_is_one_line_and_trains_noth
     (line,) = [x for x in err.splitlines() if "error" in x]
     assert line.startswith("qerl train: error: report_to wandb:") and "WANDB_MODE=offline" in line
     assert not list(out.glob("checkpoint-*")) and not (out / "adapter").exists()
+
+
+# ---- item 13: "none" beside a tracker -------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["wandb,none", "none,tensorboard", ["tensorboard", "none"], "all,none", "auto,mlflow"])
+def test_none_all_or_auto_beside_a_tracker_is_refused_naming_report_to(value):
+    from qerl.rl import GRPOConfig
+    from qerl.sft import SFTConfig
+
+    names = value if isinstance(value, list) else value.split(",")
+    word = next(n for n in names if n in ("none", "all", "auto"))  # the first of them is named
+    for cls in (GRPOConfig, SFTConfig):
+        with pytest.raises(ValueError, match=f"config field 'report_to': '{word}' stands alone"):
+            cls(report_to=value)
+
+
+@pytest.mark.parametrize("value", ["none", ["none"], "none,none", " none ", ""])
+def test_none_alone_means_no_trackers(value):
+    from qerl.sft import SFTConfig
+    from qerl.train.config import trackers
+
+    assert trackers(SFTConfig(report_to=value).report_to) == []
+
+
+def test_the_command_line_refuses_wandb_none_before_loading(cli, tmp_path, model, no_model_load):
+    from cli_runs import one_line, sft_args
+
+    rc, _, err = cli(*sft_args(model, tmp_path / "run", "--report_to", "wandb,none"))
+    assert rc == 2 and "'report_to'" in err and "'none' stands alone" in err and one_line(err), err

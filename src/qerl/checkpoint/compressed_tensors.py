@@ -205,7 +205,9 @@ def read_compressed_experts(model, ckpt, family, i, fmt, device):
 
     def read(e, p):
         name = f"{base}.{e}.{p}"
-        return {k: ckpt.get(f"{name}.{k}", device) for k in kinds}, layer_shape(ckpt, name)
+        shape = layer_shape(ckpt, name)
+        want = fmt.expected_shapes(shape)
+        return {k: stored_as(ckpt, f"{name}.{k}", *want[k], device) for k in kinds}, shape
 
     gate_up, down, shapes = [], [], {}
     for e in range(n):
@@ -228,6 +230,25 @@ def read_compressed_experts(model, ckpt, family, i, fmt, device):
     tensors = {p: {k: torch.stack([t[k] for t in ts]) for k in kinds}
                for p, ts in (("gate_up_proj", gate_up), ("down_proj", down))}
     return QuantExperts(tensors, shapes, fmt, skeleton._apply_gate, skeleton.gate_up_proj.dtype, module), keys
+
+
+def stored_as(ckpt, key: str, shape, dtype, device) -> torch.Tensor:
+    """A packed tensor in the shape and dtype the format stores. A weight_scale saved in fp32 whose values are
+    all FP8-E4M3 values is converted (the same numbers); any other dtype or shape is refused by name (the
+    experts would compute with it, or fail in the first forward)."""
+    t = ckpt.get(key, device)
+    where = f"{ckpt.path_of(key)}: tensor {key!r}"
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(f"{where} has shape {list(t.shape)}; the format stores {list(shape)}")
+    if t.dtype == dtype:
+        return t
+    if t.is_floating_point() and dtype.is_floating_point:
+        c = t.to(dtype)
+        if torch.equal(c.to(t.dtype), t):  # exactly representable: lossless
+            return c
+        raise CheckpointError(f"{where} is {t.dtype}, expected {dtype}, and holds values {dtype} cannot represent "
+                              "exactly: re-export it in its format's dtype")
+    raise CheckpointError(f"{where} is {t.dtype}, expected {dtype}")
 
 
 def require_experts(ckpt, keys, family, n) -> None:

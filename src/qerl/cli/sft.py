@@ -71,6 +71,7 @@ def build_config(args):
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl sft run directory?)")
+        check_run_kind(args.resume, "sft")
         return SFTConfig.from_yaml(saved).with_overrides({"output_dir": args.resume, **ov})
     if config:
         if not Path(config).is_file():
@@ -84,6 +85,41 @@ def build_config(args):
         _, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
         return SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
+
+
+KINDS = {"train": "a GRPO", "sft": "an SFT"}  # the command that writes a run folder -> what its run is
+
+
+def run_kind(folder) -> str | None:
+    """"train" or "sft": the command whose config the run folder's config.yaml is, by its fields (each
+    writes every field of its own config); None when it is neither's or cannot be read."""
+    from pathlib import Path
+
+    from ..rl.config import GRPOConfig
+    from ..sft.config import SFTConfig
+    from ..train.fields import yaml_mapping
+
+    try:
+        keys = set(yaml_mapping(Path(folder) / "config.yaml"))
+    except (OSError, ValueError):
+        return None
+    fits = [k for k, cls in (("train", GRPOConfig), ("sft", SFTConfig))
+            if keys <= {f.name for f in dataclasses.fields(cls)}]
+    return fits[0] if len(fits) == 1 else None
+
+
+def check_run_kind(folder, command: str) -> None:
+    """`qerl sft --resume` of a GRPO run (or `qerl train --resume` of an SFT run): said as what the folder
+    holds and the command that continues it, not as the other config's first unknown field."""
+    import shlex
+
+    from ..invocation import qerl_command
+    from ..train.run_folder import RunFolderError
+
+    kind = run_kind(folder)
+    if kind is not None and kind != command:
+        raise RunFolderError(f"{folder} holds {KINDS[kind]} run of `qerl {kind}`, not a `qerl {command}` run; "
+                             f"continue it with: {qerl_command()} {kind} --resume {shlex.quote(str(folder))}")
 
 
 def data_file(name) -> None:
@@ -111,13 +147,17 @@ def run(args):
     from .preflight import earlier_run_message
 
     data_file(cfg.dataset_name)
+    if args.resume and cfg.max_steps > 0:  # max_steps below the run's step: nothing to train, as `qerl train`
+        from .train import check_resume_steps
+
+        check_resume_steps(cfg, "sft")
     if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
         # before minutes of model loading
         raise RunFolderError(earlier_run_message(Path(cfg.output_dir), "sft"))
     import sys
 
     from . import check_interrupted
-    from .train import interrupted, interruptible
+    from .train import interrupted, interruptible, write_refused
 
     with interruptible() as stop:
         trainer = None
@@ -135,6 +175,10 @@ def run(args):
             if trainer is None or trainer.dist.is_main:
                 print(interrupted(cfg, trainer, stop.signal, "sft"), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
+        except Exception as e:  # a full disk or a file past `ulimit -f`: the folder, what is kept, how to go on
+            if (refused := write_refused(e, cfg, "sft")) is not None:
+                raise refused from None
+            raise
     if not trainer.dist.is_main:
         return 0
     if rows:

@@ -8,7 +8,6 @@ summary table and the curves as a PNG. `--field value` pairs still apply on top 
 from __future__ import annotations
 
 import contextlib
-import errno
 import shlex
 import signal
 import sys
@@ -64,6 +63,9 @@ def build_config(args):
         saved = Path(args.resume) / "config.yaml"
         if not saved.exists():
             raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl run directory?)")
+        from .sft import check_run_kind
+
+        check_run_kind(args.resume, "train")  # an SFT run: `qerl sft --resume` continues it
         cfg = GRPOConfig.from_yaml(saved)
         cfg = apply(cfg, {"output_dir": args.resume, **ov})
     elif config:
@@ -146,11 +148,8 @@ def run(args):
                 print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
         except Exception as e:
-            if disk_full(e):
-                full = OSError(f"no space left on the disk of {cfg.output_dir} ({type(e).__name__}); "
-                               f"{saved(cfg.output_dir)}; free space, then continue with: {resume_command(cfg)}")
-                full.errno = errno.ENOSPC
-                raise full from None
+            if (refused := write_refused(e, cfg)) is not None:
+                raise refused from None
             raise
     if not trainer.dist.is_main:  # under torchrun, rank 0 reports
         trainer.dist.close()
@@ -195,6 +194,8 @@ def interruptible():
 
     try:
         old = signal.signal(signal.SIGTERM, on_term)
+        if hasattr(signal, "SIGXFSZ"):  # past `ulimit -f`: a write fails with EFBIG, said in one line, not a kill
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     except ValueError:  # not the main thread: leave SIGTERM alone
         old = None
     try:
@@ -230,9 +231,21 @@ def interrupted(cfg, trainer, signame: str, command: str = "train") -> str:
     return f"qerl {command}: stopped by {signame} {where}; {saved(cfg.output_dir)}; {then}"
 
 
-def disk_full(e: BaseException) -> bool:
-    text = str(e)
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in text or "No space left" in text
+def write_refused(e: BaseException, cfg, command: str = "train") -> OSError | None:
+    """A write the disk refused (full, or a file past `ulimit -f`) as one line: the folder, what is kept,
+    how to go on; None for any other error."""
+    from ..checkpoint.disk import refusal_text, refused_write
+    from ..train.checkpoints import checkpoints
+
+    code = refused_write(e)
+    if code is None:
+        return None
+    what, fix = refusal_text(code, cfg.output_dir)
+    then = (f"continue with: {resume_command(cfg, command)}" if checkpoints(cfg.output_dir) else
+            "start again with the same command (add --overwrite_output_dir if the folder holds its metrics)")
+    out = OSError(f"{what} ({type(e).__name__}); {saved(cfg.output_dir)}; {fix}, then {then}")
+    out.errno = code
+    return out
 
 
 def finished_run(cfg) -> str | None:
@@ -263,17 +276,17 @@ def finished_run(cfg) -> str | None:
     return "\n".join(lines)
 
 
-def check_resume_steps(cfg) -> None:
+def check_resume_steps(cfg, command: str = "train") -> None:
     """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
-    refused before the model loads, saying how to train further."""
+    refused before the model loads, saying how to train further (`qerl sft` alike)."""
     from ..train.checkpoints import checkpoints
 
     found = checkpoints(cfg.output_dir)
     at = int(found[-1].name.rpartition("-")[2]) if found else 0
     if at > cfg.max_steps:
         raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {cfg.max_steps} is below it, so there is "
-                         f"nothing to train (the run is left as it is). To train further: {resume_command(cfg)} "
-                         f"--max_steps N (N > {at})")
+                         f"nothing to train (the run is left as it is). To train further: "
+                         f"{resume_command(cfg, command)} --max_steps N (N > {at})")
 
 
 def run_evals(output_dir) -> list[dict]:

@@ -148,6 +148,7 @@ def load_policy(
     family_of_model(model, str(folder))  # what transformers built is the family's own class and layers
     label = f"{folder}/config.json says {'/'.join(config.architectures or [config.model_type])}"
     _check_projection_biases(model, ckpt, cfg.num_hidden_layers, [family.module(0, t) for t in targets], label)
+    _check_projection_shapes(model, ckpt, cfg.num_hidden_layers, [family.module(0, t) for t in targets], config)
 
     keep = keep_in_bf16(modules_to_not_convert)
     check_keep_patterns(modules_to_not_convert or [], keep, [n for n, _ in model.named_modules()])
@@ -230,6 +231,29 @@ def _check_projection_biases(model, ckpt, n_layers, modules, label) -> None:
                                       f"{name}.bias: the architecture label does not match the tensors")
 
 
+def _check_projection_shapes(model, ckpt, n_layers, modules, config) -> None:
+    """Each targeted projection as stored ([out, in]; a packed one's from its weight_packed) is the shape the
+    config gives: the layers take the checkpoint's shape, so an o_proj stored [48, 64] under hidden 64
+    loaded and failed only in the first forward."""
+    from ..checkpoint.compressed_tensors import layer_shape
+
+    for i in range(n_layers):
+        for m in modules:
+            name = m.replace("model.layers.0.", f"model.layers.{i}.", 1)
+            want = getattr(model.get_submodule(name), "weight", None)
+            if f"{name}.weight_packed" in ckpt:
+                key, got = f"{name}.weight_packed", layer_shape(ckpt, name)
+            elif f"{name}.weight" in ckpt:
+                key, got = f"{name}.weight", ckpt.shape(f"{name}.weight")
+            else:
+                continue  # missing: named where it is read
+            if want is not None and tuple(got) != tuple(want.shape):
+                shown = (f"holds a weight of {list(got)} (weight_packed {list(ckpt.shape(key))}, two codes a byte)"
+                         if key.endswith("_packed") else f"has shape {list(got)}")
+                raise CheckpointError(f"{ckpt.path_of(key)}: tensor {key!r} {shown}; the config gives "
+                                      f"{list(want.shape)} (hidden_size {getattr(config, 'hidden_size', '?')})")
+
+
 def _check_all_used(ckpt, used: set[str], tied: bool, label) -> None:
     """Tensors the architecture has no place for (Qwen3's q_norm under a Llama label) would be
     silently dropped, leaving a different model: refuse them."""
@@ -276,4 +300,28 @@ def _load_tokenizer(folder, trust_remote_code):
 
     if not any((folder / f).exists() for f in TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    check_chat_template(tok, folder)
+    return tok
+
+
+def check_chat_template(tok, folder) -> None:
+    """A chat template the Jinja sandbox refuses (or cannot parse) is named now, with the file it came from,
+    rather than as a traceback at the first prompt. Rendering in transformers' sandbox runs no code: an
+    unsafe attribute access is a SecurityError there."""
+    if not getattr(tok, "chat_template", None):
+        return
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+    folder = Path(folder)
+    where = (f"{folder / 'chat_template.jinja'}" if (folder / "chat_template.jinja").exists()
+             else f"{folder / 'tokenizer_config.json'}: chat_template")
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except SecurityError as e:
+        raise ValueError(f"{where}: the chat template does what the Jinja sandbox refuses ({str(e).rstrip('.')}); "
+                         "none of it ran: use the model's original template") from None
+    except TemplateSyntaxError as e:
+        raise ValueError(f"{where}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+    except Exception:  # noqa: BLE001 - a template refusing this sample (raise_exception, a role it lacks) is its own
+        pass

@@ -14,6 +14,7 @@ template's tool role, or (templates without one, SmolLM2's) become one user turn
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,12 +44,13 @@ def load_rows(name: str, options: dict) -> list[dict]:
 
         return transcripts(task(**options).train)
     path = Path(name).expanduser()
-    if path.suffix.lower() in (".jsonl", ".json", ".parquet") or path.exists():
+    if path.suffix.lower() in (".jsonl", ".json", ".parquet") or os.path.lexists(path):
         if options:
             raise ValueError(f"dataset_config: a local file takes no options, got {sorted(options)}")
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset_name {name}: no such file")
-        return read_file(path)
+        from ..tasks.data import regular_file
+
+        # a FIFO, a device or a folder named by os.stat, never opened (a FIFO's reader waits for a writer)
+        return read_file(regular_file(path, "dataset_name"))
     from datasets import load_dataset
 
     split = options.pop("split", "train")
@@ -87,6 +89,8 @@ def read_file(path: Path) -> list[dict]:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of rows, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            check_text(row, f"{path} row {i}")
         return rows
     rows = []
     for i, line in enumerate(text.splitlines()):
@@ -96,7 +100,35 @@ def read_file(path: Path) -> list[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i + 1}: not a JSON row ({e.msg})") from None
+        check_text(rows[-1], f"{path} line {i + 1}")  # numbered from 1, as editors and the GRPO loader number
     return rows
+
+
+def lone_surrogate(value, field: str = "") -> tuple[str, str, int] | None:
+    """(field, character, position from 1) of the first lone surrogate in a row's strings (JSON's "\ud800"
+    escape decodes to one; no tokenizer takes it), the field spelt as its keys and indexes; None if none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return field, value[e.start], e.start + 1
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = lone_surrogate(v, f"{field}[{k!r}]" if field or not isinstance(k, str) else repr(k))
+        if found:
+            return found
+    return None
+
+
+def check_text(row, where: str) -> None:
+    """A row whose text holds a lone surrogate: refused naming where it is and its field (as the GRPO
+    loader does), not a tokenizers traceback."""
+    found = lone_surrogate(row)
+    if found:
+        field, char, at = found
+        raise ValueError(f"{where}: field {field} holds a lone surrogate {char!r} at character {at}, not text (a "
+                         "broken \\uXXXX escape?)")
 
 
 class Tokenizer:
@@ -113,6 +145,7 @@ class Tokenizer:
         if not rows:
             raise ValueError(f"{self.source}: no training rows")
         for i, row in enumerate(rows):
+            check_text(row, f"{self.source}: row {i}")  # rows of the API or a hub dataset: by their index
             try:
                 ex = self.example(row)
             except ValueError as e:

@@ -136,10 +136,14 @@ class TrainConfig:
 
 def trackers(report_to: str) -> list[str]:
     """The trackers `report_to` names (besides metrics.jsonl); an unknown or uninstalled one is an error."""
-    names = [s.strip() for s in str(report_to).split(",") if s.strip()]
+    names = list(dict.fromkeys(s.strip() for s in str(report_to).split(",") if s.strip()))
     installed = [t for t in TRACKERS if importlib.util.find_spec(TRACKER_PACKAGES[t]) is not None]
     if names in ([], ["none"]):
         return []
+    alone = [n for n in names if n in ("none", "all", "auto")]
+    if alone and len(names) > 1:  # transformers refuses "none" beside a tracker too: which one was meant?
+        raise ValueError(f"config field 'report_to': {alone[0]!r} stands alone, got {','.join(names)!r}; give "
+                         f"{alone[0]} by itself, or only the trackers ({', '.join(TRACKERS)})")
     if names == ["auto"]:
         return ["tensorboard"] if "tensorboard" in installed else []
     if names == ["all"]:
