@@ -168,7 +168,8 @@ def main(argv=None):
                     help="the fused rotary+KV write and split-KV attention (off: the torch decode path)")
     ap.add_argument("--quants", default="nvfp4,bf16",
                     help="policies to time: nvfp4 (the routed kernels), nvfp4_own (humming-kernels off: qerl's own "
-                         "kernels alone, the baseline of the routing), bf16")
+                         "kernels alone, the baseline of the routing), nvfp4_head4 (nvfp4 with the lm_head in NVFP4 too; "
+                         "after the other nvfp4 entries), bf16")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--results-dir", "--results_dir", default=None)
     ap.add_argument("--out", default="runs/bench_rollout")
@@ -206,6 +207,10 @@ def main(argv=None):
             gc.collect()
             torch.cuda.empty_cache()
             pol, pol_quant = random_policy(cfg, base, lora_rank=32, device="cuda", progress=False), base
+        if quant == "nvfp4_head4":  # the same policy with its lm_head in NVFP4 too (in place: list it after nvfp4*)
+            from ..layers.quant_head import quantize_lm_head
+
+            quantize_lm_head(pol.model)
         ks = KernelSettings(humming=False) if quant == "nvfp4_own" else None
         res[quant] = _engine_case(pol, batches, a.prompt_len, a.new_tokens, log, bw, cfg, fused=fused, ks=ks)
         for b, r in res[quant].items():
@@ -226,6 +231,10 @@ def main(argv=None):
             v = res["nvfp4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
             log(f"nvfp4 / bf16 at batch {b}: {v:.2f}x")
             rec(f"{a.model} engine batch={b}", "nvfp4_over_bf16", v, "x", ratio_targets.get(b))
+        if b in res.get("bf16", {}) and "nvfp4_head4" in res:
+            v = res["nvfp4_head4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
+            log(f"nvfp4 with a 4-bit lm_head / bf16 at batch {b}: {v:.2f}x")
+            rec(f"{a.model} engine batch={b}", "nvfp4_head4_over_bf16", v, "x", ratio_targets.get(b))
     if not a.skip_hf:
         hb = [b for b in batches if b in (1, 8)]
         for peft, name, tgt in ((True, "hf_generate_peft_bf16", {1: ">=25"}), (False, "hf_static_compiled_bf16",

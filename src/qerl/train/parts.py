@@ -165,7 +165,12 @@ def load_configured_policy(cfg: TrainConfig, device, dtype, progress: bool):
     """load_policy with every loading option a training config has."""
     from ..model import load_policy
 
-    return load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                       lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules, device=device,
-                       dtype=dtype, trust_remote_code=cfg.trust_remote_code, progress=progress,
-                       modules_to_not_convert=cfg.modules_to_not_convert)
+    policy = load_policy(cfg.model_name_or_path, cfg.quant, lora_rank=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                         lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_target_modules, device=device,
+                         dtype=dtype, trust_remote_code=cfg.trust_remote_code, progress=progress,
+                         modules_to_not_convert=cfg.modules_to_not_convert)
+    if cfg.lm_head_4bit:
+        from ..layers.quant_head import quantize_lm_head
+
+        quantize_lm_head(policy.model)
+    return policy
