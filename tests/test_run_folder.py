@@ -176,7 +176,7 @@ def test_resume_fails_naming_the_file_when_no_checkpoint_verifies(run):
 def test_a_partial_last_metrics_line_is_dropped_with_a_note(run, capsys):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "reward_me')  # the kill came mid-write
-    assert [r["step"] for r in read_metrics(run)] == [0, 1]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert "dropped its last line" in capsys.readouterr().out
     tr = _trainer(run, max_steps=3)
     tr.resume()

@@ -129,7 +129,7 @@ def test_completions_file_holds_the_table(tmp_path, model_dir, capsys):
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step=")]
     assert lines[0].startswith("step=1 ") and "time_parity=" in lines[0]  # TRL's numbering; the check's cost
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["global_step"] for r in metrics] == [1, 2]
+    assert [r["step"] for r in metrics] == [1, 2]  # the same numbering as the lines
     text = (tmp_path / "run" / "completions" / "completions_00001.jsonl").read_text()
     rows = [json.loads(x) for x in text.splitlines() if x]
     assert len(rows) == 4 and {"step", "prompt", "completion", "token_count", "reward_func", "async_reward",
