@@ -214,7 +214,8 @@ class GRPOTrainer(TrainLoop):
     def rollout_inputs(self, profiler: Profiler | None = None) -> RolloutInputs:
         return RolloutInputs(self.cfg, self.engine, self.tok, self.train_rows, self.reward_funcs, self.reward_weights,
                              self.dist, self.device, self.encode_prompt, self.turns_for, self.rollout_aqn,
-                             profiler or self.profiler, self.sample_max_new_tokens, self.state)
+                             profiler or self.profiler, self.sample_max_new_tokens, self.state,
+                             self.environment_factory)
 
     def collect_rollouts(self, ctx: StepContext, inputs: RolloutInputs | None = None) -> StepRollouts:
         """The step's rollouts, now, from the adapter the engine reads (the live one, or the snapshot)."""
