@@ -236,7 +236,7 @@ def test_eval_strategy_steps_logs_trl_s_eval_metrics(tmp_path, model_dir, under)
     assert [h["step"] for h in evals] == [1, 2, 2]  # each eval_steps, and the script's evaluate()
     for h in evals + [env["metrics"]]:
         for name in ("eval_reward", "eval_reward_std", "eval_rewards/token_count/mean",
-                     "eval_rewards/reward_func/mean", "eval_completions/mean_length"):
+                     "eval_rewards/reward_func/mean", "eval_completions/mean_length", "eval_loss"):
             assert name in h, (under, name)
         assert h["eval_rewards/token_count/mean"] == pytest.approx(h["eval_completions/mean_length"])
 

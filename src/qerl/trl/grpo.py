@@ -113,6 +113,10 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         change["eval_steps"] = 0  # TRL's eval_steps are TRL's evaluation (after_step); qerl's pass@1 by its own
         if trl.eval_strategy != "no" and not eval_rows:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
+        if trl.eval_strategy != "no" and (trl.per_device_eval_batch_size * _world()) % cfg.num_generations:
+            raise ValueError(f"per_device_eval_batch_size={trl.per_device_eval_batch_size}: the global eval batch "
+                             f"({trl.per_device_eval_batch_size} * {_world()}) must be divisible by num_generations "
+                             f"({cfg.num_generations}), as TRL's GRPOConfig requires")
         from .prompts import prompt_limit
 
         limit = prompt_limit(cfg, rows + (eval_rows or []), processing_class, trl.max_prompt_length)
