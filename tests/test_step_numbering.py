@@ -87,7 +87,7 @@ def test_time_left_leaves_the_first_step_s_one_off_costs_out():
     left = clock.step_done(1, {"time_parity": 20.0, "time_step": 29.0})
     assert left.steps == 9 and left.per_step == pytest.approx(10.0)
     assert left.seconds == pytest.approx(9 * 10.0 + 20.0)  # nine steps and the check at step 5
-    assert "20.0 s of it once: parity" in left.line() and "estimated time left 01:50" in left.line()
+    assert "took 30.0 s (20.0 s of it parity)" in left.line() and "estimated time left 01:50" in left.line()
     clock.begin()  # a later step's time runs from the last step's end (its checkpoint, evaluation counted)
     now.t = 36.0
     left = clock.step_done(2, {"time_step": 5.0})

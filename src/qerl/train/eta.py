@@ -34,7 +34,7 @@ class Remaining:
 
     def line(self) -> str:
         """The line said after the first step."""
-        extra = f" ({self.first_extra:.1f} s of it once: {', '.join(self._names())})" if self.first_extra else ""
+        extra = f" ({self.first_extra:.1f} s of it {', '.join(self._names())})" if self.first_extra else ""
         more = "".join(f" + {v:.0f} s of {k[5:]}" for k, v in self.occasional.items() if v)
         return (f"the first step took {self.per_step + self.first_extra:.1f} s{extra}; estimated time left "
                 f"{self.short()} ({self.steps} step{'s' * (self.steps != 1)} x {self.per_step:.1f} s{more})")
