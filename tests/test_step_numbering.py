@@ -149,3 +149,27 @@ def test_every_view_numbers_steps_as_trl_s_global_step(tmp_path, model_dir, caps
     assert steps == [2, 4, 6] and tr.state.global_step == 6
     assert [h["step"] for h in tr.state.log_history if "reward" in h] == [2, 4, 6]
     assert names[-1] is None  # unset: each tracker names the run itself, as transformers leaves it
+
+
+def test_a_resume_keeps_the_checkpoint_s_own_point_in_the_trackers_as_in_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qerl.train.metrics import MetricsLog, read_rows
+
+    run = tmp_path / "run"
+    log = MetricsLog(run, report_to="tensorboard")
+    for s in (1, 2, 3):  # killed after step 3; its checkpoint at step 2
+        log.write({"step": s, "loss": 10.0 + s, "time_step": 1.0})
+    log.close()
+    time.sleep(1.1)  # TensorBoard orders event files by the second they were opened
+    log = MetricsLog(run, report_to="tensorboard", resume_step=2)
+    log.write({"step": 3, "loss": 3.0, "time_step": 1.0})  # the resumed run's step 3
+    log.close()
+    want = {1: 11.0, 2: 12.0, 3: 3.0}
+    assert {r["step"]: r["loss"] for r in read_rows(run / "metrics.jsonl")} == want
+    ea = EventAccumulator(str(run / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("loss")] == list(want.items())
