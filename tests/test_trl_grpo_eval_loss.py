@@ -28,7 +28,8 @@ def _trl_loss(adv: torch.Tensor, tokens: list[int], loss_type: str) -> float:
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, beta=0.0, loss_type=loss_type, epsilon_low=0.2,
         epsilon_high=0.28, importance_sampling_level="token", use_vllm=False, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, model=SimpleNamespace(training=False), accelerator=ident,
-        max_completion_length=MAX_LEN, current_gradient_accumulation_steps=1, _metrics=defaultdict(lambda: defaultdict(list)),
+        max_completion_length=MAX_LEN, current_gradient_accumulation_steps=1,
+        _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(delta=None, steps_per_generation=1, use_bias_correction_kl=False),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.ones(B, T), None))
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),

@@ -2,8 +2,8 @@
 
 Scripts, notebooks and callbacks read `trainer.state.global_step` and `trainer.state.log_history`; the
 loop appends one entry a step (the step's metrics, `epoch`, and TRL's `step`: global_step, optimizer
-steps so far, 1 after the first; the same number as the step's metrics.jsonl row) and a summary entry at the end of train() (train_runtime,
-train_loss, ...), as transformers does. A resumed run rebuilds the entries before its checkpoint from
+steps so far, 1 after the first; the same number as the step's metrics.jsonl row) and a summary entry
+at the end of train() (train_runtime, train_loss, ...), as transformers does. A resumed run rebuilds the entries before its checkpoint from
 its metrics.jsonl, which holds the same rows.
 """
 
