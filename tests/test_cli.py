@@ -59,7 +59,7 @@ def test_train_resume_and_plot(tmp_path):
     out = qerl("train", "--resume", run, "--max_steps", "3")
     assert "resuming" in out.stdout and "1 steps to step 3" in out.stdout
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
+    assert steps == [1, 2, 3]  # TRL's global_step, the resumed step's row written once
     png = qerl("plot", run).stdout.strip()
     assert png.endswith("curves.png") and (run / "curves.png").stat().st_size > 10_000
     bad = qerl("train", "--learning_rat", "1e-5", check=False)
@@ -78,7 +78,7 @@ def test_the_default_run_cut_short_writes_finite_metrics_and_curves(tmp_path):
                "--device", "cpu")
     assert "| before | 0 |" in out.stdout and "| after | 2 |" in out.stdout and "change" in out.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward_mean" in r] == [0, 1]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval_pass_at_1" in r] == [0, 2]
     for r in rows:
         for k, v in r.items():

@@ -195,7 +195,10 @@ def test_the_start_evaluation_is_its_own_phase_and_logging_steps_print_with_the_
     # the evaluation before training runs before the train bar exists (its time is not step 1's)
     assert err.index("eval arithmetic: 4 problems") < err.index("train:")
     assert err.rindex("eval arithmetic: 4 problems") > err.rindex("train:")  # so does the final one, after the bar
-    assert [x.split()[0] for x in out.splitlines() if x.startswith("step=")] == ["step=0", "step=1"]
+    assert [x.split()[0] for x in out.splitlines() if x.startswith("step=")] == ["step=1", "step=2"]
+    # after the first step, the whole run's time left (the parity check's one-off seconds left out)
+    (eta,) = [x for x in out.splitlines() if "estimated time left" in x]
+    assert eta.startswith("qerl train: the first step took") and "(1 step x" in eta
 
 
 def test_eval_help_shows_defaults(cli):

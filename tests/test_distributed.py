@@ -68,7 +68,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(runs):
         torch.testing.assert_close(dp[k], one[k], rtol=1e-4, atol=1e-6)
     # the metrics rank 0 logs are over both ranks' completions: the same as the single process's
     md, mo = _metrics(runs / "dp"), _metrics(runs / "one")
-    assert [m["step"] for m in md] == [0, 1] and all(m["world_size"] == 2 for m in md)
+    assert [m["step"] for m in md] == [1, 2] and all(m["world_size"] == 2 for m in md)
     for x, y in zip(md, mo):
         for key in ("reward_mean", "reward_std", "completion_length_mean", "accuracy", "truncated_fraction",
                     "completions"):
@@ -170,7 +170,7 @@ def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
     a, b = (load_file(str(tmp_path / f"adapter_rank{r}.safetensors")) for r in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = _metrics(tmp_path)
-    assert [m["step"] for m in rows] == [0, 1]
+    assert [m["step"] for m in rows] == [1, 2]
     assert any(m["rollout_rounds"] > 1 for m in rows)  # the 0/1 task reward made groups all-equal: top-ups ran
 
 

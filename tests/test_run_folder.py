@@ -85,7 +85,7 @@ def test_the_used_folders_resume_hint_is_the_command_as_the_user_ran_it(tmp_path
 def test_overwrite_output_dir_replaces_the_earlier_run_entirely(run):
     _trainer(run, max_steps=1, overwrite_output_dir=True).train()
     # the old checkpoint-2 would outrank the new run's checkpoint-1 in rotation and resume
-    assert [p.name for p in ckpt.checkpoints(run)] == ["checkpoint-1"] and _steps(run) == [0]
+    assert [p.name for p in ckpt.checkpoints(run)] == ["checkpoint-1"] and _steps(run) == [1]
 
 
 def test_the_cli_refuses_before_loading_the_model(run, monkeypatch):
@@ -126,7 +126,7 @@ def test_a_stale_lock_of_a_killed_process_is_taken_over(run):
     tr = _trainer(run, max_steps=3)
     assert tr.resume() == 2
     tr.train()
-    assert _steps(run) == [0, 1, 2] and not (run / LOCK).exists()
+    assert _steps(run) == [1, 2, 3] and not (run / LOCK).exists()
 
 
 def test_another_hosts_lock_is_respected(tmp_path):
@@ -159,7 +159,7 @@ def test_resume_skips_a_corrupt_latest_checkpoint_and_says_why(run, damage, caps
     assert (run / "checkpoint-2.corrupt").is_dir()  # kept for a look, out of rotation and resume
     tr.train()
     assert [p.name for p in ckpt.checkpoints(run)] == ["checkpoint-2", "checkpoint-3"]
-    assert _steps(run) == [0, 1, 2]
+    assert _steps(run) == [1, 2, 3]
 
 
 def test_resume_fails_naming_the_file_when_no_checkpoint_verifies(run):
@@ -176,12 +176,12 @@ def test_resume_fails_naming_the_file_when_no_checkpoint_verifies(run):
 def test_a_partial_last_metrics_line_is_dropped_with_a_note(run, capsys):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "reward_me')  # the kill came mid-write
-    assert [r["step"] for r in read_metrics(run)] == [0, 1]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert "dropped its last line" in capsys.readouterr().out
     tr = _trainer(run, max_steps=3)
     tr.resume()
     tr.train()
-    assert _steps(run) == [0, 1, 2]
+    assert _steps(run) == [1, 2, 3]
 
 
 def test_a_bad_metrics_line_in_the_middle_is_an_error_naming_file_and_line(run):
@@ -230,4 +230,4 @@ tr.train()
     tr.train()
     assert [x.name for x in ckpt.checkpoints(run)] == ["checkpoint-2", "checkpoint-3"]
     assert not [x for x in run.iterdir() if x.name.startswith(".")]
-    assert _steps(run) == [0, 1, 2]
+    assert _steps(run) == [1, 2, 3]

@@ -234,7 +234,7 @@ def test_resume_continues_exactly(tmp_path):
     assert [r["loss"] for r in rows_a[2:]] == [r["loss"] for r in rows_b]
     a, b = _trainable(full), _trainable(again)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    assert [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="already holds a run"):
         _trainer(tmp_path / "b").train()
 

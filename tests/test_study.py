@@ -21,7 +21,7 @@ def _fake_run(d, rewards, entropies, before, after, nll=None):
     (d / "adapter" / "adapter_model.safetensors").write_bytes(b"x")
     rows = [{"step": 0, "eval_pass_at_1": before, "eval_stderr": 0.01}]
     for s, (r, e) in enumerate(zip(rewards, entropies)):
-        rows.append({"step": s, "reward_mean": r, "entropy": e, "updates": 1,
+        rows.append({"step": s + 1, "reward_mean": r, "entropy": e, "updates": 1,
                      "rollout_entropy": (nll or entropies)[s]})
     rows.append({"step": len(rewards), "eval_pass_at_1": after, "eval_stderr": 0.02})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -142,7 +142,7 @@ def test_two_steps_write_metrics_checkpoints_and_a_peft_adapter(tmp_path):
                 "lr", "rollout_tokens_per_s", "logprob_mismatch_mean", "logprob_mismatch_max",
                 "filtered_group_fraction", "time_rollout", "time_logprob", "time_update"):
         assert key in rows[0] or key == "accuracy", key
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert rows[0]["updates"] == 2 * 16 // 8 and rows[0]["entropy"] > 0
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
     assert any(not torch.equal(before[n], p) for n, p in _trainable(tr).items())
@@ -165,7 +165,7 @@ def test_resume_gives_identical_adapter_weights(tmp_path):
     wa, wc = _trainable(a), _trainable(c)
     assert all(torch.equal(wa[n], wc[n]) for n in wa)
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

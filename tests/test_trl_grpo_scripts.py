@@ -129,7 +129,7 @@ def test_completions_file_holds_the_table(tmp_path, model_dir, capsys):
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step=")]
     assert lines[0].startswith("step=1 ") and "time_parity=" in lines[0]  # TRL's numbering; the check's cost
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["global_step"] for r in metrics] == [1, 2]
+    assert [r["step"] for r in metrics] == [1, 2]  # the same numbering as the lines
     text = (tmp_path / "run" / "completions" / "completions_00001.jsonl").read_text()
     rows = [json.loads(x) for x in text.splitlines() if x]
     assert len(rows) == 4 and {"step", "prompt", "completion", "token_count", "reward_func", "async_reward",
@@ -236,7 +236,7 @@ def test_eval_strategy_steps_logs_trl_s_eval_metrics(tmp_path, model_dir, under)
     assert [h["step"] for h in evals] == [1, 2, 2]  # each eval_steps, and the script's evaluate()
     for h in evals + [env["metrics"]]:
         for name in ("eval_reward", "eval_reward_std", "eval_rewards/token_count/mean",
-                     "eval_rewards/reward_func/mean", "eval_completions/mean_length"):
+                     "eval_rewards/reward_func/mean", "eval_completions/mean_length", "eval_loss"):
             assert name in h, (under, name)
         assert h["eval_rewards/token_count/mean"] == pytest.approx(h["eval_completions/mean_length"])
 

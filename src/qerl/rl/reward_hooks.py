@@ -6,6 +6,10 @@ reward can change with training progress); `log_metric(name, value)` adds a scal
 a column to TRL's completions table, which qerl has none of: the values are kept on the step's
 rollouts (`StepRollouts.extra`) and not logged. One RewardHooks collects one step's rollout, so a
 rollout on a worker thread (max_staleness 1) writes only its own.
+
+`environments` (TRL's, only where the trainer has an environment_factory; TRL passes none otherwise): each
+completion's environment instance, prompt-major as the completions, after its rollout, so a reward can
+read the state the episode left (a solved puzzle, a final score).
 """
 
 from __future__ import annotations
@@ -27,6 +31,23 @@ class RewardHooks:
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+
+def environments(turns, prompts: int, G: int) -> list:
+    """Each completion's environment from the rollout's multi-turn handler (tools/handler.py): the one its
+    turns talked to, or one built and reset now for a sample that made no call (TRL resets every sample's
+    before generating); None for one that could not start (its failure was the sample's tool message)."""
+    out = []
+    for p in range(prompts):
+        for s in range(G):
+            env = turns.envs.get((p, s))
+            if env is None:
+                try:
+                    env = turns.env(p, s)
+                except Exception:  # noqa: BLE001 - the user's factory or reset: no environment, as a failed start
+                    env = None
+            out.append(env if not isinstance(env, (str, BaseException)) else None)
+    return out
 
 
 def logged_metrics(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:

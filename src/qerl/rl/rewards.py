@@ -98,9 +98,10 @@ def hook_kwargs(f, hooks: dict) -> dict:
 
 
 def trl_kwargs(completions: list, columns: dict[str, list], hooks: dict | None,
-               completion_ids: list | None) -> dict:
+               completion_ids: list | None, environments: list | None = None) -> dict:
     """The keyword arguments of TRL's call, in TRL's order. Columns named prompt, completion and
-    completion_ids are not passed as columns (TRL's rule); `prompts` comes from the caller's columns."""
+    completion_ids are not passed as columns (TRL's rule); `prompts` comes from the caller's columns;
+    `environments` (one per completion) only when given, as TRL passes it only with an environment_factory."""
     cols = {k: v for k, v in columns.items() if k not in ("prompts", "prompt", "completion", "completion_ids")}
     kw = {}
     if "prompts" in columns:
@@ -108,7 +109,10 @@ def trl_kwargs(completions: list, columns: dict[str, list], hooks: dict | None,
     kw["completions"] = completions
     if completion_ids is not None:
         kw["completion_ids"] = completion_ids
-    return {**kw, **cols, **(hooks or {})}
+    kw = {**kw, **cols, **(hooks or {})}
+    if environments is not None:
+        kw["environments"] = environments
+    return kw
 
 
 def one_completion(kw: dict, i: int) -> dict:
@@ -238,9 +242,10 @@ def _whole_batch(funcs, kw: dict) -> list:
 
 
 def score(funcs, weights, completions: list[str], columns: dict[str, list], hooks: dict | None = None,
-          completion_ids: list[list[int]] | None = None) -> Scores:
+          completion_ids: list[list[int]] | None = None, environments: list | None = None) -> Scores:
     """hooks: TRL's trainer_state / log_extra / log_metric, passed whole (never split per completion);
-    completion_ids: each completion's generated token ids (TRL's completion_ids)."""
+    completion_ids: each completion's generated token ids (TRL's completion_ids); environments: each
+    completion's environment (TRL's, with an environment_factory)."""
     n = len(completions)
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
     if len(weights) != len(funcs):
@@ -255,7 +260,7 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list], hook
             mine["failed"] += count
             mine["first"] = mine["first"] or msg[:300]
 
-    kw = trl_kwargs(completions, columns, hooks, completion_ids)
+    kw = trl_kwargs(completions, columns, hooks, completion_ids, environments)
     batch = _whole_batch(funcs, kw)
     for f, w, got in zip(funcs, weights, batch):
         name = func_name(f)

@@ -21,7 +21,7 @@ from .advantages import informative_groups, overlong_penalty
 from .batch import RolloutRound
 from .config import GRPOConfig
 from ..train.profiling import Profiler
-from .reward_hooks import RewardHooks
+from .reward_hooks import RewardHooks, environments
 from .rewards import score
 from ..train.sampler import PromptSampler
 from .step_context import StepContext
@@ -56,6 +56,7 @@ class RolloutInputs:
     profiler: Profiler                  # times the "rewards" sub-phase
     sample_max_new_tokens: Callable | None = None  # (prompt key, sample) -> its own limit (SamplingParams)
     trainer_state: object = None        # the trainer's TrainerState, handed to reward functions (TRL's)
+    environment_factory: Callable | None = None  # the user's: reward functions get each sample's `environments`
 
 
 def noise(aqn, sigma: float, seed: int):
@@ -75,15 +76,17 @@ def rollout_round(inp: RolloutInputs, rows_idx, sigma: float, seed: int, key_off
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                             top_p=cfg.top_p, top_k=cfg.top_k, seed=rseed,
                             sample_max_new_tokens=inp.sample_max_new_tokens)
+    turns = inp.turns_for(rows)
     outs = inp.engine.generate(prompts, n=cfg.num_generations, params=params, perturb=noise(inp.aqn, sigma, seed),
-                               prompt_keys=[key_offset + i for i in range(len(prompts))], turns=inp.turns_for(rows))
+                               prompt_keys=[key_offset + i for i in range(len(prompts))], turns=turns)
     with inp.profiler.phase("rewards"):
         texts = [inp.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in outs]
         G = cfg.num_generations
         cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         cols["prompts"] = [r["prompt"] for r in rows for _ in range(G)]
+        envs = environments(turns, len(rows), G) if inp.environment_factory is not None else None
         sc = score(inp.reward_funcs, inp.reward_weights, texts, cols, hooks.kwargs() if hooks is not None else None,
-                   completion_ids=[list(c.token_ids) for c in outs])
+                   completion_ids=[list(c.token_ids) for c in outs], environments=envs)
         lengths = torch.tensor([len(c.token_ids) for c in outs])
         total = torch.tensor(sc.total, dtype=torch.float32)
         total = total + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer_len,

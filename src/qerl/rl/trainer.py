@@ -214,7 +214,8 @@ class GRPOTrainer(TrainLoop):
     def rollout_inputs(self, profiler: Profiler | None = None) -> RolloutInputs:
         return RolloutInputs(self.cfg, self.engine, self.tok, self.train_rows, self.reward_funcs, self.reward_weights,
                              self.dist, self.device, self.encode_prompt, self.turns_for, self.rollout_aqn,
-                             profiler or self.profiler, self.sample_max_new_tokens, self.state)
+                             profiler or self.profiler, self.sample_max_new_tokens, self.state,
+                             self.environment_factory)
 
     def collect_rollouts(self, ctx: StepContext, inputs: RolloutInputs | None = None) -> StepRollouts:
         """The step's rollouts, now, from the adapter the engine reads (the live one, or the snapshot)."""
@@ -336,7 +337,7 @@ class GRPOTrainer(TrainLoop):
                        max_prompt_length=cfg.max_prompt_length, dataset=name, progress=self.progress,
                        turns_for=self.turns_for if (self.tools or self.environment_factory) else None)
         rep.write(self.out / "eval" / f"step_{self.step}.json")
-        row = {"step": self.step, "eval_pass_at_1": rep.pass_at_1, "eval_stderr": rep.stderr,
+        row = {"step": self.global_step, "eval_pass_at_1": rep.pass_at_1, "eval_stderr": rep.stderr,
                "eval_mean_score": rep.mean_score, "eval_completion_length_mean": rep.completion_length_mean,
                "eval_problems": rep.problems, "eval_samples": rep.samples, "time_eval": rep.seconds}
         if rep.tool_call_rate is not None:
@@ -424,6 +425,11 @@ class GRPOTrainer(TrainLoop):
                 bar.close()  # the final evaluation is its own phase, after the train bar
             self._evaluate_on_main(log)
             bar.unpause()  # the evaluation's time is not a step's
+
+    def occasional_costs(self) -> dict:
+        every, end = self.cfg.parity_check_steps, self.max_steps
+        # the check runs at the start of steps 0, every, 2 x every, ... (ParityGate.due)
+        return {"time_parity": lambda done: len(range(-(-done // every) * every, end, every)) if every else 0}
 
     def stop_background(self) -> None:
         self.rollouts.wait_quietly()  # no rollout outlives train(); a later call joins its result

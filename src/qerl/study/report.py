@@ -67,7 +67,9 @@ def _paired_eval_se(x: dict, y: dict) -> float:
 
 
 def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from ..train.metrics import read_rows
+
+    rows = read_rows(run_dir / "metrics.jsonl")  # a step's row: steps done, 1 after the first
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_pass_at_1" in r]
     q = max(1, len(train) // 4)
@@ -77,7 +79,8 @@ def run_figures(run_dir: Path, wall_s: float | None = None) -> dict:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     n_steps = cfg.get("max_steps", len(train))
     first_noisy = -(-n_steps // max(1, min(cfg.get("aqn_stages", 1), n_steps)))
-    noisy = [r["rollout_entropy"] for r in train if first_noisy <= r["step"] < n_steps / 2 and "rollout_entropy" in r]
+    noisy = [r["rollout_entropy"] for r in train  # a row's step counts itself: its index is step - 1
+             if first_noisy <= r["step"] - 1 < n_steps / 2 and "rollout_entropy" in r]
     ent = [r for r in train if r.get("entropy") is not None and r.get("updates", 1)]
     out = {"steps": len(train),
            "entropy_start": ent[0]["entropy"] if ent else float("nan"),

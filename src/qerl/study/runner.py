@@ -65,8 +65,10 @@ def finished(run_dir: Path) -> bool:
     if not m.exists() or not ((run_dir / "adapter" / "adapter_model.safetensors").exists()
                               or (run_dir / "study_done").exists()):
         return False
-    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
-    steps = max((r["step"] for r in rows if "reward_mean" in r), default=-1) + 1
+    from ..train.metrics import read_rows
+
+    rows = read_rows(m)  # in global_step numbering: the last step's row and its evaluation share the step
+    steps = max((r["step"] for r in rows if "reward_mean" in r), default=0)
     return any("eval_pass_at_1" in r and r["step"] == steps for r in rows)
 
 

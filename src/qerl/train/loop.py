@@ -11,6 +11,10 @@ subclasses `TrainLoop` and says what differs: what a step does (`train_step`), h
     trainer.state + log_history, on_step_end, on_log, checkpoint (save_strategy, save_steps, the last
     step, a callback's request), [evaluation] -> adapter -> summary entry, on_train_end -> release.
 
+Steps are numbered one way everywhere (printed lines, metrics.jsonl, trainer.state, log_history, the
+bar): TRL's global_step, optimizer steps so far, 1 after the first (`global_step`; a trainer whose step
+makes several of TRL's optimizer steps says how many, `global_steps_per_step`).
+
 Rank 0 writes files and logs; every rank runs the steps and meets at the barriers.
 """
 
@@ -26,6 +30,7 @@ from tqdm.auto import tqdm
 from . import checkpoints as ckpt
 from . import run_folder
 from .callbacks import Callbacks
+from .eta import RunClock
 from .metrics import MetricsLog, read_rows
 from .optim import step_optimizer
 from .parts import TrainParts
@@ -58,6 +63,24 @@ class TrainLoop:
     def base_name(self) -> str:
         return self.cfg.model_name_or_path
 
+    @property
+    def global_steps_per_step(self) -> int:
+        """TRL's optimizer steps in one of this trainer's steps (the TRL surface's GRPO: a generation's)."""
+        return 1
+
+    @property
+    def global_step(self) -> int:
+        """TRL's global_step: optimizer steps so far."""
+        return self.step * self.global_steps_per_step
+
+    @property
+    def global_max_steps(self) -> int:
+        return self.max_steps * self.global_steps_per_step
+
+    def run_name(self) -> str | None:
+        """The trackers' name of the run: qerl's, the output folder's (the TRL surface: run_name)."""
+        return self.out.resolve().name
+
     def epoch(self) -> float | None:
         """Passes over the training rows so far (trainer.state.epoch)."""
         return None
@@ -74,6 +97,11 @@ class TrainLoop:
 
     def after_step(self, m: dict, log, bar) -> None:
         """Run after each step's checkpoint (GRPO: the evaluations)."""
+
+    def occasional_costs(self) -> dict:
+        """time_<name> of a step row -> (steps done -> how many more times it comes): costs that are not
+        every step's, for the time-left estimate (train/eta.py). GRPO: the parity check."""
+        return {}
 
     def stop_background(self) -> None:
         """Leave nothing running when train() returns (GRPO: a rollout in flight)."""
@@ -198,7 +226,7 @@ class TrainLoop:
             raise
         self.step = st["step"]
         self._resumed_from = Path(folder)
-        self.state.global_step = self.step
+        self.state.global_step = self.global_step
         self.state.epoch = self.epoch()
         self.state.num_input_tokens_seen = st.get("num_input_tokens_seen", 0)
         return self.step
@@ -221,27 +249,29 @@ class TrainLoop:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(cfg.to_yaml())
         continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
-        log = MetricsLog(self.out, cfg.report_to, resume_step=self.step if continuing else None, config=cfg.to_dict())
+        log = MetricsLog(self.out, cfg.report_to, resume_step=self.global_step if continuing else None,
+                         config=cfg.to_dict(), run_name=self.run_name())
         if continuing and not self.state.log_history and log.path.exists():
-            # a resumed run's history before its checkpoint: the rows metrics.jsonl kept
-            self.state.log_history = [log_entry(r, r["step"] + 1 if "time_step" in r else r["step"], None)
-                                      for r in read_rows(log.path)]
+            # a resumed run's history before its checkpoint: the rows metrics.jsonl kept (the same numbering)
+            self.state.log_history = [log_entry(r, r["step"], None) for r in read_rows(log.path)]
         return log
 
     def record(self, m: dict, log) -> None:
-        """A step's metrics: metrics.jsonl and the trackers, trainer.state, the callbacks' on_log."""
+        """A step's metrics: metrics.jsonl and the trackers, trainer.state, the callbacks' on_log. The row's
+        step becomes the global_step (a trainer's train_step may number it its own way)."""
+        m["step"] = self.global_step
         if log is not None:
             log.write(m)
         st = self.state
-        st.global_step, st.epoch = self.step, self.epoch()
-        entry = log_entry(m, self.step, st.epoch)
+        st.global_step, st.epoch = self.global_step, self.epoch()
+        entry = log_entry(m, st.global_step, st.epoch)
         st.log_history.append(entry)
         self.callback_handler("on_step_end")
         self.callback_handler("on_log", logs=entry)
 
     def record_eval(self, row: dict) -> None:
         """An evaluation's row (already in metrics.jsonl): log_history and on_evaluate."""
-        entry = log_entry(row, self.step, self.state.epoch)
+        entry = log_entry(row, self.global_step, self.state.epoch)
         self.state.log_history.append(entry)
         self.callback_handler("on_evaluate", metrics=entry)
 
@@ -250,10 +280,19 @@ class TrainLoop:
                         if k in self.LOG_KEYS)
         bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
 
+    def _logs_now(self) -> bool:
+        """A multiple of logging_steps was reached by this step (a step of several optimizer steps may
+        pass one without landing on it)."""
+        every, n = self.cfg.logging_steps, self.global_steps_per_step
+        return bool(every) and self.global_step // every != (self.global_step - n) // every
+
+    def _say(self, line: str, bar) -> None:
+        bar.write(line) if self.progress else print(line, flush=True)
+
     def _train(self, stop_after: int | None) -> list[dict]:
         cfg, main = self.cfg, self.dist.is_main
         end = self.max_steps if stop_after is None else min(self.max_steps, self.step + stop_after)
-        self.state.max_steps = self.max_steps
+        self.state.max_steps = self.global_max_steps
         log = self._open_log()
         rows, bar = [], None
         t0 = time.perf_counter()
@@ -267,16 +306,23 @@ class TrainLoop:
             self.callback_handler("on_train_begin")
             self.before_steps(log)
             # after the start evaluation, which is its own phase: the bar's rate and ETA count steps only
-            bar = tqdm(total=self.max_steps, initial=self.step, desc=self.KIND, unit="step",
-                       disable=not (self.progress and main))
+            # the bar counts global steps; its time left is the clock's (one-off first-step costs left out)
+            bar = tqdm(total=self.global_max_steps, initial=self.global_step, desc=self.KIND, unit="step",
+                       disable=not (self.progress and main),
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+            clock = RunClock(self.max_steps, self.occasional_costs())
             while self.step < end:
                 self.callback_handler("on_step_begin")
+                clock.begin()
                 m = self.train_step()
                 self.record(m, log)
                 rows.append(m)
-                bar.update(1)
-                bar.set_postfix(**self.postfix(m))
-                if cfg.logging_steps and m["step"] % cfg.logging_steps == 0 and main:
+                bar.update(self.global_steps_per_step)
+                left = clock.step_done(self.step, m)
+                bar.set_postfix(**self.postfix(m), left=left.short())
+                if main and clock.steps == 1 and self.step < self.max_steps:
+                    self._say(f"qerl {self.KIND}: {left.line()}", bar)
+                if main and self._logs_now():
                     self._print_line(m, bar)
                 control = self.callback_handler.control
                 stop = control.should_training_stop
@@ -297,7 +343,8 @@ class TrainLoop:
                 log.close()
         if main:
             self._write_adapter()
-        self.state.log_history.append(summary_entry(rows, time.perf_counter() - t0, self.step, self.state.epoch))
+        self.state.log_history.append(summary_entry(rows, time.perf_counter() - t0, self.global_step,
+                                                       self.state.epoch))
         self.callback_handler("on_train_end")
         self.dist.barrier()
         return rows

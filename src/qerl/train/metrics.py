@@ -1,4 +1,9 @@
-"""Per-step metrics: metrics.jsonl always, and the trackers report_to names (train/trackers.py)."""
+"""Per-step metrics: metrics.jsonl always, and the trackers report_to names (train/trackers.py).
+
+A row's `step` is TRL's global_step: optimizer steps so far, 1 after the first step (an evaluation's row
+carries the step it followed; one before training, 0). Run folders written before numbered their step
+rows from 0; `read_rows` renumbers them, so resume, the plot and the summaries read one numbering.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,22 @@ from pathlib import Path
 from ..checkpoint.atomic import atomic_text
 
 
+FOLDER_NAME = object()  # MetricsLog's run_name default: the output folder's name
+
+
 class MetricsLog:
     def __init__(self, output_dir, report_to: str = "auto", resume_step: int | None = None,
-                 config: dict | None = None):
-        """config: the run's settings, which the trackers store beside the metrics."""
+                 config: dict | None = None, run_name=FOLDER_NAME):
+        """resume_step: the checkpoint's global_step (its rows and those before it are kept); config: the
+        run's settings, which the trackers store beside the metrics; run_name: the trackers' name of the
+        run (transformers' run_name; None: each tracker names it, as transformers leaves it; by default the
+        output folder's name)."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            # a resumed run repeats the steps after its checkpoint: drop their old lines
-            keep = [json.dumps(r) for r in read_rows(self.path) if r["step"] < resume_step]
+            # a resumed run repeats the steps after its checkpoint: drop their old lines (an old folder's
+            # rows are rewritten in this numbering)
+            keep = [json.dumps(r) for r in read_rows(self.path) if r["step"] <= resume_step]
             atomic_text(self.path, "".join(ln + "\n" for ln in keep))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
@@ -25,7 +37,10 @@ class MetricsLog:
         from .trackers import open_trackers
 
         out = Path(output_dir)
-        self.trackers = open_trackers(trackers(report_to), out, config or {}, out.resolve().name, resume_step=resume_step)
+        name = out.resolve().name if run_name is FOLDER_NAME else run_name
+        # the trackers drop a killed run's points from the first step logged again: the one after the checkpoint
+        self.trackers = open_trackers(trackers(report_to), out, config or {}, name,
+                                      resume_step=None if resume_step is None else resume_step + 1)
 
     def write(self, row: dict) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
@@ -70,4 +85,18 @@ def read_rows(path) -> list[dict]:
                 break
             raise ValueError(f"{path}:{i + 1}: not a metrics row ({e})") from None
         rows.append(row)
-    return rows
+    return renumbered(rows)
+
+
+def is_step_row(row: dict) -> bool:
+    """A training step's row (an evaluation's has no step time)."""
+    return "time_step" in row
+
+
+def renumbered(rows: list[dict]) -> list[dict]:
+    """Rows in global_step numbering. A folder written before numbered its step rows from 0 (a step row
+    at 0, which global_step never has): each becomes the count of steps done after it, the TRL surface's
+    own count where the row kept one (`global_step`)."""
+    if not any(is_step_row(r) and r["step"] == 0 for r in rows):
+        return rows
+    return [{**r, "step": r.get("global_step", r["step"] + 1)} if is_step_row(r) else r for r in rows]

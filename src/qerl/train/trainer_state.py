@@ -1,9 +1,9 @@
 """`trainer.state`: transformers' TrainerState, kept by the run loop as transformers' Trainer keeps it.
 
 Scripts, notebooks and callbacks read `trainer.state.global_step` and `trainer.state.log_history`; the
-loop appends one entry a step (the step's metrics, `epoch`, and TRL's `step`: optimizer steps so far,
-counted in qerl steps, so 1 after the first) and a summary entry at the end of train() (train_runtime,
-train_loss, ...), as transformers does. A resumed run rebuilds the entries before its checkpoint from
+loop appends one entry a step (the step's metrics, `epoch`, and TRL's `step`: global_step, optimizer
+steps so far, 1 after the first; the same number as the step's metrics.jsonl row) and a summary entry
+at the end of train() (train_runtime, train_loss, ...), as transformers does. A resumed run rebuilds the entries before its checkpoint from
 its metrics.jsonl, which holds the same rows.
 """
 
@@ -26,7 +26,7 @@ def new_state(max_steps: int, logging_steps: int, save_steps: int, train_batch_s
 
 def log_entry(row: dict, step: int, epoch: float | None) -> dict:
     """TRL's log_history entry of a metrics row: its numbers (NaN as None, as TRL logs a mean over
-    nothing; not qerl's 0-based `step`), `epoch`, `step`."""
+    nothing), `epoch`, `step` (global_step)."""
     out = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()
            if k != "step" and isinstance(v, numbers.Number) and not isinstance(v, bool)}
     if epoch is not None:

@@ -24,6 +24,7 @@ class TRLArgs:
     run_name: str | None = None
     eval_strategy: str = "no"
     eval_steps: float | None = None     # TRL's: None means logging_steps
+    per_device_eval_batch_size: int = 8  # TrainingArguments': completions an eval batch (TRL's eval_loss)
     warmup_ratio: float = 0.0
     push_to_hub: bool = False
     hub_model_id: str | None = None

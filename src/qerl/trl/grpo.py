@@ -23,11 +23,11 @@ or a .jsonl path; peft_config a LoraConfig or a mapping of its fields (lora.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from ..rl import GRPOConfig as _Config
 from ..rl import GRPOTrainer as _Trainer
-from ..train.trainer_state import log_entry
 from . import fields, steps
 from .data import base_id, eval_sets, model_folder, read_rows
 from .lora import lora_change
@@ -113,6 +113,10 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         change["eval_steps"] = 0  # TRL's eval_steps are TRL's evaluation (after_step); qerl's pass@1 by its own
         if trl.eval_strategy != "no" and not eval_rows:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
+        if trl.eval_strategy != "no" and (trl.per_device_eval_batch_size * _world()) % cfg.num_generations:
+            raise ValueError(f"per_device_eval_batch_size={trl.per_device_eval_batch_size}: the global eval batch "
+                             f"({trl.per_device_eval_batch_size} * {_world()}) must be divisible by num_generations "
+                             f"({cfg.num_generations}), as TRL's GRPOConfig requires")
         from .prompts import prompt_limit
 
         limit = prompt_limit(cfg, rows + (eval_rows or []), processing_class, trl.max_prompt_length)
@@ -133,30 +137,15 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.cfg.trl = trl
         self.surface_ready()
 
-    # ---- TRL's step numbering: trainer.state counts optimizer steps (steps.py) -----------------------
+    # ---- TRL's step numbering: a generation is updates_per_generation optimizer steps (steps.py); the run
+    # loop numbers everything by them (train/loop.py global_step) ---------------------------------------
     @property
-    def global_step(self) -> int:
-        return self.step * self.step_plan.updates_per_generation
-
-    def before_steps(self, log) -> None:
-        self.state.max_steps = self.step_plan.optimizer_steps
-        self.state.global_step = self.global_step  # a resumed run's
-        super().before_steps(log)
-
-    def _print_line(self, m: dict, bar) -> None:
-        """The printed line numbers steps as trainer.state does (TRL's global_step)."""
-        super()._print_line({**m, "step": self.global_step}, bar)
+    def global_steps_per_step(self) -> int:
+        return self.step_plan.updates_per_generation
 
     def record(self, m: dict, log) -> None:
-        if log is not None:  # metrics.jsonl keeps qerl's 0-based `step` (resume reads it) beside TRL's count
-            log.write({**m, "global_step": self.global_step})
-        st = self.state
-        st.global_step, st.epoch = self.global_step, self.epoch()
-        entry = log_entry(m, st.global_step, st.epoch)
-        st.log_history.append(entry)
-        self.callback_handler("on_step_end")
-        self.callback_handler("on_log", logs=entry)
-        self._log_completions(m["step"], log)
+        super().record(m, log)
+        self._log_completions(self.step - 1, log)  # the rollouts of the generation just trained on
 
     # ---- TRL's evaluation (grpo_eval.py); qerl's pass@1 stays, called with its MetricsLog ---------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kw):
@@ -180,10 +169,10 @@ class GRPOTrainer(TrainerSurface, _Trainer):
     def after_step(self, m: dict, log, bar) -> None:
         super().after_step(m, log, bar)
         every = self.trl.eval_steps or self.cfg.logging_steps
-        if self.trl.eval_strategy == "steps" and every and self.global_step % int(every) == 0:
+        if self.trl.eval_strategy == "steps" and every and self._reached(every):
             out = self.evaluate()
             if log is not None:
-                log.write({"step": self.step, **out})
+                log.write({"step": self.global_step, **out})
             self.dist.barrier()
             bar.unpause()
 
@@ -194,26 +183,20 @@ class GRPOTrainer(TrainerSurface, _Trainer):
             self._rollouts_of[ctx.step] = ro  # (a rollout one step ahead, max_staleness 1, is another key)
         return ro
 
+    def _reached(self, every) -> bool:
+        """This generation's optimizer steps reached a multiple of `every` (TRL's eval_steps, logging_steps);
+        every < 1: a fraction of the run, as transformers reads it."""
+        every = math.ceil(every * self.global_max_steps) if every < 1 else every
+        every = max(1, int(every))
+        return self.global_step // every != (self.global_step - self.global_steps_per_step) // every
+
     def _log_completions(self, step: int, log) -> None:
         ro = self._rollouts_of.pop(step, None)
-        every = self.cfg.logging_steps or 1
-        if ro is None or not self.dist.is_main or self.global_step % every:
+        if ro is None or not self.dist.is_main or not self._reached(self.cfg.logging_steps or 1):
             return
         from .completions import CompletionsTable
 
         table = CompletionsTable.of(ro, self.tok, self.cfg.scale_rewards, self.global_step)
         table.sample(self.trl.num_completions_to_print).print()
         table.write(self.cfg.output_dir)
-        table.to_trackers(getattr(log, "trackers", []), step)
-
-    def record_eval(self, row: dict) -> None:
-        entry = log_entry(row, self.global_step, self.state.epoch)
-        self.state.log_history.append(entry)
-        self.callback_handler("on_evaluate", metrics=entry)
-
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, stop_after=None, **kwargs):
-        out = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, stop_after, **kwargs)
-        self.state.global_step = self.global_step
-        if self.state.log_history and "train_runtime" in self.state.log_history[-1]:
-            self.state.log_history[-1]["step"] = self.global_step
-        return out._replace(global_step=self.global_step)
+        table.to_trackers(getattr(log, "trackers", []), self.global_step)

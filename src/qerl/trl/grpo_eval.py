@@ -1,10 +1,17 @@
 """TRL's GRPO evaluation (eval_strategy="steps"): num_generations completions of each eval prompt from the
 current adapter (no AQN noise), scored by the reward functions, logged under TRL's names with its eval_
 prefix: eval_reward, eval_reward_std, eval_rewards/<fn>/mean and /std, eval_completions/mean_length,
-eval_frac_reward_zero_std. TRL also logs an eval_loss, the policy loss on those completions; with one
-pass over fresh samples its ratio is 1, so it is -mean(advantage) (0 up to rounding) plus beta x KL:
-not computed here. qerl's own held-out pass@1 (eval_on_start / eval_on_end / qerl's eval_steps) stays,
-as eval_pass_at_1."""
+eval_frac_reward_zero_std, eval_loss. qerl's own held-out pass@1 (eval_on_start / eval_on_end / qerl's
+eval_steps) stays, as eval_pass_at_1.
+
+eval_loss is TRL's: transformers' evaluation loop runs GRPOTrainer.compute_loss on each eval batch
+(per_device_eval_batch_size completions, advantages computed within it) and logs the mean of the
+batches' losses. One pass over fresh samples has ratio 1 (the policy is the one that sampled), so the
+clipped term is -advantage on every trained token, aggregated as loss_type does; it needs no forward
+pass. Where TRL's loss needs the model's own numbers at ratio 1 (beta > 0: the KL; entropy_coef or
+top_entropy_quantile: the entropies; cispo, vespo: the logprobs; sapo: its temperatures) it is left out
+rather than approximated.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ import time
 
 import torch
 
+RATIO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss at ratio 1 is -advantage per token
+
 
 def _nan_stats(vals: list[float]) -> tuple[float, float]:
     t = torch.tensor(vals, dtype=torch.float64)
@@ -21,6 +30,62 @@ def _nan_stats(vals: list[float]) -> tuple[float, float]:
     if not t.numel():
         return math.nan, math.nan
     return float(t.mean()), float(t.std()) if t.numel() > 1 else 0.0
+
+
+def _nanvar(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """The sample variance (n - 1) over the numbers that are not NaN."""
+    ok = ~torch.isnan(x)
+    n = ok.sum(dim) if dim is not None else ok.sum()
+    mean = torch.nanmean(x, dim, keepdim=True) if dim is not None else torch.nanmean(x)
+    sq = torch.where(ok, (x - mean) ** 2, torch.zeros_like(x))
+    return (sq.sum(dim) if dim is not None else sq.sum()) / (n - 1)
+
+
+def advantages(rewards: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """TRL's advantages of one batch: rewards [prompts, G] (NaN: unscorable, advantage 0) less each group's
+    mean, over the group's (or the batch's) standard deviation + 1e-4 unless scale_rewards is none."""
+    r = rewards.double()
+    a = r - torch.nanmean(r, 1, keepdim=True)
+    if scale_rewards == "group":
+        a = a / (_nanvar(r, 1).sqrt().unsqueeze(1) + 1e-4)
+    elif scale_rewards == "batch":
+        a = a / (_nanvar(r.flatten()).sqrt() + 1e-4)
+    return torch.nan_to_num(a, nan=0.0)
+
+
+def batch_loss(adv: torch.Tensor, tokens: torch.Tensor, loss_type: str, max_completion_length: int) -> float:
+    """TRL's loss of one batch at ratio 1: adv and tokens (trained tokens of each completion) flat."""
+    adv, tokens = adv.flatten(), tokens.flatten().double()
+    per_seq = -adv * tokens  # the sum of -advantage over each completion's trained tokens
+    if loss_type == "grpo":
+        return float((per_seq / tokens.clamp(min=1)).mean())
+    if loss_type in ("bnpo", "dapo"):
+        return float(per_seq.sum() / tokens.sum().clamp(min=1))
+    if loss_type == "dr_grpo":
+        return float(per_seq.sum() / (len(per_seq) * max_completion_length))
+    if loss_type == "luspo":
+        return float(per_seq.mean())
+    raise ValueError(f"loss_type {loss_type!r}: no eval_loss at ratio 1")
+
+
+def eval_loss(rewards: torch.Tensor, tokens: torch.Tensor, cfg, batch_size: int) -> float | None:
+    """The mean over eval batches of `batch_size` completions (prompt-major, whole groups) of TRL's loss;
+    None where TRL's loss needs more than the advantages (see the module's doc)."""
+    if (cfg.loss_type not in RATIO_LOSSES or cfg.beta or getattr(cfg, "entropy_coef", 0.0)
+            or getattr(cfg, "top_entropy_quantile", 1.0) < 1.0):
+        return None
+    per = max(1, batch_size // rewards.shape[1])  # prompts a batch
+    tokens = tokens.view(rewards.shape)
+    losses = [batch_loss(advantages(rewards[i:i + per], cfg.scale_rewards), tokens[i:i + per], cfg.loss_type,
+                         cfg.max_completion_length) for i in range(0, rewards.shape[0], per)]
+    return sum(losses) / len(losses)
+
+
+def trained_tokens(completions, mask_truncated: bool) -> torch.Tensor:
+    """Each completion's tokens in TRL's loss mask: the model's own (not tool output); none for a completion
+    cut at the limit when mask_truncated_completions is on."""
+    return torch.tensor([0 if mask_truncated and c.finish_reason == "length" else sum(c.model_token_mask())
+                         for c in completions])
 
 
 def trl_evaluate(trainer, rows: list[dict], prefix: str = "eval") -> dict:
@@ -42,5 +107,12 @@ def trl_evaluate(trainer, rows: list[dict], prefix: str = "eval") -> dict:
     for key, vals in rnd.scores.per_func.items():
         name = rnd.scores.names.get(key, key)
         out[f"{prefix}_rewards/{name}/mean"], out[f"{prefix}_rewards/{name}/std"] = _nan_stats(vals)
+    # a completion every function declined (None) is unscorable: TRL gives it no advantage
+    per_func = torch.tensor(list(rnd.scores.per_func.values()), dtype=torch.float64).view(-1, *rewards.shape)
+    scored = torch.where(torch.isnan(per_func).all(0), torch.nan, rewards.double())
+    loss = eval_loss(scored, trained_tokens(rnd.completions, trainer.cfg.mask_truncated_completions), trainer.cfg,
+                     trainer.trl.per_device_eval_batch_size)
+    if loss is not None:
+        out[f"{prefix}_loss"] = loss
     out[f"{prefix}_runtime"] = time.perf_counter() - t0
     return out

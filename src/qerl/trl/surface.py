@@ -68,6 +68,11 @@ class TrainerSurface:
     def processing_class(self):
         return self.tok
 
+    def run_name(self) -> str | None:
+        """The trackers' name of the run: run_name, or, unset, none (wandb, trackio and mlflow name it
+        themselves), as transformers' integrations pass args.run_name."""
+        return self.trl.run_name
+
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
 
