@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-MAX_M = 16
+from .m_thresholds import LORA_SHRINK_MAX_M
+
+MAX_M = LORA_SHRINK_MAX_M  # kernels/m_thresholds.py
 BLOCK_K = 1024
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter.
 RUN_ON_CPU_INTERPRETER = False

@@ -42,12 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .m_thresholds import MOE_GEMV_MAX_TOKENS
 from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
 from .w4_decode_consts import ASM_SHIFT
 from .weight_state import WeightState
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1}
-MAX_TOKENS = 64  # decode batches; above this the grouped or per-expert path dequantizes once per expert anyway
+MAX_TOKENS = MOE_GEMV_MAX_TOKENS  # decode batches (kernels/m_thresholds.py)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
