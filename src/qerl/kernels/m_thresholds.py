@@ -5,7 +5,7 @@ so a change of route is one line of this file; the figures that chose each are b
 """
 
 # dense 4-bit layers (kernels/mma_backend.py routes by M, humming's measured buckets aside)
-W4_MMA_MAX_M = 64          # mma.sync, decode in registers: up to here; above, dequantize + cuBLAS (`qerl bench kernels`)
+W4_MMA_MAX_M = 64          # mma.sync, decode in registers, up to here; above, dequantize + cuBLAS (bench kernels)
 W4_WGMMA_MIN_M = 9         # the Hopper wgmma kernel's smallest and largest M (its token tiles, w4_wgmma.TUNING)
 W4_WGMMA_MAX_M = 256
 # layers route M >= this (and <= W4_WGMMA_MAX_M) to wgmma, below it to mma.sync: on the H100, the 7B layer set

@@ -10,9 +10,9 @@ kernels (../shared/docs/paper.md). Every family gets the same factor on the same
     which is a norm of weight 1 noised; the paper's noise is relative to the input's scale, which a
     norm-less input keeps, so sigma means the same relative size as on a Llama model with w ~ 1.
 
-Z is added in fp32 inside the norm (rollout/forward.py `rms_norm`, `noisy_norm`, `input_noise`), never folded into the stored
-weight: in bf16, w + Z rounds back to w once sigma is below half an ulp of w (~2e-3 for |w| ~ 1), so
-the schedule's late stages (sigma_end = 5e-4) would do nothing. The weights are never written: they
+Z is added in fp32 inside the norm (rollout/forward.py `rms_norm`, `noisy_norm`, `input_noise`), never
+folded into the stored weight: in bf16, w + Z rounds back to w once sigma is below half an ulp of w
+(~2e-3 for |w| ~ 1), so the schedule's late stages (sigma_end = 5e-4) would do nothing. The weights are never written: they
 are bit-identical afterwards and the noise cannot accumulate into a random walk. Both paths see the
 same Z: the engine's decode glue reads each site's `aqn_noise` buffer, and while the noise is applied
 the site modules' forward (prefill, the trainer's passes) is the same arithmetic with that buffer.
