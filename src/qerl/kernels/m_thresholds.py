@@ -13,6 +13,7 @@ W4_WGMMA_MAX_M = 256
 W4_WGMMA_ROUTE_MIN_M = 64
 TRITON_FUSED_MAX_M = 16    # the Triton fused decode kernel beats dequantize + cuBLAS up to here (H200 sweep)
 LORA_SHRINK_MAX_M = 16     # the LoRA shrink GEMV kernel (decode batches; also K <= 4096)
+LORA_SHRINK_SPLIT_MAX_M = 256  # the split-K LoRA shrink (one launch; cuBLAS's ran ~6-7 µs a projection on the H100)
 
 # MoE experts (kernels/experts_path.py)
 MOE_GEMV_MAX_TOKENS = 64   # the grouped 4-bit GEMV: decode batches; above, the grouped path dequantizes the hit
