@@ -20,16 +20,14 @@ def sevens(completions, **_):
     return [sum(map(ord, c)) % 7 / 7 for c in completions]
 
 
-# AQN restates Llama's norm (w * x_hat.to(dtype)); Gemma's (1 + w) and Olmo's (w * x_hat).to(dtype) are refused
-@pytest.mark.parametrize("family, aqn", [("mistral", True), ("phi3", True), ("gemma3", False), ("olmo2", False),
-                                         ("olmo3", False)])
-def test_one_grpo_step_changes_the_adapter_and_peft_loads_it(family, aqn, tmp_path):
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gemma3", "olmo2", "olmo3"])
+def test_one_grpo_step_changes_the_adapter_and_peft_loads_it(family, tmp_path):
     save_family(tmp_path / "base", family)
     tiny_tokenizer().save_pretrained(tmp_path / "base")
     pol = load_policy(str(tmp_path / "base"), "nvfp4", lora_rank=4, dtype=torch.float32, progress=False)
     cfg = GRPOConfig(max_steps=1, generation_batch_size=8, num_generations=4, per_device_train_batch_size=4,
                      gradient_accumulation_steps=2, max_completion_length=12, max_prompt_length=64,
-                     learning_rate=1e-2, aqn=aqn, aqn_stages=1, output_dir=str(tmp_path / "run"), save_steps=1,
+                     learning_rate=1e-2, aqn=True, aqn_stages=1, output_dir=str(tmp_path / "run"), save_steps=1,
                      report_to="none", device="cpu", dynamic_sampling=False)
     tr = GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=16), reward_funcs=[sevens], progress=False)
     before = {n: p.detach().clone() for n, p in pol.model.named_parameters() if p.requires_grad}

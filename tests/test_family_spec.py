@@ -2,6 +2,8 @@
 class the decode glue and AQN treat as Llama-form, the experts' checkpoint format and config fields the
 random builder and the step planner read. Checked against what transformers builds."""
 
+import sys
+
 import pytest
 import torch
 import transformers as tf
@@ -43,11 +45,29 @@ def test_the_norm_class_and_the_experts_fields_are_what_transformers_builds(name
         assert (getattr(experts, "gate_up_proj_bias", None) is not None) == fam.experts.bias
 
 
-def test_the_llama_form_norms_are_the_families_that_say_so():
-    """The rollout restates (and AQN perturbs) the norms of llama_norm families only; the others keep
-    their own modules (Gemma's (1 + w), Olmo's post-norms, gpt-oss)."""
-    assert {f.name for f in FAMILIES if not f.llama_norm} == {"gemma3", "olmo2", "olmo3", "gpt_oss"}
-    assert len(set(llama_norm_classes())) == len([f for f in FAMILIES if f.llama_norm])
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_the_norm_form_restates_the_norm_transformers_builds(name):
+    """Each family's norm_form is its RMSNorm's arithmetic: the engine's restatement (the Llama glue, or
+    AQN's noisy_norm at zero noise) gives the transformers module's output bit for bit, and the other
+    forms do not (so a wrong norm_form fails here, not as a silently different rollout)."""
+    from qerl.rollout.forward import noisy_norm, rms_norm
+
+    cfg = _config(name)
+    fam = family_of_config(cfg, name)
+    cls = getattr(sys.modules[getattr(tf, fam.causal_lm).__module__], fam.norm_class)  # its modeling module's
+    norm = cls(256, eps=1e-6).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(256, generator=g))
+    x = (3 * torch.randn(64, 256, generator=g)).to(torch.bfloat16)
+    zero = torch.zeros(256)
+    forms = {"llama": lambda: rms_norm(x, norm.weight, 1e-6, zero),
+             "offset": lambda: noisy_norm(x, norm.weight, 1e-6, zero, "offset"),
+             "fp32": lambda: noisy_norm(x, norm.weight, 1e-6, zero, "fp32")}
+    want = norm(x)
+    matches = {f for f, run in forms.items() if torch.equal(run(), want)}
+    assert matches == {fam.norm_form}, (name, matches)
+    assert (type(norm).__name__ in llama_norm_classes()) == (fam.norm_form == "llama")
 
 
 def test_the_random_builder_keeps_the_checkpoint_format_of_the_experts():

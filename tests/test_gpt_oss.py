@@ -156,7 +156,7 @@ def test_one_grpo_step_changes_the_adapter_and_peft_loads_it(stock, tmp_path):
     pol = load_policy(str(root / "stock"), "nvfp4", lora_rank=4, dtype=torch.float32, progress=False)
     cfg = GRPOConfig(max_steps=1, generation_batch_size=8, num_generations=4, per_device_train_batch_size=4,
                      gradient_accumulation_steps=2, max_completion_length=12, max_prompt_length=64,
-                     learning_rate=1e-2, aqn=False, output_dir=str(tmp_path / "run"), save_steps=1,
+                     learning_rate=1e-2, aqn=True, output_dir=str(tmp_path / "run"), save_steps=1,
                      report_to="none", device="cpu", dynamic_sampling=False)
     tr = GRPOTrainer(cfg, policy=pol, task=get_task("arithmetic", size=16), reward_funcs=[sevens], progress=False)
     before = {n: p.detach().clone() for n, p in pol.model.named_parameters() if p.requires_grad}

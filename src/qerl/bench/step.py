@@ -156,7 +156,6 @@ WARMUP_NEW_TOKENS = 16  # the warm-up step's completions: kernels compile and gr
 
 
 def _run_case(a, pol, build_s) -> dict:
-    from ..model.family import family_of_model
     from ..rl import GRPOConfig, GRPOTrainer
     from ..rollout import SamplingParams
     from .synthetic import random_prompts, synthetic_verifier, varied_limits
@@ -183,8 +182,7 @@ def _run_case(a, pol, build_s) -> dict:
         if off is not None and getattr(pol.model, "is_gradient_checkpointing", False):
             off()  # a reused policy: the case decides
         n_rows = a.prompts * a.num_generations
-        # AQN noises Llama-style RMSNorms (w * x_hat); gpt-oss's norms, (w * x_hat).to(dtype), it refuses
-        res["aqn"] = aqn = family_of_model(pol.model).llama_norm
+        res["aqn"] = aqn = True  # every family runs AQN (rl/aqn.py)
         kv_gb = a.kv_cache_gb
         if getattr(a, "kv_fraction", None):  # a KV budget holding this fraction of the step's rows at once
             from ..rollout.forward import ModelView

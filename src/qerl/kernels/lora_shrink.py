@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-MAX_M = 16
+from .m_thresholds import LORA_SHRINK_MAX_M, LORA_SHRINK_SPLIT_MAX_M
+
+MAX_M = LORA_SHRINK_MAX_M  # kernels/m_thresholds.py
 BLOCK_K = 1024
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter.
 RUN_ON_CPU_INTERPRETER = False
@@ -72,7 +74,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 # range is split over enough programs to fill the card; each writes its fp32 partial tile, and the last program
 # of a tile (a ticket counter) sums the partials in split order and writes xa rounded once: one launch, no
 # memset, the same bits on every run, and the counter is left at 0 for the next call or graph replay.
-SPLIT_MAX_M = 256
+SPLIT_MAX_M = LORA_SHRINK_SPLIT_MAX_M  # kernels/m_thresholds.py
 SPLIT_BLOCK_K = 256
 _split_kernel = None
 _COUNTERS: dict = {}

@@ -14,13 +14,14 @@ import importlib.util
 import torch
 
 from .dispatch import lora_expand
+from .m_thresholds import TRITON_FUSED_MAX_M
 from .weight_state import WeightState
 from .w4_decode_consts import ASM_SHIFT
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1, "nf4": 2}
-# Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (H200 sweep,
+# Rows (tokens) up to which the fused decode kernel beats dequantize + cuBLAS (kernels/m_thresholds.py;
 # benchmarks/kernels.md). NVFP4 in the MMA layout never comes here (mma_backend).
-FUSED_MAX_M = 16
+FUSED_MAX_M = TRITON_FUSED_MAX_M
 # Debug aid for the kernels' own CPU tests: send CPU tensors to the Triton interpreter (far slower
 # than the torch path it would replace). Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False

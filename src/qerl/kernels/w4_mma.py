@@ -21,10 +21,11 @@ import torch
 
 from ..formats.nvfp4_mma import OUT_SHIFT
 from . import counters, nvrtc
+from .m_thresholds import W4_MMA_MAX_M
 
 log = logging.getLogger(__name__)
 
-MAX_M = 64  # 8 token tiles of 8; above it dequantize + cuBLAS (chosen by `qerl bench kernels`)
+MAX_M = W4_MMA_MAX_M  # 8 token tiles of 8; above it dequantize + cuBLAS (kernels/m_thresholds.py)
 MAX_SEGMENTS = 3  # LoRA segments a launch takes (q|k|v)
 _COUNTERS = counters.SIZE  # row blocks a launch may use (N / (16 * rows per block)), then the sync words
 _SYNC = 4  # a fused-shrink launch's ticket / xa-ready / finished counters, at the end of the buffer

@@ -31,12 +31,13 @@ import torch
 
 from ..formats.nvfp4_mma import BITS, RECIPE
 from . import counters, nvrtc, settings
+from .m_thresholds import W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4_WGMMA_ROUTE_MIN_M
 
 log = logging.getLogger(__name__)
 
 FILE, NAME = "w4_wgmma.cu", "w4_wgmma_matmul"
 INDEX = "w4_wgmma_index.cuh"  # the address arithmetic, also compiled for the host by the CPU tests
-MIN_M, MAX_M = 9, 256  # tokens this kernel takes (below: mma.sync; above: dequantize + cuBLAS)
+MIN_M, MAX_M = W4_WGMMA_MIN_M, W4_WGMMA_MAX_M  # tokens this kernel takes (kernels/m_thresholds.py)
 _COUNTERS = 1 << 14
 
 # Per token tile BN: consumer warpgroups (64 weight rows each), producer warps, stages of the ring, and the
@@ -53,9 +54,8 @@ TUNING: dict[int, dict] = {
     # One warpgroup: 128 accumulators a thread need the whole 255 registers (two warpgroups spill).
     256: dict(wg=1, pw=4, stages=4, ctas_per_sm=1),
 }
-# Layers route M >= ROUTE_MIN_M (and <= MAX_M) here, below it to mma.sync: on the H100, the 7B layer set took
-# 159.7 µs here against 179.3 through mma.sync at M = 64, but 127.4 against 114.9 at M = 32.
-ROUTE_MIN_M = 64
+# Layers route M >= ROUTE_MIN_M (and <= MAX_M) here, below it to mma.sync (the measurement: m_thresholds.py)
+ROUTE_MIN_M = W4_WGMMA_ROUTE_MIN_M
 SMEM_LIMIT = 227 * 1024
 # Token tiles up to which the LoRA shrink may run inside the launch (past it the shrink path's 128
 # accumulators push the kernel over 255 registers: ptxas spills).

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 QKV = ("q", "k", "v")
+NORM_FORMS = ("llama", "offset", "fp32")
 GATE_UP = ("gate", "up")
 LLAMA_PROJECTIONS = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -72,7 +73,10 @@ class Family:
     aliases: Mapping[str, str] = field(default_factory=dict)  # target names of other families -> ours
     norms: Norms = Norms()
     qk_norm: str | None = None          # "head": per head after the reshape; "width": over all heads
-    llama_norm: bool = True             # norms compute w * x_hat.to(dtype) (the decode glue restates them)
+    # how its RMSNorms compute (AQN adds Z to the effective weight, rollout/forward.py restates each):
+    # "llama" w * x_hat.to(dtype) (the decode glue's fused norm), "offset" (x_hat * (1 + w)).to(dtype)
+    # (Gemma 3), "fp32" (w * x_hat).to(dtype) with x_hat in fp32 (Olmo 2, gpt-oss)
+    norm_form: str = "llama"
     act: str = "act_fn"                 # the MLP's activation attribute
     windows_from: str = "layer_types"   # "layer_types": config.layer_types picks sliding layers; "every_layer"
     rope_per_layer_type: bool = False   # the rotary module takes a layer_type (its own tables per type)
@@ -82,6 +86,15 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()  # (module path piece, the checkpoint's): Mixtral's block_sparse_moe
     check: Callable | None = None       # check(config) -> None or the reason a config is not run
     tested_against: str = ""            # README: what the family's tests compare with
+
+    def __post_init__(self):
+        if self.norm_form not in NORM_FORMS:
+            raise ValueError(f"family {self.name}: norm_form {self.norm_form!r} is not one of {NORM_FORMS}")
+
+    @property
+    def llama_norm(self) -> bool:
+        """Its norms compute w * x_hat.to(dtype): the decode glue's fused norm restates them."""
+        return self.norm_form == "llama"
 
     @property
     def norm_class(self) -> str:
@@ -159,7 +172,8 @@ def families() -> tuple[Family, ...]:
 
 def llama_norm_classes() -> tuple[str, ...]:
     """The RMSNorm classes that compute w * x_hat.to(dtype) (Family.llama_norm), which the decode glue
-    restates as a fused norm and AQN perturbs; every other family's norm is left to its own module."""
+    restates as a fused norm; every other family's norm runs as its own module (under AQN, as
+    rollout/forward.py's `noisy_norm`)."""
     return tuple(f.norm_class for f in families() if f.llama_norm)
 
 

@@ -1,16 +1,21 @@
 """Adaptive Quantization Noise (AQN): scheduled Gaussian noise on the RMSNorm weights.
 
 Per step, every RMSNorm that feeds LoRA/quantized projections computes with w + Z, Z ~ N(0, sigma^2)
-of the layer's input size (input_layernorm -> q/k/v, post_attention_layernorm -> gate/up): row-wise
-multiplicative noise (1 + Z/w) on those weights with no change to the 4-bit kernels
-(../shared/docs/paper.md).
+of the layer's input size (the family's attention-input norm -> q/k/v, its MLP-input norm ->
+gate/up): row-wise multiplicative noise (1 + Z/w) on those weights with no change to the 4-bit
+kernels (../shared/docs/paper.md). Every family gets the same factor on the same projection inputs:
+  - a Llama-form norm (w * x_hat.to(dtype)) or Olmo/gpt-oss's (w * x_hat).to(dtype): w + Z;
+  - Gemma 3's (x_hat * (1 + w)): its effective weight is 1 + w, so 1 + w + Z (the factor 1 + Z/(1 + w));
+  - no norm before the group (Olmo 2's post-norm layers): the attention's or MLP's input times (1 + Z),
+    which is a norm of weight 1 noised; the paper's noise is relative to the input's scale, which a
+    norm-less input keeps, so sigma means the same relative size as on a Llama model with w ~ 1.
 
-Z is added in fp32 inside the norm (rollout/forward.py `rms_norm`), never folded into the stored
-weight: in bf16, w + Z rounds back to w once sigma is below half an ulp of w (~2e-3 for |w| ~ 1), so
-the schedule's late stages (sigma_end = 5e-4) would do nothing. The weights are never written: they
+Z is added in fp32 inside the norm (rollout/forward.py `rms_norm`, `noisy_norm`, `input_noise`), never
+folded into the stored weight: in bf16, w + Z rounds back to w once sigma is below half an ulp of w
+(~2e-3 for |w| ~ 1), so the schedule's late stages (sigma_end = 5e-4) would do nothing. The weights are never written: they
 are bit-identical afterwards and the noise cannot accumulate into a random walk. Both paths see the
-same Z: the engine's decode glue reads each norm's `aqn_noise` buffer, and while the noise is applied
-the norm modules' forward (prefill, the trainer's passes) is the same `rms_norm` with that buffer.
+same Z: the engine's decode glue reads each site's `aqn_noise` buffer, and while the noise is applied
+the site modules' forward (prefill, the trainer's passes) is the same arithmetic with that buffer.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-# which norm feeds which projections (Llama / Qwen2 / Qwen3 decoder layers)
-# (Phi-3 keeps q|k|v and gate|up fused in one projection each: qkv_proj, gate_up_proj)
-NORM_FEEDS = {"input_layernorm": ("q_proj", "k_proj", "v_proj", "qkv_proj"),
-              "post_attention_layernorm": ("gate_proj", "up_proj", "gate_up_proj")}
+from ..model.family import family_of_model
+from ..rollout.forward import input_noise, noisy_norm, norm_eps, rms_norm
+
+# the projections whose input AQN noises, by the block they sit in (Phi-3 keeps q|k|v and gate|up fused
+# in one projection each: qkv_proj, gate_up_proj); an MoE block has none of them: its router and experts
+# are left clean, as before every family ran AQN
+FEEDS = {"self_attn": ("q_proj", "k_proj", "v_proj", "qkv_proj"), "mlp": ("gate_proj", "up_proj", "gate_up_proj")}
 
 
 def sigma_at(step: int, total_steps: int, stages: int = 10, sigma_start: float = 1e-2, sigma_end: float = 5e-4,
@@ -141,18 +149,43 @@ class AdaptiveSigma:
         self.__post_init__()  # a resumed run with narrower bounds keeps sigma inside them
 
 
-def noised_norms(model: nn.Module) -> dict[str, nn.Parameter]:
-    """name -> weight of each decoder-layer RMSNorm that feeds a LoRA (or quantized) projection."""
-    out = {}
-    for name, mod in model.named_modules():
-        for norm_name, projs in NORM_FEEDS.items():
-            norm = getattr(mod, norm_name, None)
-            if norm is None or getattr(norm, "weight", None) is None:
+@dataclass(frozen=True)
+class Site:
+    """Where one noise vector enters: a norm feeding a projection group (form: the family's norm_form),
+    or, where the family has no norm there, the block (self_attn or mlp) whose input is noised."""
+    name: str           # the module's path
+    module: nn.Module   # it holds the `aqn_noise` buffer and, while noise is applied, a noisy forward
+    form: str           # "llama" | "offset" | "fp32" (a norm) | "input" (the block's input)
+    eps: float | None   # a norm's eps
+
+
+def noise_sites(model: nn.Module) -> list[Site]:
+    """Each decoder layer's sites before a LoRA (or quantized) q/k/v and gate/up, read from the family's
+    norms (model/family.py): attn_in feeds attention, mlp_in the MLP (Gemma 3's post_attention_layernorm
+    is an output norm, so names alone would pick the wrong one)."""
+    fam = family_of_model(model)
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        for block, norm_name in (("self_attn", fam.norms.attn_in), ("mlp", fam.norms.mlp_in)):
+            mod = getattr(layer, block, None)
+            children = [getattr(mod, p, None) for p in FEEDS[block]]
+            if not any(c is not None and (getattr(c, "r", 0) or hasattr(c, "fmt")) for c in children):
                 continue
-            children = [getattr(getattr(mod, a, None), p, None) for a in ("self_attn", "mlp") for p in projs]
-            if any(c is not None and (getattr(c, "r", 0) or hasattr(c, "fmt")) for c in children):
-                out[f"{name}.{norm_name}" if name else norm_name] = norm.weight
+            if norm_name is None:
+                out.append(Site(f"model.layers.{i}.{block}", mod, "input", None))
+                continue
+            norm = getattr(layer, norm_name)
+            eps = norm_eps(norm)
+            if eps is None or getattr(norm, "weight", None) is None:
+                raise ValueError(f"AQN: model.layers.{i}.{norm_name} ({type(norm).__name__}) has no RMSNorm "
+                                 f"weight and eps to noise")
+            out.append(Site(f"model.layers.{i}.{norm_name}", norm, fam.norm_form, eps))
     return out
+
+
+def noised_norms(model: nn.Module) -> dict[str, nn.Parameter]:
+    """name -> weight of each norm AQN noises (sites that are blocks' inputs have no weight)."""
+    return {s.name: s.module.weight for s in noise_sites(model) if s.form != "input"}
 
 
 class AQN:
@@ -161,15 +194,17 @@ class AQN:
     Build it before the engine captures CUDA graphs: the graphs read the noise buffers made here."""
 
     def __init__(self, model: nn.Module):
-        self.weights = noised_norms(model)  # never written: the noise lives in `self.noise`
-        if not self.weights:
-            raise ValueError("AQN: found no RMSNorm feeding q/k/v or gate/up projections in this model")
-        self.norms = {name: model.get_submodule(name) for name in self.weights}
-        self.eps = {name: _llama_eps(name, norm) for name, norm in self.norms.items()}
-        # name -> the fp32 Z its norm adds to its weight: zeros outside `applied`, filled in place
-        self.noise = {name: _noise_buffer(norm) for name, norm in self.norms.items()}
+        self.sites = {s.name: s for s in noise_sites(model)}
+        if not self.sites:
+            raise ValueError("AQN: found no LoRA or quantized q/k/v or gate/up projection to noise in this model")
+        self.norms = {name: s.module for name, s in self.sites.items()}  # every site's module
+        # the norms' weights, never written (the noise lives in `self.noise`), and eps
+        self.weights = {name: s.module.weight for name, s in self.sites.items() if s.form != "input"}
+        self.eps = {name: s.eps for name, s in self.sites.items() if s.form != "input"}
+        # name -> the fp32 Z its site applies: zeros outside `applied`, filled in place
+        self.noise = {name: _noise_buffer(s.module, _width(s)) for name, s in self.sites.items()}
         # RMS of the fp32 noise of the last noisy block (0 after a noiseless one), measured on the
-        # buffers the norms read: the trainer logs it as aqn_sigma_effective
+        # buffers the sites read: the trainer logs it as aqn_sigma_effective
         self.last_effective_sigma = 0.0
 
     @contextlib.contextmanager
@@ -181,42 +216,51 @@ class AQN:
         g = torch.Generator(device="cpu").manual_seed(seed)
         try:
             sq, n = 0.0, 0
-            for name, norm in self.norms.items():
+            for name, site in self.sites.items():
                 buf = self.noise[name]
                 buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).mul_(sigma))
                 sq, n = sq + float(buf.double().pow(2).sum()), n + buf.numel()
-                norm.forward = _noisy_forward(norm, self.eps[name])
+                site.module.forward = _noisy_forward(site)
             self.last_effective_sigma = math.sqrt(sq / n)
             yield
         finally:
-            for name, norm in self.norms.items():
+            for name, site in self.sites.items():
                 self.noise[name].zero_()
-                norm.__dict__.pop("forward", None)  # back to the class's own forward
+                site.module.__dict__.pop("forward", None)  # back to the class's own forward
 
 
-def _llama_eps(name: str, norm: nn.Module) -> float:
-    """eps of a Llama-form RMSNorm (its family's `llama_norm`, model/family.py); another norm is refused."""
-    from ..model.family import llama_norm_classes
-
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if type(norm).__name__ not in llama_norm_classes() or eps is None or getattr(norm, "weight", None) is None:
-        raise ValueError(f"AQN: {name} ({type(norm).__name__}) is not a Llama-style RMSNorm (weight * x / rms(x))")
-    return float(eps)
+def _width(site: Site) -> int:
+    """The noise vector's size: the norm's width, or the hidden size a block's projections read."""
+    if site.form != "input":
+        return site.module.weight.shape[0]
+    proj = next(getattr(site.module, p) for p in FEEDS["self_attn"] + FEEDS["mlp"] if hasattr(site.module, p))
+    return proj.in_features
 
 
-def _noise_buffer(norm: nn.Module) -> torch.Tensor:
-    """A zero fp32 tensor beside the norm's weight, kept for the model's lifetime and reused by every
+def _noise_buffer(module: nn.Module, width: int) -> torch.Tensor:
+    """A zero fp32 vector on the site's device, kept for the model's lifetime and reused by every
     noisy block (a plain attribute, not a buffer: no state_dict or checkpoint sees it)."""
-    w, buf = norm.weight, getattr(norm, "aqn_noise", None)
-    if buf is None or buf.shape != w.shape or buf.device != w.device:
-        buf = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        norm.aqn_noise = buf
+    dev = next(module.parameters()).device
+    buf = getattr(module, "aqn_noise", None)
+    if buf is None or buf.shape != (width,) or buf.device != dev:
+        buf = torch.zeros(width, dtype=torch.float32, device=dev)
+        module.aqn_noise = buf
     return buf
 
 
-def _noisy_forward(norm: nn.Module, eps: float):
-    from ..rollout.forward import rms_norm
+def _noisy_forward(site: Site):
+    """The site module's forward with its noise: the same functions the engine's decode glue calls."""
+    mod = site.module
+    if site.form == "input":
+        cls_forward = type(mod).forward
 
-    def forward(x):
-        return rms_norm(x, norm.weight, eps, norm.aqn_noise)
-    return forward
+        def forward(*args, **kw):  # HF calls attention with hidden_states=..., the MLP positionally
+            if args:
+                args = (input_noise(args[0], mod.aqn_noise), *args[1:])
+            else:
+                kw["hidden_states"] = input_noise(kw["hidden_states"], mod.aqn_noise)
+            return cls_forward(mod, *args, **kw)
+        return forward
+    if site.form == "llama":
+        return lambda x: rms_norm(x, mod.weight, site.eps, mod.aqn_noise)
+    return lambda x: noisy_norm(x, mod.weight, site.eps, mod.aqn_noise, site.form)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..device_memory import free_bytes
 from ..kernels import dispatch, settings
+from ..kernels.experts_path import gemv_max_tokens
 from ..kernels.settings import KernelSettings
 from .forward import ModelView
 from .kv_cache import slots_for_budget
@@ -117,18 +118,6 @@ class _Call:
 MOE_GRAPHS_DEFAULT = True
 
 
-def _moe_graph_max_batch(kernel_settings: KernelSettings | None) -> int:
-    """The largest MoE decode batch a graph can hold: the grouped GEMV's (no host sync), 0 where it is off."""
-    from ..kernels import triton_backend
-
-    s = kernel_settings or settings.current()
-    if not (s.moe_gemv and s.kernels and triton_backend.HAVE_TRITON):
-        return 0
-    from ..kernels import moe_gemv
-
-    return moe_gemv.MAX_TOKENS
-
-
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_len: int = 2048, max_slots: int = 256,
                  kv_cache_gb: float | None = None, cuda_graphs: bool | None = None, sync_every: int | None = None,
@@ -162,7 +151,7 @@ class Engine:
                                   # (MOE_GRAPHS_DEFAULT: on once tests/test_moe_gpu.py's graph tests pass)
                                   cuda_graphs=(cuda and (MOE_GRAPHS_DEFAULT or not moe)) if cuda_graphs is None
                                   else cuda_graphs,
-                                  graph_max_batch=_moe_graph_max_batch(kernel_settings) if moe else None,
+                                  graph_max_batch=gemv_max_tokens(kernel_settings) if moe else None,
                                   compile=cuda if compile is None else compile, fused_attention=fused_attention)
         self.cache = self.runner.cache
         # without kernels (CPU), keep dequantized weights for the rollout's duration

@@ -45,6 +45,27 @@ def rms_norm(x, w, eps: float, noise=None):
     return ((w.float() + noise) * xn.float()).to(torch.promote_types(w.dtype, x.dtype))
 
 
+def noisy_norm(x, w, eps: float, noise, form: str):
+    """A non-Llama RMSNorm (Family.norm_form) with AQN's fp32 Z added to its effective weight, restated
+    from transformers' arithmetic so that at Z = 0 it is its module's output bit for bit:
+      offset  Gemma 3: (x_hat * (1 + w)).to(dtype), the effective weight 1 + w gets + Z
+      fp32    Olmo 2, gpt-oss: (w * x_hat).to(dtype), x_hat in fp32 (never rounded before the product)"""
+    xf = x.float()
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "offset":
+        return (xn * ((1.0 + w.float()) + noise)).to(x.dtype)
+    if form == "fp32":
+        return ((w.float() + noise) * xn).to(x.dtype)
+    raise ValueError(f"noisy_norm: unknown norm form {form!r}")
+
+
+def input_noise(x, noise):
+    """AQN where no norm precedes a projection group (Olmo 2's post-norm layers): the group's input
+    times (1 + Z) per input channel, in fp32 and rounded once: the (1 + Z/w) of a norm whose weight is
+    1. Z = 0 gives x back bit for bit. noise None: x unchanged."""
+    return x if noise is None else (x.float() * (1.0 + noise)).to(x.dtype)
+
+
 def add_rms_norm(h, d, w, eps: float, noise=None):
     """(h + d, rms_norm(h + d)): the residual add and the next norm in one pass."""
     h = h + d
@@ -204,12 +225,18 @@ def _check_rope_type(rotary, config, max_len: int) -> None:
 LLAMA_NORMS = llama_norm_classes()  # the family spec's (Family.llama_norm): one source
 
 
+def norm_eps(m) -> float | None:
+    """An RMSNorm module's eps (transformers calls it variance_epsilon or eps), or None."""
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return None if eps is None else float(eps)
+
+
 def _rms_eps(m):
     """eps of a Llama-style RMSNorm (weight * normalized x, rounded to x's dtype first), or None when
-    the module is another kind (Gemma's (1 + w), Olmo's (w * x_hat).to(dtype): not ours to restate)."""
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    the module is another kind (Gemma's (1 + w), Olmo's (w * x_hat).to(dtype): its own module runs it,
+    or `noisy_norm` under AQN)."""
     llama_like = m.__class__.__name__ in LLAMA_NORMS
-    return None if eps is None or not llama_like or getattr(m, "weight", None) is None else float(eps)
+    return None if not llama_like or getattr(m, "weight", None) is None else norm_eps(m)
 
 
 def _rotate_half(x):
@@ -219,8 +246,9 @@ def _rotate_half(x):
 
 def _project_qkv(view: ModelView, attn, h):
     """q, k, v as the projections give them ([..., H·d], [..., Hkv·d] twice): one call each, one group
-    call, or one fused qkv_proj split by heads (Phi-3)."""
-    ys = project(attn, view.qkv, h)
+    call, or one fused qkv_proj split by heads (Phi-3). The projections are called here, not through
+    attention's forward, so AQN's input noise (a family with no norm before q/k/v) is applied here."""
+    ys = project(attn, view.qkv, input_noise(h, _noise(attn)))
     return ys[0].split(view.split, dim=-1) if len(ys) == 1 else ys
 
 
@@ -348,8 +376,14 @@ def extend(view: ModelView, cache, slots: list[int], rows: list, starts: list[in
 
 
 def _norm(view, ops, norm, x):
-    eps = view.norm_eps.get(id(norm))
-    return norm(x) if eps is None else ops["rms_norm"](x, norm.weight, eps, _noise(norm))
+    eps, z = view.norm_eps.get(id(norm)), _noise(norm)
+    if eps is not None:
+        return ops["rms_norm"](x, norm.weight, eps, z)
+    if z is None:
+        return norm(x)
+    # a non-Llama norm AQN noises: its restatement reads the buffer, so a CUDA graph captured outside
+    # a noisy block still carries each step's noise (the module's own forward would not)
+    return noisy_norm(x, norm.weight, norm_eps(norm), z, view.family.norm_form)
 
 
 def _add_norm(view, ops, norm, h, d):
@@ -360,14 +394,15 @@ def _add_norm(view, ops, norm, h, d):
     eps = view.norm_eps.get(id(norm))
     if eps is None:
         h = h + d
-        return h, norm(h)
+        return h, _norm(view, ops, norm, h)
     return ops["add_rms_norm"](h, d, norm.weight, eps, _noise(norm))
 
 
-def _noise(norm):
-    """The norm's AQN noise buffer (zeros outside a noisy block), or None for a norm AQN does not noise.
-    AQN fills it in place, so a CUDA graph captured after AQN was built reads each step's noise."""
-    return getattr(norm, "aqn_noise", None)
+def _noise(module):
+    """The AQN noise buffer of a norm (or, where no norm precedes the projections, of the attention or
+    MLP block): zeros outside a noisy block, None where AQN does not noise. AQN fills it in place, so a
+    CUDA graph captured after AQN was built reads each step's noise."""
+    return getattr(module, "aqn_noise", None)
 
 
 def _mlp(view, ops, mlp, x):
@@ -376,7 +411,7 @@ def _mlp(view, ops, mlp, x):
     if view.family.experts is not None:
         y = mlp(x)
         return y[0] if isinstance(y, tuple) else y  # gpt-oss's block also returns its router scores
-    ys = project(mlp, view.gate_up, x)
+    ys = project(mlp, view.gate_up, input_noise(x, _noise(mlp)))
     g, u = ys[0].chunk(2, dim=-1) if len(ys) == 1 else ys
     if view.silu_mlp:
         return mlp.down_proj(ops["silu_mul"](g, u))

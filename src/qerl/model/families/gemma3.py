@@ -15,5 +15,5 @@ def _check(config):
 FAMILY = Family("gemma3", ("gemma3_text",), "Gemma3ForCausalLM", "Gemma3DecoderLayer",
                 norms=Norms("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                             "post_feedforward_layernorm"),
-                qk_norm="head", llama_norm=False, rope_per_layer_type=True, check=_check,
+                qk_norm="head", norm_form="offset", rope_per_layer_type=True, check=_check,
                 tested_against="HF generate on tiny random Gemma3ForCausalLM (local/global layers, window 8)")

@@ -11,7 +11,7 @@ from ..family import Experts, attention_only_moe
 FAMILY = attention_only_moe("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer",
                             Experts(count="num_local_experts", intermediate="intermediate_size", per_expert=False,
                                     bias=True, checkpoint_format="mxfp4"),
-                            llama_norm=False, rope_halves=True, sinks=True,
+                            norm_form="fp32", rope_halves=True, sinks=True,
                             tested_against="HF generate on a tiny random GptOssForCausalLM from a stock MXFP4 "
                                            "checkpoint (transformers' dequantization; sinks, window 8), byte-exact "
                                            "MXFP4 round trip")

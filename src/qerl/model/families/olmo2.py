@@ -5,5 +5,5 @@ from ..family import Family, Norms
 
 FAMILY = Family("olmo2", ("olmo2",), "Olmo2ForCausalLM", "Olmo2DecoderLayer",
                 norms=Norms(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
-                qk_norm="width", llama_norm=False,
+                qk_norm="width", norm_form="fp32",
                 tested_against="HF generate on tiny random Olmo2ForCausalLM")

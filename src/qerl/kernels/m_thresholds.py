@@ -1,0 +1,20 @@
+"""The token counts (M, the rows of an activation) that pick a kernel path: the one table.
+
+Each kernel module reads its bound from here under its old name (w4_mma.MAX_M, moe_gemv.MAX_TOKENS, ...),
+so a change of route is one line of this file; the figures that chose each are beside it.
+"""
+
+# dense 4-bit layers (kernels/mma_backend.py routes by M, humming's measured buckets aside)
+W4_MMA_MAX_M = 64          # mma.sync, decode in registers, up to here; above, dequantize + cuBLAS (bench kernels)
+W4_WGMMA_MIN_M = 9         # the Hopper wgmma kernel's smallest and largest M (its token tiles, w4_wgmma.TUNING)
+W4_WGMMA_MAX_M = 256
+# layers route M >= this (and <= W4_WGMMA_MAX_M) to wgmma, below it to mma.sync: on the H100, the 7B layer set
+# took 159.7 µs there against 179.3 through mma.sync at M = 64, but 127.4 against 114.9 at M = 32
+W4_WGMMA_ROUTE_MIN_M = 64
+TRITON_FUSED_MAX_M = 16    # the Triton fused decode kernel beats dequantize + cuBLAS up to here (H200 sweep)
+LORA_SHRINK_MAX_M = 16     # the LoRA shrink GEMV kernel (decode batches; also K <= 4096)
+LORA_SHRINK_SPLIT_MAX_M = 256  # the split-K LoRA shrink (one launch; cuBLAS's ran ~6-7 µs a projection on the H100)
+
+# MoE experts (kernels/experts_path.py)
+MOE_GEMV_MAX_TOKENS = 64   # the grouped 4-bit GEMV: decode batches; above, the grouped path dequantizes the hit
+                           # experts once each anyway (H100, Qwen3-30B-A3B layer: 0.98 ms at 64 tokens vs 102.4)
