@@ -161,9 +161,10 @@ def _merged(fmt, tensors, shape, dtype, lora: LoraTerm):
 
 def frozen_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """module(x) for a frozen dense layer (the lm_head in rollouts): inside the cache with its weight packed."""
+    if _CACHE is None or not settings.current().fold_and_pack or type(module) is not torch.nn.Linear:
+        return module(x)  # (checked before .weight: a 4-bit head's weight is a dequantize, not for a graph)
     w = module.weight
-    if (_CACHE is None or not settings.current().fold_and_pack or type(module) is not torch.nn.Linear or w.requires_grad
-            or not _packable(w) or x.dtype != w.dtype):
+    if w.requires_grad or not _packable(w) or x.dtype != w.dtype:
         return module(x)
     k = ("dense", id(w))
     hit = _CACHE.get(k)
