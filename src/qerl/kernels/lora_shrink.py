@@ -77,7 +77,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 SPLIT_MAX_M = LORA_SHRINK_SPLIT_MAX_M  # kernels/m_thresholds.py
 SPLIT_BLOCK_K = 256
 _split_kernel = None
-_COUNTERS: dict = {}
+_WORKSPACES: dict = {}
+_CPU_COUNTERS: dict = {}
 _RETIRED: list = []
 
 
@@ -133,20 +134,28 @@ def _split_plan(m: int, k: int, r: int, sms: int) -> tuple[int, int, int]:
     return bm, br, splits
 
 
-def _workspace(device, tiles: int, splits: int, bm: int, br: int):
-    """fp32 partials and the zeroed ticket counters, one pair per (device, stream): calls on one stream run in
-    order; another stream (a rollout beside an update) gets its own, so tickets never mix. A pair that grows is
-    kept alive, not freed: a CUDA graph captured earlier still points at it."""
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    ws, cnt = _COUNTERS.get(key, (None, None))
-    need = tiles * splits * bm * br
-    if ws is None or ws.numel() < need or cnt.numel() < tiles:
+def _workspace(device, need: int) -> torch.Tensor:
+    """The fp32 partials of the current stream (as kernels/counters.py owns the ticket counters per stream: calls on
+    one stream run in order; a rollout beside an update gets its own). A buffer that grows is kept alive, not
+    freed: a CUDA graph captured earlier still points at it."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < need:
         if ws is not None:
-            _RETIRED.append((ws, cnt))
-        ws = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = (ws, cnt)
-    return ws, cnt
+            _RETIRED.append(ws)
+        ws = _WORKSPACES[key] = torch.empty(-(-need // 65536) * 65536, dtype=torch.float32, device=device)
+    return ws
+
+
+def _counters(device, tiles: int) -> torch.Tensor:
+    if device.type == "cuda":
+        from .counters import split_counters
+
+        return split_counters(device, tiles)
+    buf = _CPU_COUNTERS.get(device)  # the CPU interpreter's tests
+    if buf is None:
+        buf = _CPU_COUNTERS[device] = torch.zeros(1 << 16, dtype=torch.int32)
+    return buf
 
 
 def shrink_split(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -161,7 +170,8 @@ def shrink_split(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     k_per = -(-(-(-k // splits)) // SPLIT_BLOCK_K) * SPLIT_BLOCK_K
     splits = -(-k // k_per)
     grid = (-(-m // bm), -(-r // br), splits)
-    ws, cnt = _workspace(x.device, grid[0] * grid[1], splits, bm, br)
+    ws = _workspace(x.device, grid[0] * grid[1] * splits * bm * br)
+    cnt = _counters(x.device, grid[0] * grid[1])
     out = torch.empty(m, r, dtype=x.dtype, device=x.device)
     _split_kernel[grid](x, a, out, ws, cnt, m, k, r, k_per, x.stride(0), a.stride(0), out.stride(0),
                         BM=bm, BR=br, BK=SPLIT_BLOCK_K, SPLITS=splits,
