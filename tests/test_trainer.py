@@ -72,19 +72,42 @@ def test_policy_loss_matches_a_per_token_reference(loss_type):
     assert 0 < st["clip_fraction"] < 1
 
 
-def test_kl_term_is_k3_and_zero_at_the_reference():
+def test_kl_term_is_zero_at_the_reference():
     logp = -torch.rand(3, 4)
     mask = torch.ones(3, 4, dtype=torch.bool)
     adv = torch.zeros(3)
     l0, st0 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
                           ref_logp=logp)
     assert float(l0) == 0 and st0["kl"] == 0
-    ref = logp - 0.5
-    l1, st1 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
-                          ref_logp=ref)
-    d = -0.5
-    assert st1["kl"] == pytest.approx(torch.exp(torch.tensor(d)).item() - d - 1, rel=1e-5)
-    assert float(l1) == pytest.approx(0.1 * st1["kl"], rel=1e-5)
+
+
+def test_kl_term_averages_to_the_exact_kl_over_the_policys_own_samples():
+    """The per-token k3 estimate, averaged over tokens drawn from the policy pi, is KL(pi || ref). A
+    batch holding each of 4 tokens exactly as often as pi draws it (1/2, 1/4, 1/8, 1/8 of 8 tokens)
+    makes that average exact, so the reported KL must equal the brute-force sum over the vocabulary."""
+    pi = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    tokens = torch.tensor([0, 0, 0, 0, 1, 1, 2, 3])
+    logp, ref_logp = pi.log()[tokens].view(2, 4), ref.log()[tokens].view(2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    loss, st = policy_loss(logp, logp, torch.zeros(2), mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None,
+                           beta=0.1, ref_logp=ref_logp)
+    exact = sum(float(p * (p / q).log()) for p, q in zip(pi, ref))  # brute force over the 4 tokens; by hand:
+    # 0.5 ln 5 + 0.25 ln 1.25 + 0.125 ln(0.125/0.3) + 0.125 ln(0.125/0.4) = 0.80472 + 0.05579 - 0.10943 - 0.14540
+    assert exact == pytest.approx(0.60568, abs=1e-5)
+    assert st["kl"] == pytest.approx(exact, rel=1e-9)
+    assert float(loss) == pytest.approx(0.1 * exact, rel=1e-9)  # advantages 0: the loss is beta x KL alone
+    near = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)  # a reference nearer pi: KL 0.03513
+    _, st2 = policy_loss(logp, logp, torch.zeros(2), mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None,
+                         beta=0.1, ref_logp=near.log()[tokens].view(2, 4))
+    assert st2["kl"] == pytest.approx(sum(float(p * (p / q).log()) for p, q in zip(pi, near)), rel=1e-9)
+    assert st2["kl"] == pytest.approx(0.035134, abs=1e-6)
+    # k1 (log pi - log ref) has the same mean on pi's own samples; k3 (TRL's) differs in that each token's term
+    # r - ln r - 1, r = ref / pi, is >= 0. On the two tokens ref favours alone (r = 2.4 and 3.2), k1 averages
+    # (-ln 2.4 - ln 3.2) / 2 = -1.0193 while k3 averages ((1.4 - 0.875469) + (2.2 - 1.163151)) / 2 = 0.780690
+    _, st3 = policy_loss(logp[1:, 2:], logp[1:, 2:], torch.zeros(1), mask[1:, 2:], loss_type="bnpo", epsilon=0.2,
+                         epsilon_high=None, beta=0.1, ref_logp=ref_logp[1:, 2:])
+    assert st3["kl"] == pytest.approx(0.780690, abs=1e-6)
 
 
 def test_advantages_and_penalties():
