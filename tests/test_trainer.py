@@ -125,6 +125,26 @@ def test_advantages_and_penalties():
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
 
 
+def test_group_advantages_are_centred_ordered_and_invariant_to_shift_and_scale():
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(6, 8, generator=g, dtype=torch.float64)
+    for scale in ("group", "batch", "none"):
+        a = group_advantages(r, scale)
+        assert a.sum(1).abs().max() < 1e-12  # each group's advantages sum to 0
+        # within a group, a higher reward never gets a lower advantage
+        order = r.argsort(1)
+        assert (a.gather(1, order).diff(dim=1) > 0).all()
+        # a constant added to every reward of a group (a reward's offset) changes nothing
+        shift = torch.arange(6, dtype=torch.float64)[:, None] * 10
+        if scale != "batch":  # the batch's std sees the offsets between groups
+            torch.testing.assert_close(group_advantages(r + shift, scale), a, atol=1e-12, rtol=0)
+    # group scaling: a reward in other units (x 1000) gives the same advantages (up to the 1e-4 guard)
+    torch.testing.assert_close(group_advantages(r * 1000, "group"), group_advantages(r, "group"), atol=2e-3, rtol=0)
+    # the group's std is the unbiased one: the rewards 0 and 2 give std sqrt(2), advantages -+1 / (sqrt 2 + 1e-4)
+    assert group_advantages(torch.tensor([[0.0, 2.0]]), "group")[0].tolist() == pytest.approx([-0.70706, 0.70706],
+                                                                                               abs=1e-5)
+
+
 # ---- chunked logprobs ---------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [1, 5, 1024])
 def test_chunked_logprobs_and_grads_equal_a_full_forward(chunk):
