@@ -145,6 +145,33 @@ def test_group_advantages_are_centred_ordered_and_invariant_to_shift_and_scale()
                                                                                                abs=1e-5)
 
 
+def test_batch_scaling_divides_by_the_std_of_every_ranks_chosen_rewards():
+    """rollout_batch with scale_rewards='batch' (TRL's: centred in the group, divided by the std of all the step's
+    rewards, here over two ranks). This rank chose group 0 of round A (rewards 1, 0) and group 0 of round B (2, 4);
+    the other rank's chosen rewards are 5, 5. By hand: the six rewards 1 0 2 4 5 5 have mean 17/6 and unbiased
+    variance 22.8333 / 5 = 4.56667, std 2.136976; the advantages are -+0.5 and -+1 over (2.136976 + 1e-4):
+    0.5 / 2.137076 = 0.233965 and 1 / 2.137076 = 0.467929. Round A's group 1 (3, 3) was not chosen: not counted."""
+    from types import SimpleNamespace
+
+    from qerl.rl.advantages import rollout_batch
+
+    def comps(n, reason="stop"):
+        return [SimpleNamespace(finish_reason=reason, k=i) for i in range(n)]
+
+    a = SimpleNamespace(rewards=torch.tensor([[1.0, 0.0], [3.0, 3.0]]), completions=comps(4))
+    b = SimpleNamespace(rewards=torch.tensor([[2.0, 4.0]]), completions=comps(2, "length"))
+    gathered = []
+    dist = SimpleNamespace(gather=lambda mine: gathered.append(list(mine)) or [mine, [5.0, 5.0]])
+    out = rollout_batch([(a, 0), (b, 0)], 2, "batch", dist)
+    assert sorted(gathered[0]) == [0.0, 1.0, 2.0, 4.0]  # this rank's chosen rewards went to the gather
+    assert out.advantages.tolist() == pytest.approx([0.233965, -0.233965, -0.467929, 0.467929], abs=1e-6)
+    assert out.completions == a.completions[:2] + b.completions and out.truncated.tolist() == [False, False, True, True]
+    # group scaling needs no gather: each group by its own std (1 0: 0.707107, 2 4: 1.414214), so
+    # 0.5 / 0.707207 = 0.707007 and 1 / 1.414314 = 0.707057
+    g = rollout_batch([(a, 0), (b, 0)], 2, "group", None)
+    assert g.advantages.tolist() == pytest.approx([0.707007, -0.707007, -0.707057, 0.707057], abs=1e-6)
+
+
 # ---- chunked logprobs ---------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [1, 5, 1024])
 def test_chunked_logprobs_and_grads_equal_a_full_forward(chunk):
