@@ -47,7 +47,12 @@ def test_a_batch_that_cannot_split_names_values_that_would(kw, world, fields, wo
         assert w in str(e.value)
         # and the named value does split
         name, val = w.split(" or ")[0].rsplit(" ", 1)
-        assert batch_plan(GRPOConfig(**{**kw, name: int(val)}), world)
+        c = GRPOConfig(**{**kw, name: int(val)})
+        p = batch_plan(c, world)
+        # whole groups and whole micro-batches on every rank, every micro-batch in a whole update
+        assert p.prompts_per_rank * c.num_generations * world == p.generation_batch_size
+        assert p.steps_per_generation * c.per_device_train_batch_size * world == p.generation_batch_size
+        assert p.updates_per_rank * c.gradient_accumulation_steps == p.steps_per_generation >= 1
 
 
 def test_both_sizes_set_must_agree():

@@ -130,7 +130,9 @@ def test_scaling_refuses_files_that_are_not_one_case(tmp_path):
         return str(f)
 
     rows = scaling.scaling(scaling.load([case("a", 8, 2.0), case("a", 1, 12.0)]))
-    assert [r["gpus"] for r in rows] == [1, 8] and rows[1]["efficiency"] == pytest.approx(12.0 / 2.0 / 8)
+    # by hand: 12 s on one GPU, 2 s on 8: 6x faster; 6x of the 8x that 8 GPUs could give is 75 %
+    assert [r["gpus"] for r in rows] == [1, 8] and rows[1]["speedup"] == pytest.approx(6.0)
+    assert rows[1]["efficiency"] == pytest.approx(0.75) and rows[0]["speedup"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="different cases"):
         scaling.load([case("a", 1, 1.0), case("b", 2, 1.0)])
     with pytest.raises(ValueError, match="same GPU count"):

@@ -116,5 +116,37 @@ def test_cpu_rollout_bench_compares_both_paths_and_restores_the_switch():
     assert settings.current().fold_and_pack is True
     for k in ("plain", "folded"):
         assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 32 * 48
-    assert res["speedup"] == res["folded"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
     assert any("plain" in x for x in lines) and any("folded" in x for x in lines)
+
+
+def test_cpu_rollout_bench_arithmetic_on_a_scripted_clock(base, monkeypatch):
+    """The bench's figures on a tiny model and a clock that returns chosen round times: round 0 warms up
+    (50 s each, not counted); then plain takes 4, 1, 2 s and folded 0.5, 3, 1 s. By hand: the medians are
+    2 s and 1 s (the means, 2.33 and 1.5, would differ), the best 1 s and 0.5 s; tokens/s is a case's new
+    tokens over its median, so folded's speedup is (n_folded / 1) / (n_plain / 2) = 2 n_folded / n_plain."""
+    from types import SimpleNamespace
+
+    from qerl.bench import cpu_rollout
+
+    pol = policy(base, rank=4)
+    randomize_lora(pol.model)
+    cfg = SimpleNamespace(max_completion_length=6, temperature=1.0, max_prompt_length=8, num_generations=2)
+    monkeypatch.setattr(cpu_rollout, "_setup", lambda: (cfg, pol, [[5, 6, 7], [8, 9]]))
+    durations = iter([50, 50, 4.0, 0.5, 1.0, 3.0, 2.0, 1.0])  # (round, case) in run order: plain, folded
+    clock = {"now": 0.0, "started": False}
+
+    def perf_counter():  # each case's start, then its end `duration` later
+        if clock["started"]:
+            clock["now"] += next(durations)
+        clock["started"] = not clock["started"]
+        return clock["now"]
+
+    monkeypatch.setattr(cpu_rollout, "time", SimpleNamespace(perf_counter=perf_counter))
+    res = cpu_rollout.run(repeats=3, log=lambda _: None)
+    assert next(durations, None) is None  # every round of both cases was timed
+    assert res["plain"]["median_s"] == 2.0 and res["plain"]["best_s"] == 1.0
+    assert res["folded"]["median_s"] == 1.0 and res["folded"]["best_s"] == 0.5
+    n_plain, n_folded = res["plain"]["new_tokens"], res["folded"]["new_tokens"]
+    assert 0 < n_plain <= 2 * 2 * 6 and 0 < n_folded <= 2 * 2 * 6  # 2 prompts x 2 samples x up to 6 tokens
+    assert res["plain"]["tokens_per_s"] == n_plain / 2.0 and res["folded"]["tokens_per_s"] == n_folded / 1.0
+    assert res["speedup"] == pytest.approx(2 * n_folded / n_plain)

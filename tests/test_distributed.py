@@ -155,10 +155,14 @@ def test_bench_step_under_torchrun_reports_the_global_step(tmp_path):
     rdir = tmp_path / "results"
     assert scaling.main([str(js), str(js1), "--record", "--results-dir", str(rdir)]) == 0
     rows = {r["metric"]: r for r in map(json.loads, (rdir / "scaling.jsonl").read_text().splitlines())}
-    eff = one["step_s"] / res["step_s"] / 2
-    assert rows["efficiency"]["value"] == pytest.approx(eff, abs=1e-4)
-    assert rows["efficiency"]["target"] == ">=0.85" and rows["efficiency"]["met"] == (eff >= 0.85)
-    assert rows["speedup"]["value"] == pytest.approx(2 * eff, abs=1e-4)
+    # the arithmetic is checked on a hand-worked case (test_bench_step's scaling test); here, that the two runs'
+    # figures reach the record, the efficiency judged against the 2-GPU target
+    assert scaling.TARGETS[2] == ">=0.85"
+    one_gpu, two_gpus = scaling.scaling(scaling.load([str(js), str(js1)]))
+    assert one_gpu["gpus"] == 1 and two_gpus["gpus"] == 2 and two_gpus["efficiency"] is not None
+    assert rows["speedup"]["value"] == pytest.approx(two_gpus["speedup"], abs=1e-4)
+    assert rows["efficiency"]["value"] == pytest.approx(two_gpus["efficiency"], abs=1e-4)
+    assert rows["efficiency"]["target"] == ">=0.85" and rows["efficiency"]["met"] == (two_gpus["efficiency"] >= 0.85)
     assert scaling.main([str(js)]) == 2  # no one-GPU case: refused, not a made-up baseline
 
 

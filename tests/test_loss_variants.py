@@ -156,12 +156,19 @@ def test_options_that_need_entropies_say_so():
                     importance_sampling_level="seq")
 
 
-def test_config_takes_the_new_loss_fields_and_refuses_meaningless_values():
+def test_config_takes_the_new_loss_fields_and_refuses_meaningless_values(tmp_path):
     from qerl.rl.config import GRPOConfig
+    from qerl.rl.loss import LossSettings
 
     c = GRPOConfig(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence",
                    top_entropy_quantile=0.2, entropy_coeff=0.001)
-    assert (c.loss_type, c.importance_sampling_level, c.top_entropy_quantile) == ("cispo", "sequence", 0.2)
+    assert c.entropy_coef == 0.001  # the older name lands on TRL's field
+    # the fields reach the loss, and survive the run folder's config.yaml
+    s = LossSettings.of(c)
+    assert (s.loss_type, s.importance_sampling_level, s.top_entropy_quantile, s.entropy_coef) == (
+        "cispo", "sequence", 0.2, 0.001)
+    (tmp_path / "c.yaml").write_text(c.to_yaml())
+    assert GRPOConfig.from_yaml(tmp_path / "c.yaml") == c
     for bad, field in [(dict(loss_type="cispo"), "epsilon_high"), (dict(importance_sampling_level="seq"),
                        "importance_sampling_level"), (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
                        (dict(entropy_coeff=-1.0), "entropy_coeff")]:

@@ -72,7 +72,9 @@ def test_100kb_completions_are_fast_and_scored():
     assert format_reward([huge]) == [1.0]
     assert format_reward(["<think>" * 20000]) == [0.0]
     assert numeric_accuracy(["{" * 100_000], ["3"]) == [0.0]
-    assert time.perf_counter() - t < 2.0
+    # a generous bound, not a speed target: a scan that is quadratic in the length (10^10 steps at 100 kB)
+    # takes minutes; a linear one takes milliseconds even on a loaded machine
+    assert time.perf_counter() - t < 20
 
 
 def test_math_verify_accuracy_symbolic():

@@ -44,7 +44,9 @@ def test_run_figures_and_paired_claims(tmp_path):
     d = [0.1 + 0.01 * s for s in range(3)]
     assert p["n"] == 3 and p["diff"] == pytest.approx(statistics.mean(d))
     assert p["se"] == pytest.approx(statistics.stdev(d) / math.sqrt(3))
-    assert p["lo"] == pytest.approx(p["diff"] - T95[1] * p["se"]) and p["verdict"] == "holds"
+    # by hand: differences 0.10, 0.11, 0.12: mean 0.11, sd 0.01, s.e. 0.01 / sqrt 3 = 0.0057735; Student's t at
+    # 97.5 % with 2 degrees of freedom is 4.303, so the interval's low end is 0.11 - 4.303 x 0.0057735 = 0.085157
+    assert p["lo"] == pytest.approx(0.085157, abs=2e-6) and p["verdict"] == "holds"
     assert paired(res["dapo"]["bf16"], res["dapo"]["nvfp4"], "reward_mean")["verdict"] == "contradicted"
     e = paired(res["dapo"]["nvfp4"], res["dapo"]["bf16"], "entropy_start")  # +0.5 on every seed: no spread
     assert e["diff"] == pytest.approx(0.5) and e["se"] == pytest.approx(0.0, abs=1e-12)
@@ -69,6 +71,16 @@ def test_run_figures_and_paired_claims(tmp_path):
     _fake_run(d, [0.1], [1.0], 0.1, 0.1)
     (d / "metrics.jsonl").write_text((d / "metrics.jsonl").read_text().splitlines()[1] + "\n")
     assert not finished(d) and "nf4" not in collect(out)["dapo"]
+
+
+def test_the_t_table_holds_the_975_quantiles():
+    """Each entry of T95 against Student's t CDF integrated here (Simpson's rule on its density): at the
+    tabled value the CDF is 0.975 to the table's 3 decimals."""
+    for df, t in enumerate(T95, start=1):
+        c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+        f = [c * (1 + (t * i / 2000) ** 2 / df) ** (-(df + 1) / 2) for i in range(2001)]
+        area = t / 2000 / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+        assert 0.5 + area == pytest.approx(0.975, abs=1e-4), (df, t)
 
 
 def test_one_seed_gives_no_verdict():

@@ -245,7 +245,7 @@ def test_wall_time_limit(isolate):
         assert r.run(ToolCall("sleepy", {"seconds": 0.0})) == "awake"  # the worker is up before timing
     t0 = time.monotonic()
     out = r.run(ToolCall("sleepy", {"seconds": 30.0}))
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 15  # generous: the call was cut at its limit, not waited for (30 s)
     assert out.startswith("Error:") and "longer than 0.5 s" in out, out
     assert r.run(ToolCall("sleepy", {"seconds": 0.0})) == "awake"  # a fresh worker took the killed one's place
 
@@ -378,10 +378,10 @@ def test_a_flat_chain_is_not_nesting():
 def test_calculator_refuses_hostile_input_quickly(expr, needle):
     env = ToolEnvironment([calculator])
     env.respond('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>')  # warm worker
-    t0 = time.monotonic()
     (msg,) = env.respond(f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': {'expression': expr}})}"
                          f"</tool_call>")
-    assert time.monotonic() - t0 < 2.0
+    # refused by the calculator itself: an expression it tried to evaluate (9**9**9) would instead be cut by the
+    # runner's wall-time limit, whose message ("took longer than 5 s") is not a CalculatorError
     assert msg["role"] == "tool" and msg["content"].startswith("Error: CalculatorError: "), msg
     assert needle in msg["content"], msg["content"]
     assert not os.path.exists("/tmp/qerl_tool_pwned")

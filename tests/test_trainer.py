@@ -72,19 +72,42 @@ def test_policy_loss_matches_a_per_token_reference(loss_type):
     assert 0 < st["clip_fraction"] < 1
 
 
-def test_kl_term_is_k3_and_zero_at_the_reference():
+def test_kl_term_is_zero_at_the_reference():
     logp = -torch.rand(3, 4)
     mask = torch.ones(3, 4, dtype=torch.bool)
     adv = torch.zeros(3)
     l0, st0 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
                           ref_logp=logp)
     assert float(l0) == 0 and st0["kl"] == 0
-    ref = logp - 0.5
-    l1, st1 = policy_loss(logp, logp, adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None, beta=0.1,
-                          ref_logp=ref)
-    d = -0.5
-    assert st1["kl"] == pytest.approx(torch.exp(torch.tensor(d)).item() - d - 1, rel=1e-5)
-    assert float(l1) == pytest.approx(0.1 * st1["kl"], rel=1e-5)
+
+
+def test_kl_term_averages_to_the_exact_kl_over_the_policys_own_samples():
+    """The per-token k3 estimate, averaged over tokens drawn from the policy pi, is KL(pi || ref). A
+    batch holding each of 4 tokens exactly as often as pi draws it (1/2, 1/4, 1/8, 1/8 of 8 tokens)
+    makes that average exact, so the reported KL must equal the brute-force sum over the vocabulary."""
+    pi = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    tokens = torch.tensor([0, 0, 0, 0, 1, 1, 2, 3])
+    logp, ref_logp = pi.log()[tokens].view(2, 4), ref.log()[tokens].view(2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    loss, st = policy_loss(logp, logp, torch.zeros(2), mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None,
+                           beta=0.1, ref_logp=ref_logp)
+    exact = sum(float(p * (p / q).log()) for p, q in zip(pi, ref))  # brute force over the 4 tokens; by hand:
+    # 0.5 ln 5 + 0.25 ln 1.25 + 0.125 ln(0.125/0.3) + 0.125 ln(0.125/0.4) = 0.80472 + 0.05579 - 0.10943 - 0.14540
+    assert exact == pytest.approx(0.60568, abs=1e-5)
+    assert st["kl"] == pytest.approx(exact, rel=1e-9)
+    assert float(loss) == pytest.approx(0.1 * exact, rel=1e-9)  # advantages 0: the loss is beta x KL alone
+    near = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)  # a reference nearer pi: KL 0.03513
+    _, st2 = policy_loss(logp, logp, torch.zeros(2), mask, loss_type="bnpo", epsilon=0.2, epsilon_high=None,
+                         beta=0.1, ref_logp=near.log()[tokens].view(2, 4))
+    assert st2["kl"] == pytest.approx(sum(float(p * (p / q).log()) for p, q in zip(pi, near)), rel=1e-9)
+    assert st2["kl"] == pytest.approx(0.035134, abs=1e-6)
+    # k1 (log pi - log ref) has the same mean on pi's own samples; k3 (TRL's) differs in that each token's term
+    # r - ln r - 1, r = ref / pi, is >= 0. On the two tokens ref favours alone (r = 2.4 and 3.2), k1 averages
+    # (-ln 2.4 - ln 3.2) / 2 = -1.0193 while k3 averages ((1.4 - 0.875469) + (2.2 - 1.163151)) / 2 = 0.780690
+    _, st3 = policy_loss(logp[1:, 2:], logp[1:, 2:], torch.zeros(1), mask[1:, 2:], loss_type="bnpo", epsilon=0.2,
+                         epsilon_high=None, beta=0.1, ref_logp=ref_logp[1:, 2:])
+    assert st3["kl"] == pytest.approx(0.780690, abs=1e-6)
 
 
 def test_advantages_and_penalties():
@@ -100,6 +123,53 @@ def test_advantages_and_penalties():
     assert informative_groups(r).tolist() == [True, False]
     pen = overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, buffer=4, factor=1.0)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+def test_group_advantages_are_centred_ordered_and_invariant_to_shift_and_scale():
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(6, 8, generator=g, dtype=torch.float64)
+    for scale in ("group", "batch", "none"):
+        a = group_advantages(r, scale)
+        assert a.sum(1).abs().max() < 1e-12  # each group's advantages sum to 0
+        # within a group, a higher reward never gets a lower advantage
+        order = r.argsort(1)
+        assert (a.gather(1, order).diff(dim=1) > 0).all()
+        # a constant added to every reward of a group (a reward's offset) changes nothing
+        shift = torch.arange(6, dtype=torch.float64)[:, None] * 10
+        if scale != "batch":  # the batch's std sees the offsets between groups
+            torch.testing.assert_close(group_advantages(r + shift, scale), a, atol=1e-12, rtol=0)
+    # group scaling: a reward in other units (x 1000) gives the same advantages (up to the 1e-4 guard)
+    torch.testing.assert_close(group_advantages(r * 1000, "group"), group_advantages(r, "group"), atol=2e-3, rtol=0)
+    # the group's std is the unbiased one: the rewards 0 and 2 give std sqrt(2), advantages -+1 / (sqrt 2 + 1e-4)
+    assert group_advantages(torch.tensor([[0.0, 2.0]]), "group")[0].tolist() == pytest.approx([-0.70706, 0.70706],
+                                                                                               abs=1e-5)
+
+
+def test_batch_scaling_divides_by_the_std_of_every_ranks_chosen_rewards():
+    """rollout_batch with scale_rewards='batch' (TRL's: centred in the group, divided by the std of all the step's
+    rewards, here over two ranks). This rank chose group 0 of round A (rewards 1, 0) and group 0 of round B (2, 4);
+    the other rank's chosen rewards are 5, 5. By hand: the six rewards 1 0 2 4 5 5 have mean 17/6 and unbiased
+    variance 22.8333 / 5 = 4.56667, std 2.136976; the advantages are -+0.5 and -+1 over (2.136976 + 1e-4):
+    0.5 / 2.137076 = 0.233965 and 1 / 2.137076 = 0.467929. Round A's group 1 (3, 3) was not chosen: not counted."""
+    from types import SimpleNamespace
+
+    from qerl.rl.advantages import rollout_batch
+
+    def comps(n, reason="stop"):
+        return [SimpleNamespace(finish_reason=reason, k=i) for i in range(n)]
+
+    a = SimpleNamespace(rewards=torch.tensor([[1.0, 0.0], [3.0, 3.0]]), completions=comps(4))
+    b = SimpleNamespace(rewards=torch.tensor([[2.0, 4.0]]), completions=comps(2, "length"))
+    gathered = []
+    dist = SimpleNamespace(gather=lambda mine: gathered.append(list(mine)) or [mine, [5.0, 5.0]])
+    out = rollout_batch([(a, 0), (b, 0)], 2, "batch", dist)
+    assert sorted(gathered[0]) == [0.0, 1.0, 2.0, 4.0]  # this rank's chosen rewards went to the gather
+    assert out.advantages.tolist() == pytest.approx([0.233965, -0.233965, -0.467929, 0.467929], abs=1e-6)
+    assert out.completions == a.completions[:2] + b.completions and out.truncated.tolist() == [False, False, True, True]
+    # group scaling needs no gather: each group by its own std (1 0: 0.707107, 2 4: 1.414214), so
+    # 0.5 / 0.707207 = 0.707007 and 1 / 1.414314 = 0.707057
+    g = rollout_batch([(a, 0), (b, 0)], 2, "group", None)
+    assert g.advantages.tolist() == pytest.approx([0.707007, -0.707007, -0.707057, 0.707057], abs=1e-6)
 
 
 # ---- chunked logprobs ---------------------------------------------------------------------------
