@@ -70,6 +70,9 @@ def test_the_default_runs_batch_is_unchanged_and_one_update_a_step():
     # the CPU's micro-batch is a quarter of the step's completions (its activations a quarter)
     assert CPU["per_device_train_batch_size"] * CPU["gradient_accumulation_steps"] == 64
     assert GPU["per_device_train_batch_size"] * GPU["gradient_accumulation_steps"] == 128
+    # the GPU keeps its planner's choices and its KV cache from the free memory
+    gpu = default_run_config("cuda")
+    assert (gpu.gradient_checkpointing, gpu.rollout_kv_cache_gb, gpu.gradient_accumulation_steps) == (None, None, 1)
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
