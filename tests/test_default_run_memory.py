@@ -70,9 +70,10 @@ def test_the_default_runs_batch_is_unchanged_and_one_update_a_step():
     # the CPU's micro-batch is a quarter of the step's completions (its activations a quarter)
     assert CPU["per_device_train_batch_size"] * CPU["gradient_accumulation_steps"] == 64
     assert GPU["per_device_train_batch_size"] * GPU["gradient_accumulation_steps"] == 128
-    # the GPU keeps its planner's choices and its KV cache from the free memory
-    gpu = default_run_config("cuda")
-    assert (gpu.gradient_checkpointing, gpu.rollout_kv_cache_gb, gpu.gradient_accumulation_steps) == (None, None, 1)
+    # the planner chooses checkpointing on both; the GPU sizes its KV cache from the free memory
+    gpu, cpu = default_run_config("cuda"), default_run_config("cpu")
+    assert (gpu.gradient_checkpointing, cpu.gradient_checkpointing) == (None, None)
+    assert (gpu.rollout_kv_cache_gb, gpu.gradient_accumulation_steps) == (None, 1)
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -127,6 +128,11 @@ def test_the_cpu_budget_is_capped_and_a_big_micro_batch_then_recomputes(monkeypa
     old = levers.choose(shape, 64 * 176, levers.CPU_BUDGET, gradient_checkpointing=None, logprob_chunk_size=None)
     assert old.gradient_checkpointing and old.fits()
     assert 3 * old.logprob_chunk_size * shape.vocab * 4 <= 0.2 * 2**30
+    # its micro-batch of 16 keeps its activations (no recompute), in fp32 and bf16 alike
+    for act in (4, 2):
+        shape.act_bytes = act
+        new = levers.choose(shape, 16 * 176, levers.CPU_BUDGET, gradient_checkpointing=None, logprob_chunk_size=None)
+        assert not new.gradient_checkpointing and new.fits()
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", [("auto", torch.float32), ("auto", torch.bfloat16), ("fp8", torch.bfloat16)])
