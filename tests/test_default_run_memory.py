@@ -77,7 +77,8 @@ def test_the_default_runs_batch_is_unchanged_and_one_update_a_step():
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_a_small_logprob_chunk_gives_the_same_logprobs_and_gradients(entropy_grad):
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_a_small_logprob_chunk_gives_the_full_heads_logprobs_entropies_and_gradients(entropy_grad, temperature):
     torch.manual_seed(1)
     pol = random_policy(config("llama"), "nvfp4", lora_rank=8, device="cpu", dtype=torch.float32, std=0.05,
                         progress=False)
@@ -85,24 +86,26 @@ def test_a_small_logprob_chunk_gives_the_same_logprobs_and_gradients(entropy_gra
     prompts = [[3, 5, 7, 9, 11], [4, 6, 8]]
     comps = [list(range(20, 20 + n)) for n in (13, 7)]
     batch = pad_batch(prompts, comps)
+    ids, att, pos, tg, mask = batch
     out = {}
     for chunk in (4096, 3):  # one chunk over all 20 tokens, and 7 chunks with a ragged last one
         m.zero_grad()
-        lp, en = completion_logprobs(m, *batch, temperature=0.7, chunk=chunk, entropy_grad=entropy_grad)
+        lp, en = completion_logprobs(m, *batch, temperature=temperature, chunk=chunk, entropy_grad=entropy_grad)
         (lp.sum() + (en.sum() if entropy_grad else 0)).backward()
         out[chunk] = (lp.detach(), en.detach(), [p.grad.clone() for p in m.parameters() if p.requires_grad])
-    (lp1, en1, g1), (lp2, en2, g2) = out[4096], out[3]
-    torch.testing.assert_close(lp2, lp1, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(en2, en1, rtol=1e-5, atol=1e-6)
-    # an independent reference: the full model's logits at the completion positions
-    with torch.no_grad():
-        ids, att, pos, tg, mask = batch
-        logits = m(input_ids=ids, attention_mask=att).logits.float() / 0.7
-        rows = torch.arange(len(prompts))[:, None]
-        ref = logits[rows, pos].log_softmax(-1).gather(-1, tg[..., None])[..., 0] * mask
-    torch.testing.assert_close(lp1, ref, rtol=1e-4, atol=1e-5)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * float(a.abs().max()))  # float32 sums in another order
+    # an independent reference: the full model's logits at the completion positions, through autograd
+    m.zero_grad()
+    logits = m(input_ids=ids, attention_mask=att).logits.float() / temperature
+    lsm = logits[torch.arange(len(prompts))[:, None], pos].log_softmax(-1)
+    ref = lsm.gather(-1, tg[..., None])[..., 0] * mask
+    ref_en = -(lsm.exp() * lsm).sum(-1) * mask
+    (ref.sum() + (ref_en.sum() if entropy_grad else 0)).backward()
+    want = (ref.detach(), ref_en.detach(), [p.grad.clone() for p in m.parameters() if p.requires_grad])
+    for lp_, en_, g_ in out.values():
+        torch.testing.assert_close(lp_, want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(en_, want[1], rtol=1e-4, atol=1e-5)
+        for a, b in zip(want[2], g_):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * float(a.abs().max()))  # fp32 sums in another order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
