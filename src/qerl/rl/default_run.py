@@ -33,6 +33,9 @@ CPU = dict(
     # the same gradient (dapo sums tokens over the update), a quarter of the activations (issue 50: one
     # micro-batch of 64 kept ~4 GiB of fp32 activations, the run peaked at 7.3 GiB RSS)
     per_device_train_batch_size=16, gradient_accumulation_steps=4,
+    # the head's logprobs 128 tokens at a time: each chunk's fp32 logits, softmax and gradient over the 49k
+    # vocabulary are ~25 MB apiece (the planner's smallest, 256, twice that), the same numbers
+    logprob_chunk_size=128,
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
@@ -61,7 +64,7 @@ CPU = dict(
 GPU = dict(CPU, max_steps=60, per_device_train_batch_size=128, gradient_accumulation_steps=1, steps_per_generation=1,
            learning_rate=1e-4, eval_num_samples=4,
            optim="adamw_8bit", parity_check_steps=50, dtype="auto", lora_dtype="auto",
-           rollout_kv_cache_gb=None)
+           rollout_kv_cache_gb=None, logprob_chunk_size=None)
 
 
 def cpu_has_fast_bf16() -> bool:
