@@ -18,8 +18,8 @@ def test_generation_batch_follows_trl_on_any_world_size():
         assert p.generation_batch_size == 8 * w and p.prompts_per_rank == 1 and p.updates_per_rank == 1
     p = batch_plan(GRPOConfig(gradient_accumulation_steps=4), 2)  # TRL: generation_batch_size 8 x 2 x 4
     assert p.generation_batch_size == 64 and p.updates_per_rank == 1
-    run = default_run_config("cpu")  # the embedded run: one update a step of its per-device batch per rank
-    b = run.per_device_train_batch_size
+    run = default_run_config("cpu")  # the embedded run: one update a step of its accumulated micro-batches per rank
+    b = run.per_device_train_batch_size * run.gradient_accumulation_steps
     assert [batch_plan(run, w).generation_batch_size for w in (1, 2, 4, 8)] == [b, 2 * b, 4 * b, 8 * b]
     assert all(batch_plan(run, w).updates_per_rank == 1 for w in (1, 2, 4, 8))
     assert batch_plan(GRPOConfig(steps_per_generation=2, gradient_accumulation_steps=2), 2).updates_per_rank == 1
@@ -74,9 +74,9 @@ def test_two_gloo_ranks_run_the_default_batch_settings(tmp_path):
 
 
 def test_a_command_line_size_replaces_the_base_configs_other_size():
-    run = default_run_config("cpu")  # sets steps_per_generation=1
-    assert batch_plan(run.with_overrides({"generation_batch_size": "64"}), 1).generation_batch_size == 64
-    b = run.per_device_train_batch_size
-    assert batch_plan(run.with_overrides({"steps_per_generation": "2"}), 2).generation_batch_size == b * 2 * 2
+    run = default_run_config("cpu")  # sets steps_per_generation (= gradient_accumulation_steps: one update a step)
+    assert batch_plan(run.with_overrides({"generation_batch_size": "128"}), 1).generation_batch_size == 128
+    b, ga = run.per_device_train_batch_size, run.gradient_accumulation_steps
+    assert batch_plan(run.with_overrides({"steps_per_generation": str(2 * ga)}), 2).generation_batch_size == b * 2 * 2 * ga
     with pytest.raises(ValueError, match="disagree"):  # both given at once must agree
-        run.with_overrides({"steps_per_generation": "2", "generation_batch_size": "32"})
+        run.with_overrides({"steps_per_generation": str(2 * ga), "generation_batch_size": "32"})

@@ -28,14 +28,26 @@ CPU = dict(
     # 8 prompts a step at lr 1e-4: on the validation draw this shape gained about as much per completion
     # as the GPU's 16 prompts (benchmarks/default_run.md, tuning); CPU rollouts got ~1.8x cheaper
     # (folded adapters, packed weights), which buys the larger step
-    max_prompt_length=128, learning_rate=1e-4, max_steps=STEPS_BF16, num_generations=8, per_device_train_batch_size=64,
+    max_prompt_length=128, learning_rate=1e-4, max_steps=STEPS_BF16, num_generations=8,
+    # the step's 64 completions train as 4 micro-batches of 16 (2 prompts' groups) accumulated into one update:
+    # the same gradient (dapo sums tokens over the update), a quarter of the activations (issue 50: one
+    # micro-batch of 64 kept ~4 GiB of fp32 activations, the run peaked at 7.3 GiB RSS)
+    per_device_train_batch_size=16, gradient_accumulation_steps=4,
+    # the head's logprobs 128 tokens at a time: each chunk's fp32 logits, softmax and gradient over the 49k
+    # vocabulary are ~25 MB apiece (the planner's smallest, 256, twice that), the same numbers
+    logprob_chunk_size=128,
     max_completion_length=48, temperature=1.0, loss_type="dapo", dynamic_sampling=True, max_resample_rounds=1,
     aqn=True, aqn_stages=5, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4,
     eval_on_start=True, eval_on_end=True, eval_limit=200, eval_num_samples=2, eval_temperature=0.6, eval_top_p=0.95,
+    # the rollout engine's KV cache: 75 sequences of 177 tokens in fp32, 150 in bf16 (the trainer's CPU default of
+    # 2 GiB held 256 fp32 slots, resident from the start: the evaluation alone peaked at 3.7 GiB RSS). A rollout's
+    # 64 completions fit at once; the 400 held-out ones take more rounds of a batch that costs ~linearly in its
+    # size on two cores
+    rollout_kv_cache_gb=0.6,
     # a checkpoint every 6 steps (the adapter and its optimizer state: a few MB, well under a second): an
     # interrupt late in the run loses at most 5 steps, and `qerl train --resume runs/default` continues it
     output_dir="runs/default", save_steps=6, save_total_limit=1, optim="adamw_torch",
-    steps_per_generation=1,  # one update a step; the step's completions = 32 per rank (TRL's semantics)
+    steps_per_generation=4,  # one update a step of 4 x 16 = 64 completions (TRL's semantics)
     # the parity gate's start-of-run check costs ~40 s on two cores (two steps' worth of a 13-minute
     # budget); the GPU run keeps it, and `--parity_check_steps 50` turns it on here
     parity_check_steps=0,
@@ -49,8 +61,10 @@ CPU = dict(
 
 # Chosen on a validation draw of the task (generator seed 7, never the held-out set below;
 # benchmarks/default_run.md "tuning"): 16 prompts a step at lr 1e-4 learned fastest per step.
-GPU = dict(CPU, max_steps=60, per_device_train_batch_size=128, learning_rate=1e-4, eval_num_samples=4,
-           optim="adamw_8bit", parity_check_steps=50, dtype="auto", lora_dtype="auto")
+GPU = dict(CPU, max_steps=60, per_device_train_batch_size=128, gradient_accumulation_steps=1, steps_per_generation=1,
+           learning_rate=1e-4, eval_num_samples=4,
+           optim="adamw_8bit", parity_check_steps=50, dtype="auto", lora_dtype="auto",
+           rollout_kv_cache_gb=None, logprob_chunk_size=None)
 
 
 def cpu_has_fast_bf16() -> bool:

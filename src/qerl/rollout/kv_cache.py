@@ -57,6 +57,7 @@ class KVCache:
         self.v_scale = [ones() for _ in range(view.n_layers)] if self.fp8 else [None] * view.n_layers
         self.n_slots, self.max_len = n_slots, max_len
         self._rows = torch.arange(n_slots, device=view.device)
+        self._heads = torch.arange(view.n_kv, device=view.device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -81,11 +82,17 @@ class KVCache:
 
     def write_token(self, layer: int, n: int, pos, k, v):
         """k, v [n, Hkv, d] at position pos[i] of slot i (i < n); returns the layer's cache tensors."""
-        rows = self._rows[:n]
         if self.fp8:
             k, v = _quantize(k, self.k_scale[layer][:n]), _quantize(v, self.v_scale[layer][:n])
-        self.k[layer][rows, :, pos] = k
-        self.v[layer][rows, :, pos] = v
+        # row (slot i, head h, position pos[i]) of the cache seen as [slots x heads x max_len, d]: one
+        # index_copy_ of n x heads rows. cache[rows, :, pos] = k (advanced indexing over two split dims)
+        # took 0.36-0.41 ms a layer on two cores, 8 % of a CPU rollout (issue 50); this is 5-20x less
+        heads = self._heads
+        idx = ((self._rows[:n, None] * heads.numel() + heads) * self.max_len + pos[:, None]).reshape(-1)
+        d = k.shape[-1]
+        bits = (lambda t: t.view(torch.uint8)) if self.fp8 else (lambda t: t)  # index_copy_ has no E4M3 kernel
+        bits(self.k[layer]).view(-1, d).index_copy_(0, idx, bits(k.reshape(-1, d)))
+        bits(self.v[layer]).view(-1, d).index_copy_(0, idx, bits(v.reshape(-1, d)))
         return self.k[layer], self.v[layer]
 
     def write_span(self, layer: int, slot: int, k, v, start: int) -> None:

@@ -11,13 +11,22 @@ Llama/Qwen-style model whose base weights are frozen (LoRA saves the same layer 
   gate|up input h, gate, up and SiLU outputs 3i, down input i   ->  (8h + 3kv + 4i) elements.
 With checkpointing a layer keeps only its input (h) and one layer's activations exist at a time
 during the recompute. The logprob chunk holds fp32 logits, their softmax and its gradient.
+
+On the CPU the budget is not all of the free RAM (issue 50): a laptop's RAM is shared with everything
+else on it, and an update that took what was free on a 23 GiB machine (7.7 GiB of fp32 activations,
+the default run's 7.3 GiB peak RSS) swaps or fails on an 8 GB one. CPU_BUDGET caps it, so a larger
+micro-batch gets gradient checkpointing there rather than the machine's memory. The estimate is an upper
+bound: the trainer counts every completion padded to max_prompt_length + max_completion_length, where a
+packed micro-batch holds each prompt once and completions end early (the default run's micro-batch of 16
+in fp32: ~3.8 GiB estimated, ~1 GiB measured), so the cap sits above the memory it is meant to keep to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACT_BYTES = 2          # bf16 activations on GPUs
+ACT_BYTES = 2          # bf16 activations (GPUs), where the model's config names no dtype
+CPU_BUDGET = 5 * 2**30  # the most of the CPU's available RAM the update's activations are planned for
 HEADROOM = 0.8         # of the free memory the estimate may use (allocator slack, optimizer temporaries)
 CHUNK_SHARE = 0.05     # of the budget the logprob chunk may hold
 CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
@@ -30,14 +39,17 @@ class Shape:
     kv: int  # key/value width: kv heads x head dim
     layers: int
     vocab: int
+    act_bytes: int = ACT_BYTES  # bytes per activation element: the model's dtype (fp32 on most CPUs)
 
     @classmethod
     def of(cls, config) -> "Shape":
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dtype = getattr(config, "dtype", None)  # a loaded model's (transformers sets it); none in a bare config
+        act = dtype.itemsize if getattr(dtype, "is_floating_point", False) else ACT_BYTES
         return cls(config.hidden_size, config.intermediate_size, kv_heads * head_dim, config.num_hidden_layers,
-                   config.vocab_size)
+                   config.vocab_size, act)
 
     def layer_elements(self) -> int:
         """Elements autograd keeps per token in one layer without checkpointing."""
@@ -65,9 +77,9 @@ class Levers:
 
 def activation_bytes(shape: Shape, tokens: int, checkpointing: bool, chunk: int) -> int:
     """Peak activation bytes of a forward + backward over `tokens` tokens (a micro-batch's)."""
-    layer = shape.layer_elements() * ACT_BYTES * tokens
+    layer = shape.layer_elements() * shape.act_bytes * tokens
     if checkpointing:
-        body = shape.layers * shape.hidden * ACT_BYTES * tokens + layer  # layer inputs + one layer recomputed
+        body = shape.layers * shape.hidden * shape.act_bytes * tokens + layer  # layer inputs + one layer recomputed
     else:
         body = shape.layers * layer
     return body + 3 * chunk * shape.vocab * 4
@@ -91,14 +103,15 @@ def choose(shape: Shape, tokens: int, free_bytes: int, *, gradient_checkpointing
 
 
 def free_memory(device) -> int:
-    """Bytes free for the update: the GPU's free memory under any cap, or the machine's available RAM."""
+    """Bytes free for the update: the GPU's free memory under any cap, or the machine's available RAM up to
+    CPU_BUDGET."""
     import torch
 
     if torch.device(device).type == "cuda":
         from ..device_memory import free_bytes
 
         return free_bytes(device)
-    return available_ram()
+    return min(available_ram(), CPU_BUDGET)
 
 
 def available_ram(meminfo: str = "/proc/meminfo") -> int:

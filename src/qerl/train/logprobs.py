@@ -33,14 +33,21 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return ids, att, pos, targets, mask
 
 
-def _chunk_stats(h, w, targets, inv_temp: float, want_entropy: bool):
-    logits = (h @ w.t()).float() * inv_temp
+def _chunk_stats(h, w, targets, inv_temp: float, want_entropy: bool, entropy_grad: bool = True):
+    logits = (h @ w.t()).float()
+    if inv_temp != 1.0:  # x * 1.0 is x: a pass over [chunk, vocab] (and its backward) saved at temperature 1
+        logits = logits * inv_temp
     lse = torch.logsumexp(logits, -1)
     lp = logits.gather(-1, targets[:, None])[:, 0] - lse
     if not want_entropy:
         return lp, torch.zeros_like(lp)
-    p = torch.softmax(logits, -1)
-    ent = lse - (p * logits).sum(-1)
+    # a statistic, unless the loss differentiates it: computed without autograd, it saves nothing for the
+    # backward, so the checkpoint's recompute stops once the logprob's tensors are back (non-reentrant
+    # checkpoints stop early) instead of redoing the softmax and its product over [chunk, vocab]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        lg, ls = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
+        p = torch.softmax(lg, -1)
+        ent = ls - (p * lg).sum(-1)
     return lp, ent
 
 
@@ -72,7 +79,7 @@ def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float 
     lps, ents = [], []
     grad = torch.is_grad_enabled()
     for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], head.weight, tg[s:s + chunk], 1.0 / temperature, entropy)
+        args = (h[s:s + chunk], head.weight, tg[s:s + chunk], 1.0 / temperature, entropy, entropy_grad)
         lp, en = checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
         lps.append(lp)
         ents.append(en)
