@@ -154,6 +154,8 @@ class Engine:
                                   graph_max_batch=gemv_max_tokens(kernel_settings) if moe else None,
                                   compile=cuda if compile is None else compile, fused_attention=fused_attention)
         self.cache = self.runner.cache
+        # graphs turned off by the caller on a GPU: this engine is the graphs' eager reference (Engine.step)
+        self._graph_reference = cuda and cuda_graphs is False
         # without kernels (CPU), keep dequantized weights for the rollout's duration
         self.cache_dequantized = not cuda if cache_dequantized is None else cache_dequantized
 
@@ -224,7 +226,9 @@ class Engine:
         self._admit(call, sched, call.ids, call.keys, call.n, call.logits_of)
         hi = sched.high()
         b = sched.bucket()  # buckets bound the graphs; eager steps run what is live
-        b = b if run.graphed(b) else hi
+        # ... except an engine built without graphs on a GPU, the graphs' reference: it runs the bucket too, since a
+        # kernel's tiling (humming-kernels' config, cuBLAS's algorithm) may depend on M, and with it the bits.
+        b = b if run.graphed(b) or self._graph_reference else hi
         stats.max_batch = max(stats.max_batch, hi)
         max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
         key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // 128) * 128)
