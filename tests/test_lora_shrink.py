@@ -67,3 +67,10 @@ def test_split_plan_fills_the_card_and_covers_k():
         tiles = -(-m // bm) * -(-r // br)
         assert 1 <= splits <= -(-k // lora_shrink.SPLIT_BLOCK_K)
         assert tiles * splits <= max(2 * 132, tiles)
+
+
+
+def test_split_k_routes_only_where_it_was_measured_faster():
+    # H100 shrink bench (kernels/m_thresholds.py): the one-row kernel won at one token, cuBLAS at 128-256 tokens,
+    # split-K at 16 and 64
+    assert [lora_shrink.split_routes(m) for m in (1, 16, 64, 128, 256)] == [False, True, True, False, False]

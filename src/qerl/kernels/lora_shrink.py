@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .m_thresholds import LORA_SHRINK_MAX_M, LORA_SHRINK_SPLIT_MAX_M
+from .m_thresholds import (LORA_SHRINK_MAX_M, LORA_SHRINK_SPLIT_MAX_M, LORA_SHRINK_SPLIT_ROUTE_MAX_M,
+                           LORA_SHRINK_SPLIT_ROUTE_MIN_M)
 
 MAX_M = LORA_SHRINK_MAX_M  # kernels/m_thresholds.py
 BLOCK_K = 1024
@@ -122,6 +123,12 @@ def split_supports(x: torch.Tensor, a: torch.Tensor) -> bool:
     ok_dev = x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
     return (ok_dev and x.dim() == 2 and a.dim() == 2 and a.stride(-1) == 1 and x.stride(-1) == 1
             and x.dtype == a.dtype and x.shape[0] <= SPLIT_MAX_M and x.shape[1] == a.shape[1])
+
+
+def split_routes(m: int) -> bool:
+    """Whether the measured table sends an M-token shrink to split-K: not at one token (the one-row kernel is
+    faster there), not above LORA_SHRINK_SPLIT_ROUTE_MAX_M (cuBLAS is), see kernels/m_thresholds.py."""
+    return LORA_SHRINK_SPLIT_ROUTE_MIN_M <= m <= LORA_SHRINK_SPLIT_ROUTE_MAX_M
 
 
 def _split_plan(m: int, k: int, r: int, sms: int) -> tuple[int, int, int]:

@@ -13,7 +13,14 @@ W4_WGMMA_MAX_M = 256
 W4_WGMMA_ROUTE_MIN_M = 64
 TRITON_FUSED_MAX_M = 16    # the Triton fused decode kernel beats dequantize + cuBLAS up to here (H200 sweep)
 LORA_SHRINK_MAX_M = 16     # the LoRA shrink GEMV kernel (decode batches; also K <= 4096)
-LORA_SHRINK_SPLIT_MAX_M = 256  # the split-K LoRA shrink (one launch; cuBLAS's ran ~6-7 µs a projection on the H100)
+LORA_SHRINK_SPLIT_MAX_M = 256  # the split-K LoRA shrink's tiles reach this M (kernel capability, tested to here)
+# ... and routes take it for M in [MIN, MAX] only. The shrink bench on the H100 at 3632e89 (scripts/profile_decode.py
+# --shrink; the run's log was not kept, the figures are the session's notes): at M 1 the one-row kernel ran
+# 3.1-4.3 µs a projection against split-K's 4.8-6.6; at M 16 split-K 5.0-6.7 against cuBLAS's 7.2-7.6, at M 64
+# (down) 10.5 against 37.6; at M 128-256 cuBLAS 7.5-8.3 against split-K's 8-11 for q|k|v and down. To re-measure
+# at the next GPU session (STEP=profile SHRINK=1 in scripts/device_issue47.sh).
+LORA_SHRINK_SPLIT_ROUTE_MIN_M = 2
+LORA_SHRINK_SPLIT_ROUTE_MAX_M = 64
 
 # MoE experts (kernels/experts_path.py)
 MOE_GEMV_MAX_TOKENS = 64   # the grouped 4-bit GEMV: decode batches; above, the grouped path dequantizes the hit

@@ -94,10 +94,11 @@ def _humming(tensors, shape, m, device):
 
 
 def _shrunk(lora, x2d):
-    """The term with xa computed: by the split-K shrink (one launch, M <= 256), else the one-row decode shrink where
-    it applies, else cuBLAS."""
+    """The term with xa computed by the measured fastest shrink: split-K (one launch) where the table routes M to
+    it, else the one-row decode shrink where it applies (one token), else cuBLAS."""
     if lora.xa is None and lora.a is not None:
-        if settings.current().lora_shrink_split and lora_shrink.split_supports(x2d, lora.a):
+        if (settings.current().lora_shrink_split and lora_shrink.split_routes(x2d.shape[0])
+                and lora_shrink.split_supports(x2d, lora.a)):
             return LoraTerm(lora_shrink.shrink_split(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
         if lora_shrink.supports(x2d, lora.a):
             return LoraTerm(lora_shrink.shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)

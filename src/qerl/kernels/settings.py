@@ -36,8 +36,9 @@ class KernelSettings:
     """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
     (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""
     lora_shrink_split: bool = True
-    """A LoRA shrink that is not fused into the base kernel runs as one split-K Triton launch (kernels/lora_shrink.py
-    `shrink_split`, any M to 256; False: the one-row-a-program decode kernel where it applies, else cuBLAS)."""
+    """A LoRA shrink that is not fused into the base kernel runs as one split-K Triton launch where the measured
+    table routes its M (kernels/lora_shrink.py `split_routes`, M 2-64 now; False: the one-row-a-program decode
+    kernel where it applies, else cuBLAS)."""
     fuse_lora: bool = True
     """No-grad forwards fuse the LoRA expand into the base kernel's epilogue (False: the training path's
     separate LoRA term, so a no-grad logprob pass gives the grad-enabled pass's bits: PPO's old policy)."""
