@@ -12,7 +12,7 @@ import pytest
 from qerl.rl.rewards import score
 from qerl.tasks.answers import parse_number
 from qerl.tasks.arithmetic import accuracy as arithmetic_accuracy, final_number
-from qerl.tasks.deadline import DeadlinePool
+from qerl.deadline import DeadlinePool
 from qerl.tasks.rewards import numeric_accuracy
 
 

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from qerl.cli.study import record_figures
 from qerl.study import ARMS, LOSSES
-from qerl.study.report import T95, collect, paired, record_figures, run_figures, write_report
+from qerl.study.report import T95, collect, paired, run_figures, write_report
 from qerl.study.runner import finished, jobs
 from tiny_models import save_tiny, tiny_tokenizer
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from qerl.tasks.deadline import DeadlinePool
+from qerl.deadline import DeadlinePool
 
 EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('executed')\n{body}"
 
@@ -40,7 +40,7 @@ def test_a_math_verify_py_in_the_current_folder_is_never_imported(tmp_path, monk
 
 def test_the_symbolic_reward_through_its_shared_pool_ignores_the_current_folder(tmp_path, monkeypatch):
     pytest.importorskip("math_verify")
-    from qerl.tasks import deadline
+    from qerl import deadline
     from qerl.tasks.rewards import numeric_accuracy
 
     work, marker = tmp_path / "work", tmp_path / "marker"
@@ -71,7 +71,7 @@ def test_a_tool_module_beside_the_users_script_still_runs_in_a_worker(tmp_path, 
     monkeypatch.syspath_prepend(str(work))
     import my_tools_r4
 
-    from qerl.tasks import deadline
+    from qerl import deadline
 
     monkeypatch.setattr(deadline, "_SHARED", {})
     try:
@@ -89,7 +89,7 @@ def test_a_tool_module_beside_the_users_script_still_runs_in_a_worker(tmp_path, 
 
 
 def test_the_worker_path_has_no_current_folder(tmp_path, monkeypatch):
-    from qerl.tasks.deadline import worker_path
+    from qerl.deadline import worker_path
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -221,9 +221,7 @@ def _main(argv: list[str]) -> int:
     except Exception as e:
         if not said_in_one_line(e) or os.environ.get("QERL_DEBUG"):  # the traceback: a bug, or asked for
             raise
-        from .hub import with_offline_choices
-
-        print(f"qerl {args.command}: error: {with_offline_choices(e)}", file=sys.stderr)
+        print(f"qerl {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

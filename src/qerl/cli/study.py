@@ -41,7 +41,7 @@ def run(args):
             import sys
 
             from ..bench.record import device_name
-            from ..study.report import collect, record_figures
+            from ..study.report import collect
 
             n = record_figures(collect(outs), args.device or device_name(),
                                "qerl study report " + " ".join(map(shlex.quote, sys.argv[3:])))
@@ -56,3 +56,16 @@ def run(args):
                  args.parallel, extra, args.max_minutes, args.lr, args.dry_run,
                  stop_minutes=args.stop_minutes)
     return 1 if r["failed"] else 0
+
+
+def record_figures(res: dict, device: str, command: str, results_dir: Path | None = None) -> int:
+    """Append the report's figures (qerl.study.report.figures) to benchmarks/results/study.jsonl.
+    Returns the number of rows."""
+    from ..bench.record import RESULTS, record
+    from ..study.report import figures
+
+    rows = figures(res)
+    for case, metric, value, unit in rows:
+        record("study", case, metric, value, unit, None, device=device, command=command,
+               results_dir=results_dir or RESULTS)
+    return len(rows)

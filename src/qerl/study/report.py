@@ -214,30 +214,25 @@ UNITS = {"entropy_start": "nats", "rollout_entropy_noisy": "nats", "reward_mean"
          "heldout_before": "%", "heldout_after": "%", "heldout_gain": "points", "wall_min": "min"}
 
 
-def record_figures(res: dict, device: str, command: str, results_dir: Path | None = None) -> int:
-    """Append the report's figures to benchmarks/results/study.jsonl: each arm's mean over seeds,
-    each claim's difference and the ends of its 95 % interval. Returns the number of rows."""
-    from ..bench.record import RESULTS, record
-
-    kw = dict(device=device, command=command, results_dir=results_dir or RESULTS)
-    n = 0
+def figures(res: dict) -> list[tuple[str, str, float, str]]:
+    """The report's figures as (case, metric, value, unit) rows for benchmarks/results/study.jsonl: each arm's
+    mean over seeds, each claim's difference and the ends of its 95 % interval."""
+    out = []
     for loss, arms in res.items():
         for arm, runs in arms.items():
             for k, _, _ in METRICS:
                 m, _, seeds = mean_se([r.get(k) for r in runs.values()])
                 if seeds:
-                    record("study", f"{loss} {arm} ({seeds} seeds)", k, round(m, 4), UNITS[k], None, **kw)
-                    n += 1
+                    out.append((f"{loss} {arm} ({seeds} seeds)", k, round(m, 4), UNITS[k]))
         for _, metric, a, b in CLAIMS:
             if a in arms and b in arms:
                 p = paired(arms[a], arms[b], metric)
                 if math.isnan(p["lo"]):
                     continue
                 for what in ("diff", "lo", "hi"):
-                    record("study", f"{loss} {a} - {b} ({p['n']} seeds)", f"{metric}_{what}" if what == "diff"
-                           else f"{metric}_diff_ci95_{what}", round(p[what], 4), UNITS[metric], None, **kw)
-                    n += 1
-    return n
+                    out.append((f"{loss} {a} - {b} ({p['n']} seeds)", f"{metric}_{what}" if what == "diff"
+                                else f"{metric}_diff_ci95_{what}", round(p[what], 4), UNITS[metric]))
+    return out
 
 
 def write_report(out: Path | list[Path], doc: Path, header: str = "") -> str:

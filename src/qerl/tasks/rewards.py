@@ -70,7 +70,7 @@ def numeric_accuracy(completions, answer, **_):
             if is_expression(pred) or is_expression(ref):
                 symbolic.append((i, pred[-TAIL:], ref))
     if symbolic:
-        from .deadline import shared_pool
+        from ..deadline import shared_pool
 
         results = shared_pool(("math_verify",)).map("qerl.tasks.rewards:_same_value",
                                                     [(p, r, SYMBOLIC_TIMEOUT_S) for _, p, r in symbolic],
@@ -111,7 +111,7 @@ class MathVerifyAccuracy:
 
     Sympy work on model text has no bound by construction (a nested power tower never returns),
     so every completion is checked in a worker process with a hard limit of `deadline_s` seconds
-    (`qerl.tasks.deadline`); past it the worker is killed and the completion raises RewardTimeout,
+    (`qerl.deadline`); past it the worker is killed and the completion raises RewardTimeout,
     which `qerl.rl.rewards.score` scores 0 and counts. `isolate=False` checks in this process
     (soft limits only; for debugging)."""
 
@@ -134,7 +134,7 @@ class MathVerifyAccuracy:
     def _batch(self, jobs: list[tuple[str, str]]) -> list[tuple[bool, object]]:
         if not self.isolate:
             return [(True, self._one(c, a)) for c, a in jobs]
-        from .deadline import shared_pool
+        from ..deadline import shared_pool
 
         return shared_pool(("math_verify",)).map("qerl.tasks.rewards:_math_verify_one",
                                                  [(c, a, self.timeout_s) for c, a in jobs], self.deadline_s)

@@ -1,7 +1,7 @@
 """Running tool calls under limits: wall time per call, output size, exceptions as text.
 
 Isolated tools (the default for a tool that is a module-level function) run in the worker
-processes of `qerl.tasks.deadline`: past its deadline a call's worker is killed and the model reads
+processes of `qerl.deadline`: past its deadline a call's worker is killed and the model reads
 a timeout message. A tool that cannot be imported by name in a fresh interpreter (a closure, a
 lambda, a bound method holding state) runs in this process on a daemon thread: the caller still
 gets an answer at the deadline, but the thread cannot be stopped, so use that only for tools that
@@ -136,7 +136,7 @@ class ToolRunner:
         lim = self.limits
         pooled = [i for i, c in enumerate(calls) if out[i] is None and self.targets.get(c.name)]
         if pooled:
-            from qerl.tasks.deadline import shared_pool
+            from ..deadline import shared_pool
 
             jobs = [(self.targets[calls[i].name], calls[i].arguments, lim.max_output_chars) for i in pooled]
             results = shared_pool(self.warm).map("qerl.tools.runner:_worker_call", jobs, lim.timeout_s)

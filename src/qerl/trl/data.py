@@ -41,12 +41,11 @@ def model_folder(model, processing_class) -> str:
     tokenizer (TRL tokenizes with the processing_class it is given, not the checkpoint's); a transformers
     model (and its tokenizer) saved to a temporary folder, which qerl quantizes like any checkpoint."""
     if isinstance(model, (str, Path)):
-        from ..cli.hub import check_reachable
+        from ..model.resolve import check_reachable, resolve_model
 
         check_reachable(str(model))  # a hub id that cannot be reached: one message naming the offline choices
         if processing_class is None or (Path(model) / "adapter_config.json").is_file():
             return str(model)
-        from ..model.resolve import resolve_model
 
         source = resolve_model(str(model))
         folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))

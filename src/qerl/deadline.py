@@ -1,4 +1,5 @@
-"""A hard time limit for work that cannot be bounded by construction (symbolic math on model text).
+"""A hard time limit for work that cannot be bounded by construction (symbolic math on model text, a
+user's tool call): reward functions (qerl.tasks.rewards) and tool calls (qerl.tools.runner) run here.
 
 Threads cannot be stopped and signal.alarm works only in the main thread, so each call runs in a
 small pool of worker processes: a call past its deadline has its worker killed (and replaced) and
@@ -92,7 +93,7 @@ def worker_path(warm: tuple[str, ...] = ()) -> list[str]:
 
 
 # runs with -P (nothing prepended to sys.path), sets the import path, then serves
-_BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[4]); from qerl.tasks.deadline import _main; "
+_BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[4]); from qerl.deadline import _main; "
          "_main(sys.argv[1:4])")
 
 
@@ -121,7 +122,7 @@ class _Worker:
             ok = False
         if not ok:
             self.kill()
-            raise RuntimeError(f"a reward worker process (qerl.tasks.deadline) did not start within "
+            raise RuntimeError(f"a reward worker process (qerl.deadline) did not start within "
                                f"{STARTUP_S:.0f} s")
 
     def kill(self):
@@ -194,5 +195,5 @@ def shared_pool(warm: tuple[str, ...] = ()) -> DeadlinePool:
     return _SHARED[warm]
 
 
-if __name__ == "__main__":  # a worker started by hand: python -P -m qerl.tasks.deadline READ_FD WRITE_FD WARM_JSON
+if __name__ == "__main__":  # a worker started by hand: python -P -m qerl.deadline READ_FD WRITE_FD WARM_JSON
     _main(sys.argv[1:4])
