@@ -58,6 +58,8 @@ def test_quantized_bytes_equal_what_the_loader_allocates(tmp_path):
 
 @pytest.mark.parametrize("name", list(TARGETS_GIB))
 def test_projected_step_fits_its_target(name):
-    g = plan_step(MOE_SHAPES[name]).gib()
+    from qerl.bench.step_plan import FITS_SETTINGS
+
+    g = plan_step(MOE_SHAPES[name], FITS_SETTINGS[name]).gib()
     assert g["peak"] <= TARGETS_GIB[name]
     assert g["experts"] > 0.8 * g["weights"]  # an MoE's memory is its experts: where 4 bits pay

@@ -104,6 +104,8 @@ def case_name(a, quant: str) -> str:
         lv.append(f"stale{a.max_staleness}")
     if getattr(a, "moe_path", "fast") == "loop":
         lv.append("moe-loop")
+    if not getattr(a, "humming", True):
+        lv.append("no-humming")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -208,7 +210,8 @@ def _run_case(a, pol, build_s) -> dict:
 
         fast_moe = getattr(a, "moe_path", "fast") == "fast"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
-                         kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe),
+                         kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe,
+                                                        humming=getattr(a, "humming", True)),
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
@@ -434,6 +437,9 @@ def main(argv=None):
     ap.add_argument("--moe-path", default="fast", choices=["fast", "loop"],
                     help="MoE experts: fast = the decode GEMV and the grouped prefill/update "
                          "(KernelSettings.moe_gemv, moe_grouped); loop = transformers' loop over hit experts")
+    ap.add_argument("--humming", action=argparse.BooleanOptionalAction, default=True,
+                    help="route the M buckets humming-kernels won on this card to it (KernelSettings.humming): a "
+                         "second copy of each attention weight it takes; --no-humming keeps qerl's own kernels")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step with its logprob and update phases under torch.profiler (table in the log)")
     ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")
