@@ -158,3 +158,16 @@ def test_a_decode_tokens_kv_lands_where_advanced_indexing_puts_it(kv_dtype, dtyp
     bits = (lambda t: t.view(torch.uint8)) if cache.fp8 else (lambda t: t)
     for got, ref in zip(cache.k + cache.v, want):
         assert torch.equal(bits(got), bits(ref))
+
+
+def test_a_batch_shape_on_the_command_line_starts_from_the_trainers_defaults():
+    # the default run's 4 x 16 split of its 64 completions is not imposed on `qerl train --per_device_train_batch_size
+    # 4 --generation_batch_size 4` (which would not split into updates of 4 x 4)
+    from qerl.cli.train import apply, batch_shape_reset
+
+    ov = {"per_device_train_batch_size": "4", "generation_batch_size": "4", "num_generations": "2"}
+    cfg = apply(batch_shape_reset(default_run_config("cpu"), ov), ov)
+    plan = batch_plan(cfg)
+    assert (plan.generation_batch_size, plan.steps_per_generation, plan.updates_per_rank) == (4, 1, 1)
+    # untouched, the default run keeps its own split
+    assert batch_shape_reset(default_run_config("cpu"), {"learning_rate": "1e-3"}).gradient_accumulation_steps == 4

@@ -83,8 +83,24 @@ def build_config(args):
         from ..rl.default_run import default_run_config
 
         dev = ov.get("device")
-        cfg = apply(default_run_config(None if dev in (None, "auto") else dev), ov)
+        cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
     return cfg
+
+
+# The fields that shape a step's batch. The default run's values are one unit (on the CPU 4 micro-batches of 16 for
+# its 64 completions): a command line that sets one of them starts the others from the trainer's defaults, as TRL
+# would, rather than from the default run's split of its own batch.
+BATCH_SHAPE = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
+               "steps_per_generation")
+
+
+def batch_shape_reset(cfg, ov: dict[str, str]):
+    if not any(f in ov for f in BATCH_SHAPE):
+        return cfg
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in BATCH_SHAPE and f.name not in ov}
+    return dataclasses.replace(cfg, **defaults)
 
 
 def apply(cfg, ov: dict[str, str]):
