@@ -144,7 +144,7 @@ def test_every_view_numbers_steps_as_trl_s_global_step(tmp_path, model_dir, caps
     assert names == ["my-run"]  # run_name names the trackers' run
     # a resume keeps the rows to its checkpoint (global step 2) and numbers on from there
     tr = _grpo(model_dir, tmp_path / "run", max_steps=6, run_name=None)
-    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))  # global step 2
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6] and tr.state.global_step == 6
     assert [h["step"] for h in tr.state.log_history if "reward" in h] == [2, 4, 6]
@@ -173,3 +173,39 @@ def test_a_resume_keeps_the_checkpoint_s_own_point_in_the_trackers_as_in_metrics
     ea = EventAccumulator(str(run / "tensorboard"))
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("loss")] == list(want.items())
+
+
+# ---- checkpoints and save_steps in global steps, as transformers' Trainer ---------------------------
+
+
+def test_checkpoints_are_named_and_scheduled_in_global_steps(tmp_path, model_dir):
+    """transformers names a checkpoint checkpoint-{global_step} and saves when global_step reaches a multiple of
+    save_steps (and at the end); with num_iterations=2 a generation is two optimizer steps: global 2, 4, 6."""
+    from qerl.train.checkpoints import checkpoints
+
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=6, save_steps=4)
+    tr.train()
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-4", "checkpoint-6"]
+    st = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert st["global_step"] == 4
+    # a resume from checkpoint-4 continues at global step 4
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=8, save_steps=4)
+    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert tr.state.global_step == 8
+    assert [p.name for p in checkpoints(tmp_path / "run")][-1] == "checkpoint-8"
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
+
+
+def test_a_run_folder_whose_checkpoints_are_named_by_generation_still_resumes(tmp_path, model_dir):
+    """Folders written before named a checkpoint by qerl's step (generations): checkpoint-2 held global step 4.
+    Its state's step is what a resume reads, so it continues at global step 4."""
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=4, save_steps=4)
+    tr.train()
+    (tmp_path / "run" / "checkpoint-4").rename(tmp_path / "run" / "checkpoint-2")  # the old name
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=6, save_steps=4)
+    tr.train(resume_from_checkpoint=True)
+    assert tr.state.global_step == 6 and tr.step == 3
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]
+    assert (tmp_path / "run" / "checkpoint-6").is_dir()
