@@ -209,3 +209,17 @@ def test_a_run_folder_whose_checkpoints_are_named_by_generation_still_resumes(tm
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6]
     assert (tmp_path / "run" / "checkpoint-6").is_dir()
+
+
+def test_sft_eval_steps_as_a_fraction_of_the_run_is_transformers_reading(tmp_path, model_dir):
+    """transformers reads eval_steps < 1 as a fraction of max_steps (ceil): 0.5 of 4 steps evaluates at 2 and 4."""
+    pytest.importorskip("peft")
+    from qerl.trl import SFTConfig, SFTTrainer
+
+    data = [{"text": f"{a} plus {a} is {a + a}."} for a in range(4)]
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                     report_to="none", save_strategy="no", max_length=48, eval_strategy="steps", eval_steps=0.5)
+    tr = SFTTrainer(model=str(model_dir), args=args, train_dataset=data, eval_dataset=data)
+    tr.train()
+    assert [h["step"] for h in tr.state.log_history if "eval_loss" in h] == [2, 4]
+

@@ -23,6 +23,7 @@ Rank 0 writes files and logs; every rank runs the steps and meets at the barrier
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -284,11 +285,15 @@ class TrainLoop:
                         if k in self.LOG_KEYS)
         bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
 
-    def _passed(self, every: int) -> bool:
+    def _passed(self, every: float | None) -> bool:
         """This step's global_step reached a multiple of `every`, as transformers' global_step % every == 0
-        (a step of several optimizer steps may pass one without landing on it: then at that step)."""
+        (a step of several optimizer steps may pass one without landing on it: then at that step); every < 1
+        is a fraction of the run, as transformers reads logging/save/eval_steps (0 or None: never)."""
+        if not every:
+            return False
+        every = max(1, math.ceil(every * self.global_max_steps) if every < 1 else int(every))
         n = self.global_steps_per_step
-        return bool(every) and self.global_step // every != (self.global_step - n) // every
+        return self.global_step // every != (self.global_step - n) // every
 
     def _logs_now(self) -> bool:
         """A multiple of logging_steps was reached by this step."""
