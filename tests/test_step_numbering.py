@@ -223,3 +223,48 @@ def test_sft_eval_steps_as_a_fraction_of_the_run_is_transformers_reading(tmp_pat
     tr.train()
     assert [h["step"] for h in tr.state.log_history if "eval_loss" in h] == [2, 4]
 
+
+# ---- run_name from a `trl grpo --config` / `trl sft --config` file ------------------------------------
+
+
+def _tracker_names(monkeypatch):
+    from qerl.train import trackers
+
+    names = []
+    monkeypatch.setattr(trackers, "open_trackers", lambda kinds, out, config, name, resume_step=None:
+                        names.append(name) or [])
+    return names
+
+
+def test_run_name_in_a_trl_grpo_config_file_names_the_trackers_run(cli, tmp_path, model_dir, monkeypatch):
+    names = _tracker_names(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lengths.py").write_text("def chars(completions, **kwargs):\n    return [float(len(c)) for c in "
+                                         "completions]\n")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(4)))
+    (tmp_path / "grpo.yaml").write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {tmp_path / 'train.jsonl'}\nreward_funcs: [lengths.chars]\n"
+        f"output_dir: {tmp_path / 'run'}\nrun_name: my-grpo-run\nmax_steps: 1\nper_device_train_batch_size: 4\n"
+        "num_generations: 4\nmax_completion_length: 4\nreport_to: none\nsave_strategy: 'no'\n")
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert names == ["my-grpo-run"]
+    assert not [x for x in out.splitlines() if "ignored" in x and "run_name" in x]  # not among the ignored fields
+
+
+def test_run_name_in_a_trl_sft_config_file_names_the_trackers_run(cli, tmp_path, model_dir, monkeypatch):
+    names = _tracker_names(monkeypatch)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"text": f"{a} plus {a} is {a + a}."}) + "\n"
+                                                for a in range(4)))
+    (tmp_path / "sft.yaml").write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {tmp_path / 'sft.jsonl'}\noutput_dir: {tmp_path / 'run'}\n"
+        "run_name: my-sft-run\nmax_steps: 1\nper_device_train_batch_size: 2\nmax_length: 48\nreport_to: none\n"
+        "save_strategy: 'no'\n")
+    rc, out, err = cli("sft", tmp_path / "sft.yaml", "--device", "cpu")
+    assert rc == 0, err
+    assert names == ["my-sft-run"]
+    # unset: the output folder's name, as before
+    rc, _, err = cli("sft", tmp_path / "sft.yaml", "--device", "cpu", "--run_name", "null", "--output_dir",
+                     tmp_path / "run2")
+    assert rc == 0, err
+    assert names[-1] == "run2"

@@ -81,8 +81,9 @@ class TrainLoop:
         return self.max_steps * self.global_steps_per_step
 
     def run_name(self) -> str | None:
-        """The trackers' name of the run: qerl's, the output folder's (the TRL surface: run_name)."""
-        return self.out.resolve().name
+        """The trackers' name of the run: the config's run_name, else the output folder's (the TRL surface:
+        run_name, else none, as transformers)."""
+        return self.cfg.run_name or self.out.resolve().name
 
     def epoch(self) -> float | None:
         """Passes over the training rows so far (trainer.state.epoch)."""
