@@ -144,7 +144,7 @@ def test_every_view_numbers_steps_as_trl_s_global_step(tmp_path, model_dir, caps
     assert names == ["my-run"]  # run_name names the trackers' run
     # a resume keeps the rows to its checkpoint (global step 2) and numbers on from there
     tr = _grpo(model_dir, tmp_path / "run", max_steps=6, run_name=None)
-    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))  # global step 2
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6] and tr.state.global_step == 6
     assert [h["step"] for h in tr.state.log_history if "reward" in h] == [2, 4, 6]
@@ -173,3 +173,98 @@ def test_a_resume_keeps_the_checkpoint_s_own_point_in_the_trackers_as_in_metrics
     ea = EventAccumulator(str(run / "tensorboard"))
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("loss")] == list(want.items())
+
+
+# ---- checkpoints and save_steps in global steps, as transformers' Trainer ---------------------------
+
+
+def test_checkpoints_are_named_and_scheduled_in_global_steps(tmp_path, model_dir):
+    """transformers names a checkpoint checkpoint-{global_step} and saves when global_step reaches a multiple of
+    save_steps (and at the end); with num_iterations=2 a generation is two optimizer steps: global 2, 4, 6."""
+    from qerl.train.checkpoints import checkpoints
+
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=6, save_steps=4)
+    tr.train()
+    assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-4", "checkpoint-6"]
+    st = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert st["global_step"] == 4
+    # a resume from checkpoint-4 continues at global step 4
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=8, save_steps=4)
+    tr.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert tr.state.global_step == 8
+    assert [p.name for p in checkpoints(tmp_path / "run")][-1] == "checkpoint-8"
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
+
+
+def test_a_run_folder_whose_checkpoints_are_named_by_generation_still_resumes(tmp_path, model_dir):
+    """Folders written before named a checkpoint by qerl's step (generations): checkpoint-2 held global step 4.
+    Its state's step is what a resume reads, so it continues at global step 4."""
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=4, save_steps=4)
+    tr.train()
+    (tmp_path / "run" / "checkpoint-4").rename(tmp_path / "run" / "checkpoint-2")  # the old name
+    tr = _grpo(model_dir, tmp_path / "run", max_steps=6, save_steps=4)
+    tr.train(resume_from_checkpoint=True)
+    assert tr.state.global_step == 6 and tr.step == 3
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6]
+    assert (tmp_path / "run" / "checkpoint-6").is_dir()
+
+
+def test_sft_eval_steps_as_a_fraction_of_the_run_is_transformers_reading(tmp_path, model_dir):
+    """transformers reads eval_steps < 1 as a fraction of max_steps (ceil): 0.5 of 4 steps evaluates at 2 and 4."""
+    pytest.importorskip("peft")
+    from qerl.trl import SFTConfig, SFTTrainer
+
+    data = [{"text": f"{a} plus {a} is {a + a}."} for a in range(4)]
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                     report_to="none", save_strategy="no", max_length=48, eval_strategy="steps", eval_steps=0.5)
+    tr = SFTTrainer(model=str(model_dir), args=args, train_dataset=data, eval_dataset=data)
+    tr.train()
+    assert [h["step"] for h in tr.state.log_history if "eval_loss" in h] == [2, 4]
+
+
+# ---- run_name from a `trl grpo --config` / `trl sft --config` file ------------------------------------
+
+
+def _tracker_names(monkeypatch):
+    from qerl.train import trackers
+
+    names = []
+    monkeypatch.setattr(trackers, "open_trackers", lambda kinds, out, config, name, resume_step=None:
+                        names.append(name) or [])
+    return names
+
+
+def test_run_name_in_a_trl_grpo_config_file_names_the_trackers_run(cli, tmp_path, model_dir, monkeypatch):
+    names = _tracker_names(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lengths.py").write_text("def chars(completions, **kwargs):\n    return [float(len(c)) for c in "
+                                         "completions]\n")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(4)))
+    (tmp_path / "grpo.yaml").write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {tmp_path / 'train.jsonl'}\nreward_funcs: [lengths.chars]\n"
+        f"output_dir: {tmp_path / 'run'}\nrun_name: my-grpo-run\nmax_steps: 1\nper_device_train_batch_size: 4\n"
+        "num_generations: 4\nmax_completion_length: 4\nreport_to: none\nsave_strategy: 'no'\n")
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert names == ["my-grpo-run"]
+    assert not [x for x in out.splitlines() if "ignored" in x and "run_name" in x]  # not among the ignored fields
+
+
+def test_run_name_in_a_trl_sft_config_file_names_the_trackers_run(cli, tmp_path, model_dir, monkeypatch):
+    names = _tracker_names(monkeypatch)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"text": f"{a} plus {a} is {a + a}."}) + "\n"
+                                                for a in range(4)))
+    (tmp_path / "sft.yaml").write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: {tmp_path / 'sft.jsonl'}\noutput_dir: {tmp_path / 'run'}\n"
+        "run_name: my-sft-run\nmax_steps: 1\nper_device_train_batch_size: 2\nmax_length: 48\nreport_to: none\n"
+        "save_strategy: 'no'\n")
+    rc, out, err = cli("sft", tmp_path / "sft.yaml", "--device", "cpu")
+    assert rc == 0, err
+    assert names == ["my-sft-run"]
+    # unset: the output folder's name, as before
+    rc, _, err = cli("sft", tmp_path / "sft.yaml", "--device", "cpu", "--run_name", "null", "--output_dir",
+                     tmp_path / "run2")
+    assert rc == 0, err
+    assert names[-1] == "run2"

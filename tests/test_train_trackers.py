@@ -33,7 +33,7 @@ RUN = textwrap.dedent('''
 
     args = GRPOConfig(output_dir=OUT, max_steps=2, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, learning_rate=1e-3, report_to=REPORT_TO, save_strategy="no",
-                      parity_check_steps=0, dynamic_sampling=False)
+                      parity_check_steps=0, dynamic_sampling=False, run_name="run")
     trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=args,
                           train_dataset=[{"prompt": f"{a}+{a}="} for a in range(4)], progress=False)
     trainer.train()

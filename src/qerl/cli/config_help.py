@@ -33,7 +33,7 @@ GROUPS = {
             "aqn_adaptive_target", "aqn_adaptive_gain", "aqn_in_training"),
     "evaluation": ("eval_steps", "eval_on_start", "eval_on_end", "eval_dataset_name", "eval_dataset_config",
                    "eval_limit", "eval_num_samples", "eval_temperature", "eval_top_p", "eval_max_completion_length"),
-    "logging": ("logging_steps", "report_to"),
+    "logging": ("logging_steps", "report_to", "run_name"),
     "checkpoints": ("output_dir", "overwrite_output_dir", "save_strategy", "save_steps", "save_total_limit"),
     "parity": ("parity_check_steps", "parity_max_logprob_diff"),
     "distributed": ("ddp_timeout", "ddp_backend"),

@@ -27,7 +27,7 @@ GROUPS = {
                      "per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
                      "logprob_chunk_size", "seed"),
     "run": ("output_dir", "overwrite_output_dir", "logging_steps", "save_strategy", "save_steps", "save_total_limit",
-            "report_to"),
+            "report_to", "run_name"),
     "distributed": ("ddp_timeout", "ddp_backend"),
 }
 PREFIX = "sft__"
@@ -82,7 +82,9 @@ def build_config(args):
         from ..train.fields import yaml_mapping
         from ..trl.sft import trl_fields
 
-        _, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
+        trl, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
+        if trl.run_name is not None:
+            d["run_name"] = trl.run_name  # the trackers' name, as from SFTConfig(run_name=...)
         return SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
     return SFTConfig().with_overrides(ov)
 

@@ -41,7 +41,7 @@ TRL_IGNORED = frozenset("""
     transformers_continuous_batching_config model_init_kwargs chat_template_kwargs log_completions
     log_completions_hub_repo log_multimodal log_unique_prompts num_completions_to_print remove_unused_columns
     bf16 fp16 tf32 bf16_full_eval fp16_full_eval use_cpu push_to_hub hub_model_id hub_strategy hub_token
-    hub_private_repo hub_always_push hub_revision run_name project logging_strategy logging_first_step
+    hub_private_repo hub_always_push hub_revision project logging_strategy logging_first_step
     logging_nan_inf_filter log_level log_level_replica log_on_each_node save_only_model
     save_on_each_node eval_strategy do_train do_eval do_predict per_device_eval_batch_size eval_accumulation_steps
     dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor

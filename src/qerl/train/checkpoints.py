@@ -1,6 +1,8 @@
 """Training checkpoints: everything a run needs to continue exactly, written atomically.
 
-A checkpoint is a folder `checkpoint-<step>` built under a temporary name and swapped into
+A checkpoint is a folder `checkpoint-<global_step>` (TRL's and transformers' name: optimizer steps so far;
+folders written before named it by the trainer's own step, which its trainer_state.json still records as
+`step`, what a resume reads) built under a temporary name and swapped into
 place by checkpoint/atomic.py, so a run killed at any moment leaves either the complete folder or
 none (its temporaries are undone when the run folder is next claimed). It holds:
   adapter/                PEFT adapter (loads in PEFT / vLLM on the dense base)
@@ -53,11 +55,14 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
 
 
 def save_checkpoint(output_dir, step: int, model, optimizer, scheduler, extra: dict, base_name: str | None = None,
-                    keep: int | None = None, tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
-    """tensors: more named tensor files, {stem: {name: tensor}} -> stem.safetensors (read_tensors)."""
+                    keep: int | None = None, tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+                    name: int | None = None) -> Path:
+    """step: the trainer's own step (trainer_state.json's `step`, what a resume restores); name: the folder's
+    number, checkpoint-<name> (the loop's TRL global_step; default step); tensors: more named tensor files,
+    {stem: {name: tensor}} -> stem.safetensors (read_tensors)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    final = out / f"checkpoint-{step}"
+    final = out / f"checkpoint-{step if name is None else name}"
     with atomic_folder(final) as tmp:  # a rerun of the same step replaces it whole, or not at all
         save_adapter(model, tmp / "adapter", base_model_name_or_path=base_name)
         # standalone: LoRA factors of a fused group are views into its storage

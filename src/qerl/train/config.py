@@ -81,6 +81,8 @@ class TrainConfig:
                              "'qerl[wandb]'; offline: wandb's WANDB_MODE=offline, trackio's local store, mlflow's file "
                              "store under output_dir unless MLFLOW_TRACKING_URI says otherwise) | all (those installed) | "
                              "none (TRL's default) | auto (TensorBoard when installed).")
+    run_name: str | None = setting(None, "The trackers' name of the run (transformers' run_name; null: the "
+                                   "output folder's name).")
     # --- several GPUs / processes (torchrun) -------------------------------------------------
     ddp_timeout: int = setting(1800, "Seconds a collective waits for the other ranks before the job fails (a dead or hung rank).")
     ddp_backend: str | None = setting(None, "torch.distributed backend (null: nccl on GPUs, gloo on the CPU).")

@@ -12,8 +12,10 @@ subclasses `TrainLoop` and says what differs: what a step does (`train_step`), h
     step, a callback's request), [evaluation] -> adapter -> summary entry, on_train_end -> release.
 
 Steps are numbered one way everywhere (printed lines, metrics.jsonl, trainer.state, log_history, the
-bar): TRL's global_step, optimizer steps so far, 1 after the first (`global_step`; a trainer whose step
-makes several of TRL's optimizer steps says how many, `global_steps_per_step`).
+bar, checkpoint-N folders): TRL's global_step, optimizer steps so far, 1 after the first (`global_step`;
+a trainer whose step makes several of TRL's optimizer steps says how many, `global_steps_per_step`).
+logging_steps and save_steps count global steps too, as transformers': a step that passes a multiple
+without landing on it logs / saves then.
 
 Rank 0 writes files and logs; every rank runs the steps and meets at the barriers.
 """
@@ -21,6 +23,7 @@ Rank 0 writes files and logs; every rank runs the steps and meets at the barrier
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -78,8 +81,9 @@ class TrainLoop:
         return self.max_steps * self.global_steps_per_step
 
     def run_name(self) -> str | None:
-        """The trackers' name of the run: qerl's, the output folder's (the TRL surface: run_name)."""
-        return self.out.resolve().name
+        """The trackers' name of the run: the config's run_name, else the output folder's (the TRL surface:
+        run_name, else none, as transformers)."""
+        return self.cfg.run_name or self.out.resolve().name
 
     def epoch(self) -> float | None:
         """Passes over the training rows so far (trainer.state.epoch)."""
@@ -155,8 +159,10 @@ class TrainLoop:
         if self.dist.is_main:
             extra, tensors = self.checkpoint_contents()
             extra["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            extra["global_step"] = self.global_step  # the folder's number; `step` (the trainer's) is restored
             path = ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, extra,
-                                        base_name=self.base_name(), keep=self.cfg.save_total_limit, tensors=tensors)
+                                        base_name=self.base_name(), keep=self.cfg.save_total_limit, tensors=tensors,
+                                        name=self.global_step)
         self.dist.barrier()
         if path is not None or not self.dist.is_main:
             self.callback_handler("on_save")
@@ -280,11 +286,19 @@ class TrainLoop:
                         if k in self.LOG_KEYS)
         bar.write(line) if self.progress else print(line, flush=True)  # above the bar, when shown
 
+    def _passed(self, every: float | None) -> bool:
+        """This step's global_step reached a multiple of `every`, as transformers' global_step % every == 0
+        (a step of several optimizer steps may pass one without landing on it: then at that step); every < 1
+        is a fraction of the run, as transformers reads logging/save/eval_steps (0 or None: never)."""
+        if not every:
+            return False
+        every = max(1, math.ceil(every * self.global_max_steps) if every < 1 else int(every))
+        n = self.global_steps_per_step
+        return self.global_step // every != (self.global_step - n) // every
+
     def _logs_now(self) -> bool:
-        """A multiple of logging_steps was reached by this step (a step of several optimizer steps may
-        pass one without landing on it)."""
-        every, n = self.cfg.logging_steps, self.global_steps_per_step
-        return bool(every) and self.global_step // every != (self.global_step - n) // every
+        """A multiple of logging_steps was reached by this step."""
+        return self._passed(self.cfg.logging_steps)
 
     def _say(self, line: str, bar) -> None:
         bar.write(line) if self.progress else print(line, flush=True)
@@ -326,7 +340,8 @@ class TrainLoop:
                     self._print_line(m, bar)
                 control = self.callback_handler.control
                 stop = control.should_training_stop
-                scheduled = self.step % cfg.save_steps == 0 or self.step == end or stop
+                # save_steps count global steps, as transformers': checkpoint-<global_step>
+                scheduled = self._passed(cfg.save_steps) or self.step == end or stop
                 if (cfg.save_strategy != "no" and scheduled) or control.should_save:
                     with self.profiler.phase("checkpoint"):  # reported in the next step's row
                         self.save()

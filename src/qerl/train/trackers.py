@@ -1,14 +1,19 @@
 """report_to's trackers, each through its own library (installed as an extra: pip install 'qerl[wandb]').
 
-Every tracker takes each metrics row's numbers at the row's step (the step axis of metrics.jsonl) and
-works with no network: TensorBoard writes output_dir/tensorboard; wandb runs offline unless WANDB_MODE
-says otherwise or an API key is set (WANDB_API_KEY), writing output_dir/wandb (`wandb sync` uploads it);
-trackio writes its local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio; `trackio show` opens it);
-mlflow writes a file store, output_dir/mlruns, unless MLFLOW_TRACKING_URI names another.
-The project is TRL's default ("huggingface", or WANDB_PROJECT / TRACKIO_PROJECT / MLFLOW_EXPERIMENT_NAME);
-the run's name is the output folder's.
+Every tracker takes each metrics row's numbers at the row's step, the step axis of metrics.jsonl: TRL's
+global_step (optimizer steps so far, 1 after the first; train/metrics.py). Evaluation rows (TRL's eval_*
+metrics under qerl.trl, qerl's eval_pass_at_1) go at the step they followed; under qerl.trl,
+log_completions also gives wandb and trackio a `completions` table at each logging step (trl/completions.py).
+Every tracker works with no network: TensorBoard writes output_dir/tensorboard; wandb runs offline unless
+WANDB_MODE says otherwise or an API key is set (WANDB_API_KEY), writing under WANDB_DIR, else output_dir/wandb
+(`wandb sync` uploads it); trackio writes its local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio;
+`trackio show` opens it); mlflow writes a file store, output_dir/mlruns, unless MLFLOW_TRACKING_URI names another.
+The project is TRL's default ("huggingface", or WANDB_PROJECT / TRACKIO_PROJECT / MLFLOW_EXPERIMENT_NAME).
+The run's name is run_name (the config field, a config file's or a flag's, or GRPOConfig / SFTConfig(run_name=...));
+unset, the output folder's name, except under qerl.trl, where each tracker names the run itself, as
+transformers leaves it.
 
-A resumed run (`resume_step`: the checkpoint's step) repeats the steps from there, and metrics.jsonl drops
+A resumed run (`resume_step`: the checkpoint's global_step) repeats the steps from there, and metrics.jsonl drops
 its rows past the checkpoint: TensorBoard drops the killed run's points from that step on (purge_step); mlflow
 marks the killed run KILLED and starts a new one holding the killed run's points before that step. A run
 stopped by Ctrl-C ends KILLED in mlflow, FAILED on another exception. An unreachable wandb server is one line

@@ -107,8 +107,6 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.step_plan = plan = steps.plan(cfg, trl.max_steps, trl.num_train_epochs, len(rows), _world())
         change = {"max_steps": plan.qerl_steps}
         if trl.warmup_ratio:  # TrainingArguments': a fraction of the optimizer steps
-            import math
-
             change["warmup_steps"] = math.ceil(trl.warmup_ratio * plan.optimizer_steps)
         change["eval_steps"] = 0  # TRL's eval_steps are TRL's evaluation (after_step); qerl's pass@1 by its own
         if trl.eval_strategy != "no" and not eval_rows:
@@ -185,10 +183,8 @@ class GRPOTrainer(TrainerSurface, _Trainer):
 
     def _reached(self, every) -> bool:
         """This generation's optimizer steps reached a multiple of `every` (TRL's eval_steps, logging_steps);
-        every < 1: a fraction of the run, as transformers reads it."""
-        every = math.ceil(every * self.global_max_steps) if every < 1 else every
-        every = max(1, int(every))
-        return self.global_step // every != (self.global_step - self.global_steps_per_step) // every
+        every < 1: a fraction of the run, as transformers reads it (train/loop.py `_passed`)."""
+        return self._passed(every)
 
     def _log_completions(self, step: int, log) -> None:
         ro = self._rollouts_of.pop(step, None)

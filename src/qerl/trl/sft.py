@@ -205,8 +205,8 @@ class SFTTrainer(TrainerSurface, _Trainer):
         super().after_step(m, log, bar)
         trl = self.trl
         every = trl.eval_steps or self.cfg.logging_steps
-        if trl.eval_strategy == "steps" and every and self.step % int(every) == 0:
-            row = {"step": self.step, **self.evaluate()}
+        if trl.eval_strategy == "steps" and self._passed(every):  # global steps; < 1: a fraction of the run
+            row = {"step": self.global_step, **self.evaluate()}
             if log is not None:
                 log.write(row)
             if bar is not None and hasattr(bar, "unpause"):
