@@ -126,3 +126,65 @@ def test_activation_checkpointing_is_gradient_checkpointing_in_a_config_file(cli
     rc, out, err = cli("train", tmp_path / "grpo.yaml", "--print_config")
     assert rc == 0, err
     assert "\ngradient_checkpointing: true\n" in out
+
+
+def _sft_yaml(tmp_path, model_dir, extra: str) -> "object":
+    data = _rows(tmp_path / "sft.jsonl", [{"prompt": f"{a} plus {a} is", "completion": f" {2 * a}."} for a in range(4)])
+    (tmp_path / "sft.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        output_dir: {tmp_path / "run"}
+        per_device_train_batch_size: 2
+        max_length: 48
+        report_to: none
+        logging_steps: 1
+        save_strategy: "no"
+    ''') + textwrap.dedent(extra))
+    return tmp_path / "sft.yaml"
+
+
+def test_a_trl_sft_config_file_names_the_trl_fields_it_does_not_carry_out(cli, tmp_path, model_dir):
+    """eval_strategy, push_to_hub, hub_model_id... are TRL's (its script evaluates on the test split and pushes):
+    `qerl sft` does neither, and says so in the ignored line instead of dropping them without a word."""
+    f = _sft_yaml(tmp_path, model_dir, '''
+        max_steps: 2
+        eval_strategy: steps
+        eval_steps: 1
+        per_device_eval_batch_size: 4
+        push_to_hub: true
+        hub_model_id: me/sft
+        bf16: false
+    ''')
+    rc, out, err = cli("sft", f, "--print_config")
+    assert rc == 0, err
+    line = [x for x in out.splitlines() if "ignored:" in x]
+    assert len(line) == 1, out
+    for name in ("bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "push_to_hub", "hub_model_id"):
+        assert name in line[0]
+
+
+def test_a_trl_sft_config_file_s_warmup_ratio_is_a_fraction_of_its_max_steps(cli, tmp_path, model_dir):
+    f = _sft_yaml(tmp_path, model_dir, "max_steps: 8\nwarmup_ratio: 0.25\n")
+    rc, out, err = cli("sft", f, "--print_config")
+    assert rc == 0, err
+    assert "\nwarmup_steps: 2\n" in out and "warmup_ratio" not in out.split("ignored:")[-1]
+
+
+def test_a_trl_sft_config_file_s_warmup_ratio_without_max_steps_counts_the_epochs_steps(cli, tmp_path, model_dir):
+    """No max_steps: the run's updates are known once the examples are; warmup is ratio x updates, as TRL."""
+    f = _sft_yaml(tmp_path, model_dir, "num_train_epochs: 2\nwarmup_ratio: 0.5\nlearning_rate: 1.0e-3\n"
+                                       "lr_scheduler_type: constant\n")
+    rc, out, err = cli("sft", f, "--device", "cpu")
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["learning_rate"] for r in rows if "learning_rate" in r]
+    assert len(lrs) == 4  # 4 examples x 2 epochs / 2 a step
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])  # 2 warm-up updates of 4
+    assert "\nwarmup_steps: 2\n" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_trl_sft_config_file_s_resume_from_checkpoint_is_refused_with_qerl_s_resume(cli, tmp_path, model_dir):
+    """TRL's script resumes from it; starting afresh instead would be a silent difference."""
+    f = _sft_yaml(tmp_path, model_dir, f"max_steps: 2\nresume_from_checkpoint: {tmp_path / 'run' / 'checkpoint-1'}\n")
+    rc, _, err = cli("sft", f, "--print_config")
+    assert rc == 2 and "resume_from_checkpoint" in err and "qerl sft --resume" in err
