@@ -188,3 +188,40 @@ def test_a_trl_sft_config_file_s_resume_from_checkpoint_is_refused_with_qerl_s_r
     f = _sft_yaml(tmp_path, model_dir, f"max_steps: 2\nresume_from_checkpoint: {tmp_path / 'run' / 'checkpoint-1'}\n")
     rc, _, err = cli("sft", f, "--print_config")
     assert rc == 2 and "resume_from_checkpoint" in err and "qerl sft --resume" in err
+
+
+def test_a_trl_grpo_config_file_s_max_steps_counts_trl_s_optimizer_steps(cli, tmp_path, model_dir, monkeypatch):
+    """TRL: max_steps=4 with num_iterations=2 (steps_per_generation = gradient_accumulation_steps) is 4 optimizer
+    steps, 2 generations each used twice; `qerl train` of the file does the same, by qerl.trl's translation."""
+    from qerl.train.loop import TrainLoop
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text("def chars(completions, **kwargs):\n"
+                                            "    return [float(len(c)) for c in completions]\n")
+    data = _rows(tmp_path / "train.jsonl", [{"prompt": f"{a}+{a}="} for a in range(8)])
+    (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        reward_funcs: [my_rewards.chars]
+        output_dir: {tmp_path / "run"}
+        max_steps: 4
+        num_iterations: 2
+        per_device_train_batch_size: 4
+        gradient_accumulation_steps: 1
+        num_generations: 4
+        max_completion_length: 4
+        dynamic_sampling: false
+        report_to: none
+        logging_steps: 1
+        save_strategy: "no"
+    '''))
+    calls = []
+    real = TrainLoop.optimizer_step
+    monkeypatch.setattr(TrainLoop, "optimizer_step", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--aqn", "false",
+                       "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert len(calls) == 4, out
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "reward" in r]) == 2
+    assert "max_steps=4" in out and "optimizer steps" in out
