@@ -126,3 +126,102 @@ def test_activation_checkpointing_is_gradient_checkpointing_in_a_config_file(cli
     rc, out, err = cli("train", tmp_path / "grpo.yaml", "--print_config")
     assert rc == 0, err
     assert "\ngradient_checkpointing: true\n" in out
+
+
+def _sft_yaml(tmp_path, model_dir, extra: str) -> "object":
+    data = _rows(tmp_path / "sft.jsonl", [{"prompt": f"{a} plus {a} is", "completion": f" {2 * a}."} for a in range(4)])
+    (tmp_path / "sft.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        output_dir: {tmp_path / "run"}
+        per_device_train_batch_size: 2
+        max_length: 48
+        report_to: none
+        logging_steps: 1
+        save_strategy: "no"
+    ''') + textwrap.dedent(extra))
+    return tmp_path / "sft.yaml"
+
+
+def test_a_trl_sft_config_file_names_the_trl_fields_it_does_not_carry_out(cli, tmp_path, model_dir):
+    """eval_strategy, push_to_hub, hub_model_id... are TRL's (its script evaluates on the test split and pushes):
+    `qerl sft` does neither, and says so in the ignored line instead of dropping them without a word."""
+    f = _sft_yaml(tmp_path, model_dir, '''
+        max_steps: 2
+        eval_strategy: steps
+        eval_steps: 1
+        per_device_eval_batch_size: 4
+        push_to_hub: true
+        hub_model_id: me/sft
+        bf16: false
+    ''')
+    rc, out, err = cli("sft", f, "--print_config")
+    assert rc == 0, err
+    line = [x for x in out.splitlines() if "ignored:" in x]
+    assert len(line) == 1, out
+    for name in ("bf16", "eval_strategy", "eval_steps", "per_device_eval_batch_size", "push_to_hub", "hub_model_id"):
+        assert name in line[0]
+
+
+def test_a_trl_sft_config_file_s_warmup_ratio_is_a_fraction_of_its_max_steps(cli, tmp_path, model_dir):
+    f = _sft_yaml(tmp_path, model_dir, "max_steps: 8\nwarmup_ratio: 0.25\n")
+    rc, out, err = cli("sft", f, "--print_config")
+    assert rc == 0, err
+    assert "\nwarmup_steps: 2\n" in out and "warmup_ratio" not in out.split("ignored:")[-1]
+
+
+def test_a_trl_sft_config_file_s_warmup_ratio_without_max_steps_counts_the_epochs_steps(cli, tmp_path, model_dir):
+    """No max_steps: the run's updates are known once the examples are; warmup is ratio x updates, as TRL."""
+    f = _sft_yaml(tmp_path, model_dir, "num_train_epochs: 2\nwarmup_ratio: 0.5\nlearning_rate: 1.0e-3\n"
+                                       "lr_scheduler_type: constant\n")
+    rc, out, err = cli("sft", f, "--device", "cpu")
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["learning_rate"] for r in rows if "learning_rate" in r]
+    assert len(lrs) == 4  # 4 examples x 2 epochs / 2 a step
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])  # 2 warm-up updates of 4
+    assert "\nwarmup_steps: 2\n" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_trl_sft_config_file_s_resume_from_checkpoint_is_refused_with_qerl_s_resume(cli, tmp_path, model_dir):
+    """TRL's script resumes from it; starting afresh instead would be a silent difference."""
+    f = _sft_yaml(tmp_path, model_dir, f"max_steps: 2\nresume_from_checkpoint: {tmp_path / 'run' / 'checkpoint-1'}\n")
+    rc, _, err = cli("sft", f, "--print_config")
+    assert rc == 2 and "resume_from_checkpoint" in err and "qerl sft --resume" in err
+
+
+def test_a_trl_grpo_config_file_s_max_steps_counts_trl_s_optimizer_steps(cli, tmp_path, model_dir, monkeypatch):
+    """TRL: max_steps=4 with num_iterations=2 (steps_per_generation = gradient_accumulation_steps) is 4 optimizer
+    steps, 2 generations each used twice; `qerl train` of the file does the same, by qerl.trl's translation."""
+    from qerl.train.loop import TrainLoop
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text("def chars(completions, **kwargs):\n"
+                                            "    return [float(len(c)) for c in completions]\n")
+    data = _rows(tmp_path / "train.jsonl", [{"prompt": f"{a}+{a}="} for a in range(8)])
+    (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
+        model_name_or_path: {model_dir}
+        dataset_name: {data}
+        reward_funcs: [my_rewards.chars]
+        output_dir: {tmp_path / "run"}
+        max_steps: 4
+        num_iterations: 2
+        per_device_train_batch_size: 4
+        gradient_accumulation_steps: 1
+        num_generations: 4
+        max_completion_length: 4
+        dynamic_sampling: false
+        report_to: none
+        logging_steps: 1
+        save_strategy: "no"
+    '''))
+    calls = []
+    real = TrainLoop.optimizer_step
+    monkeypatch.setattr(TrainLoop, "optimizer_step", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    rc, out, err = cli("train", tmp_path / "grpo.yaml", "--device", "cpu", "--aqn", "false",
+                       "--parity_check_steps", "0")
+    assert rc == 0, err
+    assert len(calls) == 4, out
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "reward" in r]) == 2
+    assert "max_steps=4" in out and "optimizer steps" in out

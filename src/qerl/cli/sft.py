@@ -60,6 +60,8 @@ def build_config(args):
     from pathlib import Path
 
     from ..sft import SFTConfig
+    from ..train.optim import warmup_steps
+    from ..trl.fields import TRLArgs
 
     from .train import parse_overrides
 
@@ -82,11 +84,42 @@ def build_config(args):
         from ..train.fields import yaml_mapping
         from ..trl.sft import trl_fields
 
-        trl, d = trl_fields(yaml_mapping(config), source=str(config))  # a `trl sft --config` file runs as it is
+        mapping = yaml_mapping(config)
+        trl_file(mapping, ov)
+        # a `trl sft --config` file runs as it is: TRL's fields carried out here (CARRIED_OUT), the rest of
+        # the TRL surface's named in the ignored line (TRL's script evaluates and pushes; `qerl sft` does not)
+        unused = {f.name for f in dataclasses.fields(TRLArgs)} - CARRIED_OUT
+        trl, d = trl_fields(mapping, source=str(config), not_carried_out=unused)
         if trl.run_name is not None:
             d["run_name"] = trl.run_name  # the trackers' name, as from SFTConfig(run_name=...)
-        return SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
+        cfg = SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
+        if trl.warmup_ratio:  # TrainingArguments': a fraction of the run's updates (train/optim.warmup_steps)
+            if "warmup_steps" in ov:
+                raise ValueError(f"warmup_ratio ({config}) and --warmup_steps: set one")
+            if cfg.max_steps > 0:  # known now (--print_config shows it); else the trainer's, once it has the data
+                cfg = dataclasses.replace(cfg, warmup_steps=warmup_steps(trl.warmup_ratio, cfg.max_steps))
+            cfg.trl = trl
+        return cfg
     return SFTConfig().with_overrides(ov)
+
+
+# TRL surface fields (trl/fields.TRLArgs) that `qerl sft` of a `trl sft --config` file acts on
+CARRIED_OUT = {"max_steps", "num_train_epochs", "run_name", "warmup_ratio", "resume_from_checkpoint"}
+
+
+def trl_file(mapping: dict, ov: dict) -> None:
+    """A TRL field whose script's behaviour `qerl sft` would not reproduce and whose loss would change the
+    run: refused by name with qerl's way (TRL's script resumes from resume_from_checkpoint)."""
+    import shlex
+
+    from ..invocation import qerl_command
+    from ..trl.fields import refuse
+
+    r = mapping.get("resume_from_checkpoint")
+    if r not in (None, False, ""):
+        out = ov.get("output_dir", mapping.get("output_dir", "OUTPUT_DIR"))
+        raise refuse("resume_from_checkpoint", r, f"{qerl_command()} sft --resume {shlex.quote(str(out))} "
+                     "(the run folder; its latest checkpoint)")
 
 
 KINDS = {"train": "a GRPO", "sft": "an SFT"}  # the command that writes a run folder -> what its run is

@@ -79,12 +79,34 @@ def build_config(args):
 
         fields, args.trl_rewards = split(yaml_mapping(config))  # a `trl grpo --config` file's reward_funcs
         cfg = apply(GRPOConfig.from_dict(fields, source=str(config)), ov)
+        if args.trl_rewards and "max_steps" in fields and "max_steps" not in ov:
+            cfg = trl_max_steps(cfg, config)
     else:
         from ..rl.default_run import default_run_config
 
         dev = ov.get("device")
         cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
     return cfg
+
+
+def trl_max_steps(cfg, source):
+    """A `trl grpo --config` file's max_steps counts TRL's optimizer steps: qerl's steps (generations) by
+    qerl.trl's translation (trl/steps.plan), said in one line when they differ. qerl train numbers its lines,
+    metrics and checkpoints by generation; --max_steps on the command line is qerl's (generations)."""
+    import dataclasses
+    import os
+
+    from ..trl.steps import plan
+
+    p = plan(cfg, cfg.max_steps, 0, 0, int(os.environ.get("WORLD_SIZE", "1")))
+    if p.updates_per_generation != 1 and int(os.environ.get("RANK", "0")) == 0:
+        print(f"qerl: {source}: max_steps={cfg.max_steps} counts TRL's optimizer steps: {p.qerl_steps} generations of "
+              f"{p.updates_per_generation} updates (num_iterations x steps_per_generation / gradient_accumulation_steps)"
+              f"; qerl train numbers its steps, metrics and checkpoints by generation (step {p.qerl_steps} is TRL's "
+              f"global_step {p.optimizer_steps})", flush=True)
+    if p.note:
+        print(f"qerl: {p.note}", flush=True)
+    return dataclasses.replace(cfg, max_steps=p.qerl_steps)
 
 
 # The fields that shape a step's batch. The default run's values are one unit (on the CPU 4 micro-batches of 16 for

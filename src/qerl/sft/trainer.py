@@ -16,6 +16,7 @@ from pathlib import Path
 from ..train.loop import TrainLoop
 from ..train.parts import Needs, TrainParts
 from ..train.sampler import PromptSampler
+from ..train.optim import warmup_steps
 from ..train.update import PolicyUpdate, UpdateInputs, UpdateSettings
 from .batch import sft_batch
 from .config import SFTConfig
@@ -44,6 +45,8 @@ class SFTTrainer(TrainLoop):
         rows = list(train_dataset) if train_dataset is not None else load_rows(cfg.dataset_name, cfg.dataset_config)
         self._source = "train_dataset" if train_dataset is not None else f"dataset_name {cfg.dataset_name}"
         self._rows = rows
+        # TRL's warmup_ratio, carried by qerl.trl.SFTConfig and by `qerl sft` of a `trl sft --config` file
+        self._warmup_ratio = getattr(getattr(cfg, "trl", None), "warmup_ratio", 0.0) or 0.0
         parts = TrainParts.build(cfg, Needs(micro_batch_tokens=self._micro_batch_tokens,
                                             total_updates=self._total_updates, on_policy=self._tokenize),
                                  policy=policy, progress=progress, label="qerl sft")
@@ -70,6 +73,8 @@ class SFTTrainer(TrainLoop):
 
     def _total_updates(self, parts: TrainParts) -> int:
         self.max_steps = parts.cfg.steps_for(len(self.examples), parts.dist.world)
+        if self._warmup_ratio:  # TRL's warmup_ratio: a fraction of the updates, known only now without max_steps
+            parts.cfg.warmup_steps = warmup_steps(self._warmup_ratio, self.max_steps)  # config.yaml records it
         return self.max_steps
 
     @property

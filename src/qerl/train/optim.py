@@ -11,6 +11,12 @@ import torch
 from .config import TrainConfig
 
 
+def warmup_steps(ratio: float, total: int) -> int:
+    """transformers' warm-up of warmup_ratio: that fraction of the run's optimizer updates, rounded up
+    (TrainingArguments.get_warmup_steps); one rule for qerl.trl's GRPO and SFT and `qerl sft` of a TRL file."""
+    return math.ceil(ratio * total)
+
+
 def lr_lambda(cfg: TrainConfig, total: int):
     def f(u: int) -> float:
         if u < cfg.warmup_steps:

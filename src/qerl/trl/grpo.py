@@ -23,10 +23,10 @@ or a .jsonl path; peft_config a LoraConfig or a mapping of its fields (lora.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 from ..rl import GRPOConfig as _Config
+from ..train.optim import warmup_steps
 from ..rl import GRPOTrainer as _Trainer
 from . import fields, steps
 from .data import base_id, eval_sets, model_folder, read_rows
@@ -107,7 +107,7 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.step_plan = plan = steps.plan(cfg, trl.max_steps, trl.num_train_epochs, len(rows), _world())
         change = {"max_steps": plan.qerl_steps}
         if trl.warmup_ratio:  # TrainingArguments': a fraction of the optimizer steps
-            change["warmup_steps"] = math.ceil(trl.warmup_ratio * plan.optimizer_steps)
+            change["warmup_steps"] = warmup_steps(trl.warmup_ratio, plan.optimizer_steps)
         change["eval_steps"] = 0  # TRL's eval_steps are TRL's evaluation (after_step); qerl's pass@1 by its own
         if trl.eval_strategy != "no" and not eval_rows:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers

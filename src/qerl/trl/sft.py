@@ -49,9 +49,11 @@ REFUSED = {
 IGNORED = {"dataset_num_proc", "dataset_kwargs", "eval_packing", "shuffle_dataset", "model_init_kwargs"}
 
 
-def trl_fields(kw: dict, source: str = "SFTConfig") -> tuple[fields.TRLArgs, dict]:
+def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple[fields.TRLArgs, dict]:
     """(the TRL surface's fields, qerl SFTConfig's) of TRL SFTConfig fields: renamed ones mapped, ignored ones
-    said in one line, those that would change training refused by name (a `trl sft --config` file too)."""
+    said in one line, those that would change training refused by name (a `trl sft --config` file too).
+    not_carried_out: fields of the TRL surface (fields.TRLArgs) that the caller does not act on; those
+    given are named in the same ignored line."""
     trl, rest = fields.split(kw)
     own = {f.name for f in dataclasses.fields(_Config)}
     if rest.pop("padding_free", False):
@@ -62,6 +64,7 @@ def trl_fields(kw: dict, source: str = "SFTConfig") -> tuple[fields.TRLArgs, dic
     ignored = [k for k in list(rest) if k not in own and (k in IGNORED or k in TRL_IGNORED)]
     for k in ignored:
         rest.pop(k)
+    ignored += [k for k in kw if k in not_carried_out]
     if ignored:
         print(f"qerl: {source}: TRL field(s) without an effect in qerl, ignored: {', '.join(ignored)}", flush=True)
     for k in ("num_train_epochs", "max_steps"):  # TRL's meaning is qerl SFT's: optimizer steps, epochs
@@ -143,9 +146,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.max_steps in (-1, None):
             cfg = dataclasses.replace(cfg, max_steps=trl_steps(cfg, len(rows), world))
-        if trl.warmup_ratio:
-            cfg = dataclasses.replace(cfg, warmup_steps=math.ceil(trl.warmup_ratio * cfg.max_steps))
-        cfg.trl = trl
+        cfg.trl = trl  # warmup_ratio: the trainer's, once the run's updates are known (sft/trainer.py)
         self.trl = trl
         super().__init__(cfg, train_dataset=rows, callbacks=callbacks, **kw)
         self.cfg.trl = trl
