@@ -55,3 +55,30 @@ def peaks(device=None) -> dict:
     i = _index(device)
     return {"peak_allocated_gib": torch.cuda.max_memory_allocated(i) / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(i) / 2**30}
+
+
+def release_host_memory() -> None:
+    """Return the C heap's free pages to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Why: on the CPU each step frees hundreds of MB of tensors of varying sizes; glibc keeps freed chunks
+    inside its heaps (its mmap threshold rises to 32 MB after the first large frees), so a process's
+    resident memory grows step after step without being used (the default run's 2.0 -> 3.35 GiB over its
+    first 3 steps). Trimming once a step costs milliseconds."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+        import sys
+
+        _LIBC = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                _LIBC = libc if hasattr(libc, "malloc_trim") else False
+            except OSError:
+                pass
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None

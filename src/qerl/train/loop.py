@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..device_memory import release_host_memory
 from . import checkpoints as ckpt
 from . import run_folder
 from .callbacks import Callbacks
@@ -329,6 +330,8 @@ class TrainLoop:
                 self.callback_handler("on_step_begin")
                 clock.begin()
                 m = self.train_step()
+                if self.device.type == "cpu":
+                    release_host_memory()  # freed tensors back to the OS, not kept in the heap (device_memory)
                 self.record(m, log)
                 rows.append(m)
                 bar.update(self.global_steps_per_step)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..device_memory import release_host_memory
 from ..layers import unfused_lora
 from .batch import MicroBatch, RolloutBatch, micro_batches
 from .logprobs import completion_logprobs
@@ -149,6 +150,8 @@ class PolicyUpdate:
             old = self._old_logprobs(batches, single, tally)
             obj.prepare(self, batches, single)
         gen_tokens = self._tokens(batches)
+        if inp.device.type == "cpu":  # the rollout's and logprob pass's freed tensors, before the update's
+            release_host_memory()
         with prof.phase("update"):
             inp.model.train()
             for it in range(cfg.num_iterations):
@@ -214,6 +217,8 @@ class PolicyUpdate:
                     bad = f"loss is {float(loss.detach())}"
                     continue  # no backward; all ranks learn of it below and stop together
                 loss.backward()
+                if inp.device.type == "cpu":  # the micro-batch's freed activations back to the OS (device_memory)
+                    release_host_memory()
                 upd_loss += float(loss.detach())
         obj.end_update(len(group))
         tally.grad_norm.append(inp.optimizer_step(bad))
