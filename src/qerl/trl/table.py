@@ -293,10 +293,10 @@ ANY_VALUE = frozenset("""
     dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor
     dataloader_drop_last dataloader_in_order dataloader_multiprocessing_context disable_tqdm
     torch_empty_cache_steps skip_memory_metrics use_liger_kernel liger_kernel_config torch_compile_backend
-    torch_compile_mode local_rank trackio_space_id trackio_bucket_id trackio_static_space_id resume_from_checkpoint
+    torch_compile_mode local_rank trackio_space_id trackio_bucket_id trackio_static_space_id
     ignore_data_skip include_num_input_tokens_seen average_tokens_across_devices ddp_find_unused_parameters
     ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph use_cache shuffle_dataset num_train_epochs
-    use_peft attn_implementation model_revision lora_task_type dataset_train_split dataset_test_split
+    use_peft attn_implementation lora_task_type dataset_test_split
     dataset_streaming load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage
     dataset_num_proc dataset_kwargs eval_packing
     eval_steps eval_delay eval_on_start prediction_loss_only eval_do_concat_batches eval_use_gather_object
@@ -359,6 +359,11 @@ NEAREST = {
     "lora_modules_to_save": (([],), "train_norms (the norms trained with the adapter)"),
     "lora_target_parameters": (([],), "lora_target_modules"),
     "datasets": ((), "dataset_name (one dataset; a local file holds a mixture)"),
+    "dataset_train_split": ((), "dataset_config: {split: NAME} (a hub dataset's split)"),
+    "model_revision": ((None,), "model_name_or_path: a local folder of that revision"),
+    # read by TRL's scripts (trainer.train(resume_from_checkpoint=...)); qerl.trl and `qerl sft` take it themselves
+    "resume_from_checkpoint": ((None, False, ""), "qerl train --resume OUTPUT_DIR (the run folder; its latest "
+                                                  "checkpoint)"),
 }
 
 
