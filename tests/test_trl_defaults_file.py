@@ -66,7 +66,9 @@ def test_a_trl_sft_file_of_trls_defaults_trains(cli, tmp_path, model):
     ("grpo", "train", "use_adaptive_entropy", True, "entropy_coef"),
     ("grpo", "train", "router_aux_loss_coef", 0.01, "none"),
     ("grpo", "train", "resume_from_checkpoint", "run/checkpoint-2", "qerl train --resume"),  # TRL's script resumes
-    ("grpo", "train", "dataset_train_split", "test", "dataset_config: {split: NAME}")])
+    ("grpo", "train", "dataset_train_split", "test", "dataset_config: {split: NAME}"),
+    ("grpo", "train", "shuffle_dataset", False, "seed"),  # TRL's GRPO then takes the prompts in order
+    ("grpo", "train", "chat_template_kwargs", {"enable_thinking": False}, "system_prompt")])
 def test_another_value_of_a_field_that_changes_the_result_is_refused_by_name(cli, tmp_path, model, kind, command,
                                                                             field, value, nearest):
     rc, _, err = cli(command, _defaults_file(tmp_path, model, kind, **{field: value}), "--print_config")

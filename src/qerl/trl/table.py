@@ -284,7 +284,7 @@ ANY_VALUE = frozenset("""
     vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization
     vllm_max_model_length vllm_tensor_parallel_size ds3_gather_for_generation cast_lm_head_to_fp32
     pad_to_multiple_of cache_implementation use_transformers_paged use_transformers_continuous_batching
-    transformers_continuous_batching_config model_init_kwargs chat_template_kwargs log_completions
+    transformers_continuous_batching_config model_init_kwargs log_completions
     log_completions_hub_repo log_multimodal log_unique_prompts num_completions_to_print remove_unused_columns
     bf16 fp16 tf32 bf16_full_eval fp16_full_eval use_cpu push_to_hub hub_model_id hub_strategy hub_token
     hub_private_repo hub_always_push hub_revision project logging_strategy logging_first_step
@@ -295,7 +295,7 @@ ANY_VALUE = frozenset("""
     torch_empty_cache_steps skip_memory_metrics use_liger_kernel liger_kernel_config torch_compile_backend
     torch_compile_mode local_rank trackio_space_id trackio_bucket_id trackio_static_space_id
     ignore_data_skip include_num_input_tokens_seen average_tokens_across_devices ddp_find_unused_parameters
-    ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph use_cache shuffle_dataset num_train_epochs
+    ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph use_cache num_train_epochs
     use_peft attn_implementation lora_task_type dataset_test_split
     dataset_streaming load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage
     dataset_num_proc dataset_kwargs eval_packing
@@ -360,6 +360,10 @@ NEAREST = {
     "lora_target_parameters": (([],), "lora_target_modules"),
     "datasets": ((), "dataset_name (one dataset; a local file holds a mixture)"),
     "dataset_train_split": ((), "dataset_config: {split: NAME} (a hub dataset's split)"),
+    # TRL's SFT default is False and its sampler shuffles anyway, as qerl's does: True changes nothing there
+    "shuffle_dataset": ((True,), "seed (qerl draws the prompts / examples in a seeded random order)"),
+    "chat_template_kwargs": (({},), "system_prompt, or processing_class: a tokenizer whose chat template renders "
+                                    "the prompts as you want"),
     "model_revision": ((None,), "model_name_or_path: a local folder of that revision"),
     # read by TRL's scripts (trainer.train(resume_from_checkpoint=...)); qerl.trl and `qerl sft` take it themselves
     "resume_from_checkpoint": ((None, False, ""), "qerl train --resume OUTPUT_DIR (the run folder; its latest "
