@@ -78,9 +78,14 @@ def build_config(args):
         from .trl_config import split
 
         fields, args.trl_rewards = split(yaml_mapping(config))  # a `trl grpo --config` file's reward_funcs
+        epochs = None
+        if args.trl_rewards and fields.get("max_steps", -1) in (-1, None) and "max_steps" not in ov:
+            # TRL's max_steps -1 (its default): num_train_epochs (TRL's default 3) over the data decides
+            epochs = float(fields.pop("num_train_epochs", 3.0))
+            fields["max_steps"] = 1  # for now: the data's count sets it (trl_max_steps)
         cfg = apply(GRPOConfig.from_dict(fields, source=str(config)), ov)
         if args.trl_rewards and "max_steps" in fields and "max_steps" not in ov:
-            cfg = trl_max_steps(cfg, config)
+            cfg = trl_max_steps(cfg, config, epochs)
     else:
         from ..rl.default_run import default_run_config
 
@@ -89,16 +94,27 @@ def build_config(args):
     return cfg
 
 
-def trl_max_steps(cfg, source):
+def trl_max_steps(cfg, source, epochs=None):
     """A `trl grpo --config` file's max_steps counts TRL's optimizer steps: qerl's steps (generations) by
     qerl.trl's translation (trl/steps.plan), said in one line when they differ. qerl train numbers its lines,
-    metrics and checkpoints by generation; --max_steps on the command line is qerl's (generations)."""
+    metrics and checkpoints by generation; --max_steps on the command line is qerl's (generations).
+    epochs: the file's max_steps is -1 (TRL's default): num_train_epochs over the data's prompts, said in one line."""
     import dataclasses
     import os
 
     from ..trl.steps import plan
 
-    p = plan(cfg, cfg.max_steps, 0, 0, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if epochs is not None:
+        from ..sft.data import load_rows
+
+        prompts = len(load_rows(cfg.dataset_name, dict(cfg.dataset_config)))
+        p = plan(cfg, -1, epochs, prompts, world)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"qerl: {source}: max_steps=-1: num_train_epochs={epochs:g} of {prompts} prompts is "
+                  f"{p.optimizer_steps} optimizer steps, {p.qerl_steps} generations (TRL's count)", flush=True)
+        return dataclasses.replace(cfg, max_steps=p.qerl_steps)
+    p = plan(cfg, cfg.max_steps, 0, 0, world)
     if p.updates_per_generation != 1 and int(os.environ.get("RANK", "0")) == 0:
         print(f"qerl: {source}: max_steps={cfg.max_steps} counts TRL's optimizer steps: {p.qerl_steps} generations of "
               f"{p.updates_per_generation} updates (num_iterations x steps_per_generation / gradient_accumulation_steps)"

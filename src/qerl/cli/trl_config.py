@@ -62,9 +62,9 @@ def _imported(path: str):
 
 def split(d: dict) -> tuple[dict, ScriptRewards]:
     """(the config's fields, the script's reward arguments) of a config file's mapping."""
-    from ..trl.fields import renamed_or_refused
+    from ..trl.fields import renamed
 
-    d = renamed_or_refused(d)  # activation_checkpointing; lr_scheduler_kwargs, data_seed... refused by name
+    d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: trl/table.py, when the config is built
     names = d.pop("reward_funcs", None) or []
     if isinstance(names, str):
         names = [names]

@@ -30,36 +30,8 @@ FIELD_ALIASES = {
     "entropy_coeff": "entropy_coef",  # qerl's name before TRL's aggregation (verl's name)
     "torch_dtype": "dtype",  # TRL's ModelConfig
 }
-# Fields of TRL's GRPOConfig / ModelConfig / ScriptArguments and transformers' TrainingArguments that qerl
-# has none for, accepted so a file or script written for TRL runs. These steer TRL's engines (vLLM),
-# precision, logging, the hub or the data loader, which qerl sets itself: ignored, with a notice.
-TRL_IGNORED = frozenset("""
-    use_vllm vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url
-    vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization
-    vllm_max_model_length vllm_tensor_parallel_size ds3_gather_for_generation cast_lm_head_to_fp32
-    pad_to_multiple_of cache_implementation use_transformers_paged use_transformers_continuous_batching
-    transformers_continuous_batching_config model_init_kwargs chat_template_kwargs log_completions
-    log_completions_hub_repo log_multimodal log_unique_prompts num_completions_to_print remove_unused_columns
-    bf16 fp16 tf32 bf16_full_eval fp16_full_eval use_cpu push_to_hub hub_model_id hub_strategy hub_token
-    hub_private_repo hub_always_push hub_revision project logging_strategy logging_first_step
-    logging_nan_inf_filter log_level log_level_replica log_on_each_node save_only_model
-    save_on_each_node eval_strategy do_train do_eval do_predict per_device_eval_batch_size eval_accumulation_steps
-    dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor
-    dataloader_drop_last dataloader_in_order dataloader_multiprocessing_context disable_tqdm
-    gradient_checkpointing_kwargs activation_checkpointing_kwargs torch_empty_cache_steps skip_memory_metrics
-    use_liger_kernel liger_kernel_config torch_compile torch_compile_backend torch_compile_mode local_rank
-    trackio_space_id trackio_bucket_id trackio_static_space_id resume_from_checkpoint ignore_data_skip
-    include_num_input_tokens_seen average_tokens_across_devices ddp_find_unused_parameters ddp_bucket_cap_mb
-    ddp_broadcast_buffers ddp_static_graph use_cache shuffle_dataset num_train_epochs
-    use_peft attn_implementation model_revision lora_task_type dataset_train_split dataset_test_split
-    dataset_streaming load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant
-""".split())
-# TRL fields that change training and that qerl does not implement: accepted at TRL's default only.
-TRL_UNIMPLEMENTED = {"use_adaptive_entropy": False, "sync_ref_model": False, "min_p": None,
-                     "multi_objective_aggregation": "sum_then_normalize", "repetition_penalty": 1.0,
-                     "num_generations_eval": None, "generation_kwargs": None, "warmup_ratio": 0.0,
-                     "max_tool_calling_iterations": None, "neftune_noise_alpha": None, "use_rslora": False,
-                     "use_dora": False, "lora_modules_to_save": None, "disable_dropout": False}
+# TRL's fields that qerl has none for (engines, precision, logging, the hub, the data loader; fields that would
+# change training): trl/table.py, one table of TRL 1.16's fields and defaults and the rule for each.
 AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
@@ -275,25 +247,21 @@ class GRPOConfig(TrainConfig):
 
 
 def resolve_aliases(d: dict, source: str) -> dict:
-    """`d` with TRL's (and qerl's older) field names replaced by qerl's (both names of one field is an
-    error) and TRL's fields that qerl has none for left out (TRL_IGNORED, with a notice; TRL_UNIMPLEMENTED
-    at TRL's default, else an error)."""
-    out, ignored = {}, []
+    """`d` with TRL's (and qerl's older) field names replaced by qerl's (both names of one field with two values
+    is an error) and TRL's fields that qerl has none for sorted out by trl/table.py's rule: without an effect,
+    or at TRL's default, named in one line; another value of one that would change training refused by name."""
+    import dataclasses
+
+    from ..trl.table import sort_out
+
+    d = sort_out(d, "grpo", {f.name for f in dataclasses.fields(GRPOConfig)} | set(FIELD_ALIASES), source)
+    out = {}
     for k, v in d.items():
-        if k in TRL_UNIMPLEMENTED:
-            if v != TRL_UNIMPLEMENTED[k]:
-                raise ValueError(f"{source}: field '{k}': TRL's {k}={v!r} is not implemented in qerl (only its "
-                                 f"default, {TRL_UNIMPLEMENTED[k]!r})")
-            continue
-        if k in TRL_IGNORED:
-            ignored.append(k)
-            continue
         name = FIELD_ALIASES.get(k, k)
-        if name in out:
+        if name in out and None not in (v, out[name]) and v != out[name]:
             raise ValueError(f"{source}: field '{name}' is given twice (also as '{k}', its alias)")
-        out[name] = v
-    if ignored:
-        print(f"qerl: {source}: TRL field(s) without an effect in qerl, ignored: {', '.join(ignored)}", flush=True)
+        if name not in out or out[name] is None:  # one name at None (TRL's deprecated one's default): the other's
+            out[name] = v
     return out
 
 

@@ -6,7 +6,8 @@
 
 `SFTConfig(...)` takes TRL's field names and defaults (README: "defaults that differ" lists the rest);
 TRL's fields that only steer its data pipeline or precision are ignored in one line; those that would
-change training and that qerl lacks are refused by name with the nearest supported field. Data in TRL's
+change training and that qerl lacks are taken at TRL's default (named in that line) and refused by name with the
+nearest supported field at any other value (table.py). Data in TRL's
 formats: `dataset_text_field` text, prompt + completion (completion_only_loss), conversations
 (`messages`, assistant_only_loss), or rows made by `formatting_func`. A step is one optimizer update,
 as TRL's; without max_steps it trains num_train_epochs in transformers' count of steps. The step's metrics
@@ -21,11 +22,10 @@ import math
 import os
 import time
 
-from ..rl.config import TRL_IGNORED
 from ..sft import SFTConfig as _Config
 from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
-from . import fields
+from . import fields, table
 from .data import base_id, eval_sets, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
@@ -36,17 +36,7 @@ __all__ = ["SFTConfig", "SFTTrainer"]
 # TRL's SFTConfig defaults where qerl's own SFTConfig has another (README: defaults that differ)
 TRL_DEFAULTS = {"learning_rate": 2e-5, "packing": False, "report_to": "none", "save_total_limit": None,
                 "output_dir": "trainer_output"}
-# TRL SFT fields that would change training: (values that change nothing, the nearest supported field)
-REFUSED = {
-    "eos_token": ((None,), "processing_class: a tokenizer whose eos_token is the one you want"),
-    "pad_token": ((None,), "processing_class: a tokenizer whose pad_token is the one you want"),
-    "packing_strategy": (("bfd",), "packing=True (qerl packs a micro-batch's examples into shared rows)"),
-    "truncation_mode": (("keep_start",), "max_length (examples are cut at their end, TRL's keep_start)"),
-    "loss_type": (("nll",), "none: qerl's SFT loss is the negative log-likelihood"),
-    "activation_offloading": ((False,), "gradient_checkpointing"),
-    "chat_template_path": ((None,), "processing_class: a tokenizer with the chat template you want"),
-}
-IGNORED = {"dataset_num_proc", "dataset_kwargs", "eval_packing", "shuffle_dataset", "model_init_kwargs"}
+# TRL's SFT fields that qerl's SFTConfig lacks: trl/table.py (ignored, at TRL's default, or refused by name)
 
 
 def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple[fields.TRLArgs, dict]:
@@ -58,15 +48,7 @@ def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple
     own = {f.name for f in dataclasses.fields(_Config)}
     if rest.pop("padding_free", False):
         rest["packing"] = True  # the same loss without padding: qerl's packing is padding-free
-    for name, (fine, nearest) in REFUSED.items():
-        if name in rest and rest.pop(name) not in fine:
-            raise fields.refuse(name, kw[name], nearest)
-    ignored = [k for k in list(rest) if k not in own and (k in IGNORED or k in TRL_IGNORED)]
-    for k in ignored:
-        rest.pop(k)
-    ignored += [k for k in kw if k in not_carried_out]
-    if ignored:
-        print(f"qerl: {source}: TRL field(s) without an effect in qerl, ignored: {', '.join(ignored)}", flush=True)
+    rest = table.sort_out(rest, "sft", own, source, also_ignored=[k for k in kw if k in not_carried_out])
     for k in ("num_train_epochs", "max_steps"):  # TRL's meaning is qerl SFT's: optimizer steps, epochs
         if k in kw:
             rest[k] = getattr(trl, k)
