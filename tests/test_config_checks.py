@@ -58,6 +58,8 @@ BAD = [
     ("report_to", "neptune"),
     ("ddp_timeout", "0"),
     ("ddp_backend", "mpi"),
+    ("run_name", " "),
+    ("lm_head_4bit", "maybe"),
 ]
 
 

@@ -91,6 +91,11 @@ def shared(cfg) -> None:
     # run
     if not str(cfg.output_dir).strip():
         bad("output_dir", "is empty: name the run's folder")
+    name = cfg.run_name
+    if name is not None and (not str(name).strip() or any(ord(c) < 32 for c in str(name))):
+        # the trackers show it as one name (wandb's and mlflow's run lists, TensorBoard's folder)
+        bad("run_name", f"must be one non-empty line without control characters, or null (the output folder's "
+            f"name), got {name!r}")
     at_least(cfg, "logging_steps", 0)  # 0: no printed lines (metrics.jsonl has every step)
     at_least(cfg, "save_steps", 1)
     if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
