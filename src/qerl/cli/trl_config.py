@@ -64,7 +64,7 @@ def split(d: dict) -> tuple[dict, ScriptRewards]:
     """(the config's fields, the script's reward arguments) of a config file's mapping."""
     from ..trl.fields import renamed
 
-    d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: trl/table.py, when the config is built
+    d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: train/trl_table.py, when the config is built
     names = d.pop("reward_funcs", None) or []
     if isinstance(names, str):
         names = [names]

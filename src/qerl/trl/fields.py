@@ -1,6 +1,6 @@
 """TRL / transformers config fields that qerl's configs do not hold: those the TRL surface uses itself
 (steps, epochs, completions table, run name, evaluation strategy, hub) and new names of qerl fields; the
-others (ignored, or refused by name with the nearest supported one) are trl/table.py's.
+others (ignored, or refused by name with the nearest supported one) are train/trl_table.py's.
 
 `split(kw)` takes them out of a TRL config's keyword arguments; what is left goes to qerl's config.
 """
@@ -36,7 +36,7 @@ class TRLArgs:
 
 RENAMED = {"activation_checkpointing": "gradient_checkpointing"}  # transformers 5's name -> qerl's field
 
-# TRL's fields that would change training and that qerl lacks: trl/table.py (NEAREST), refused there by name
+# TRL's fields that would change training and that qerl lacks: train/trl_table.py (NEAREST), refused there by name
 EVAL_STRATEGIES = ("no", "steps")
 
 
@@ -63,7 +63,7 @@ def split(kw: dict) -> tuple[TRLArgs, dict]:
 
 def renamed(kw: dict) -> dict:
     """`kw` with transformers 5's names as qerl's fields (a config file's fields too); the fields qerl lacks are
-    trl/table.py's, sorted out where qerl's config is built."""
+    train/trl_table.py's, sorted out where qerl's config is built."""
     kw = dict(kw)
     for old, new in RENAMED.items():
         if old in kw:

@@ -7,7 +7,7 @@
 `SFTConfig(...)` takes TRL's field names and defaults (README: "defaults that differ" lists the rest);
 TRL's fields that only steer its data pipeline or precision are ignored in one line; those that would
 change training and that qerl lacks are taken at TRL's default (named in that line) and refused by name with the
-nearest supported field at any other value (table.py). Data in TRL's
+nearest supported field at any other value (train/trl_table.py). Data in TRL's
 formats: `dataset_text_field` text, prompt + completion (completion_only_loss), conversations
 (`messages`, assistant_only_loss), or rows made by `formatting_func`. A step is one optimizer update,
 as TRL's; without max_steps it trains num_train_epochs in transformers' count of steps. The step's metrics
@@ -25,7 +25,8 @@ import time
 from ..sft import SFTConfig as _Config
 from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
-from . import fields, table
+from ..train import trl_table as table
+from . import fields
 from .data import base_id, eval_sets, model_folder, read_rows
 from .lora import lora_change
 from .surface import TrainerSurface
@@ -36,7 +37,7 @@ __all__ = ["SFTConfig", "SFTTrainer"]
 # TRL's SFTConfig defaults where qerl's own SFTConfig has another (README: defaults that differ)
 TRL_DEFAULTS = {"learning_rate": 2e-5, "packing": False, "report_to": "none", "save_total_limit": None,
                 "output_dir": "trainer_output"}
-# TRL's SFT fields that qerl's SFTConfig lacks: trl/table.py (ignored, at TRL's default, or refused by name)
+# TRL's SFT fields that qerl's SFTConfig lacks: train/trl_table.py (ignored, at TRL's default, or refused by name)
 
 
 def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple[fields.TRLArgs, dict]:

@@ -13,7 +13,7 @@ A field that qerl's config has (or has under another name) is qerl's; every othe
 qerl cannot import TRL at run time, so the defaults are the generated block below, written from TRL's
 dataclasses (TRL 1.16.0, transformers 5.25.0) by
 
-    PYTHONPATH=src python -m qerl.trl.table
+    PYTHONPATH=src python -m qerl.train.trl_table
 
 in a Python where TRL 1.16 imports (the project's venv, or TRL's folder on PYTHONPATH), which rewrites the block
 in place and keeps the rest of the file; tests/test_trl_defaults_file.py checks the block against TRL's dataclasses.
