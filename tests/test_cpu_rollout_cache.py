@@ -70,6 +70,38 @@ def test_an_optimizer_step_between_rollouts_replaces_the_folded_copy(base):
     torch.testing.assert_close(y1.double(), _float64_reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
+def test_drop_folded_frees_the_folded_copies_and_keeps_the_rest(base):
+    pol = policy(base, rank=4)
+    randomize_lora(pol.model)
+    layer = next(layer for _, layer in quantized_layers(pol.model) if layer.group is None)
+    x = torch.randn(2, layer.in_features)
+    with dispatch.dequantized_cache(), torch.no_grad():
+        y0 = layer(x)  # folded (rollout path)
+        with torch.enable_grad():
+            layer(x.requires_grad_())  # the training path: a plain dequantized copy
+        x = x.detach()
+        merged = [v[4] for k, v in dispatch._CACHE.items() if k[0] == "merged"]
+        plain = [k for k in dispatch._CACHE if k[0] != "merged"]
+        assert merged and plain
+        want = sum(m.w.nbytes if isinstance(m, dispatch._Packed) else m.nbytes for m in merged)
+        assert dispatch.drop_folded() == want > 0
+        assert not any(k[0] == "merged" for k in dispatch._CACHE)
+        assert [k for k in dispatch._CACHE] == plain  # the update's copies stay
+        assert dispatch.drop_folded() == 0
+        torch.testing.assert_close(layer(x), y0)  # rebuilt on the next rollout call, the same
+    assert dispatch.drop_folded() == 0  # outside a cache: nothing to do
+
+
+def test_cpu_decode_attends_over_the_keys_there_are(base):
+    pol = policy(base, rank=4)
+    sp = SamplingParams(max_new_tokens=20, greedy=True, ignore_eos=True)
+    eng = Engine(pol.model, max_len=200, max_slots=4)
+    out = eng.generate([[5, 6, 7]] * 2, n=1, params=sp)
+    keys = {k for _, k, _ in out.stats.chunks}
+    # 3 prompt tokens + 20 new: every step's keys fit in 24, each a multiple of 8 (a GPU graph's bucket: 128)
+    assert keys and all(k % 8 == 0 and k <= 32 for k in keys) and max(keys) >= 23
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_frozen_linear_in_the_cache_is_the_module(dtype):
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from ..kernels import settings
+from ..kernels import dispatch, settings
 from ..kernels.settings import KernelSettings
 from ..model.adapter_start import base_of
 from ..rollout import Engine
@@ -267,6 +267,8 @@ class GRPOTrainer(TrainLoop):
                 m.update({"aqn_target": self.adaptive.target, "aqn_signal": measured})
         if self.rollouts.ahead and step + 1 < cfg.max_steps:
             self.rollouts.launch(step + 1, self.step)  # samples from this adapter while the update trains
+        if not self.rollouts.ahead:  # no rollout beside the update: the folded rollout weights go (CPU)
+            dispatch.drop_folded()
         # every rank enters the update: the gradient average is collective, even for an empty share
         if D.sum(len(batch), self.device):
             m.update(self.update(batch, ctx.sigma, ctx.seed))
