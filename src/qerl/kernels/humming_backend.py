@@ -81,6 +81,13 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
     return ok
 
 
+# humming's default config splits K across CTAs (stream-K) at M 1-256 and its partial sums land in a varying order:
+# on an H100 every call gave other bits (up to 0.125 on a 4608x3584 weight; scripts/humming_determinism.py), so
+# seeded rollouts did not repeat and graphs disagreed with eager steps (tests/test_rollout_gpu.py: 4 failures).
+# Batch-invariant tiles (no stream-K) repeat bit for bit, at +5-13 % at M 16-2048 in that script's eager timing.
+COMPUTE = {"use_batch_invariant": True}
+
+
 @dataclass
 class HummingWeight:
     """One frozen weight in humming's layout, and how long the repack took."""
@@ -111,7 +118,7 @@ class HummingWeight:
 
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16."""
-        y = self.layer(x2d)
+        y = self.layer(x2d, compute_config=COMPUTE)
         if lora is not None:
             return add_lora(y, lora.shrunk(x2d), bias)
         return y if bias is None else y + bias
