@@ -231,9 +231,9 @@ class Engine:
         b = b if run.graphed(b) or self._graph_reference else hi
         stats.max_batch = max(stats.max_batch, hi)
         max_pos = max(sched.slots[s].length for s in sched.live(hi)) + run.max_count(hi)
-        # keys in buckets of 128 bound the graphs; an eager step (the CPU) reads only the keys there are, to a
-        # multiple of 8: attention over 128 keys where the default run's rows hold 55-103 cost a third more
-        step = 128 if run.graphed(b) or self._graph_reference else 8
+        # keys in buckets of 128 bound the graphs (and a GPU's compiled eager steps); the CPU reads only the keys
+        # there are, to a multiple of 8: attention over 128 keys where the default run's rows hold 55-103
+        step = 8 if self.view.device.type == "cpu" else 128
         key_bucket = min(self.max_len, -(-(max_pos + self.sync_every + 1) // step) * step)
         tc = time.perf_counter()
         for _ in range(self.sync_every):
