@@ -171,3 +171,25 @@ def test_a_batch_shape_on_the_command_line_starts_from_the_trainers_defaults():
     assert (plan.generation_batch_size, plan.steps_per_generation, plan.updates_per_rank) == (4, 1, 1)
     # untouched, the default run keeps its own split
     assert batch_shape_reset(default_run_config("cpu"), {"learning_rate": "1e-3"}).gradient_accumulation_steps == 4
+
+
+def test_the_folded_rollout_copies_are_gone_before_the_update(tmp_path, monkeypatch):
+    # the CPU run keeps one weight cache for the whole run; the rollout's adapter-folded copies (a second
+    # dequantized model) are freed before the update, which is where the default run peaks
+    from qerl.kernels import dispatch
+
+    tr = _trainer(tmp_path)
+    seen = {}
+    drop = dispatch.drop_folded
+    monkeypatch.setattr(dispatch, "drop_folded", lambda: seen.setdefault("freed", drop()))
+    step = tr.optimizer.step
+
+    def record(*a, **k):
+        seen.setdefault("folded_at_step", any(k[0] == "merged" for k in dispatch._CACHE))
+        return step(*a, **k)
+
+    tr.optimizer.step = record
+    with dispatch.dequantized_cache():
+        tr.train_step()
+        assert any(k[0] != "merged" for k in dispatch._CACHE)  # the update's plain copies stay cached
+    assert seen["freed"] > 0 and seen["folded_at_step"] is False
