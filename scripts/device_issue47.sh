@@ -2,6 +2,9 @@
 # Issue 47's device steps in one call. Needs the humming-kernels wheel in .whl (carry it):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl humming-kernels==0.1.20
 # STEP=kernels: GPU tests of the humming backend, then every candidate side by side on the 7B layer set.
+# Owed (2026-12-07): STEP=card on an H200 (tests, routes, rollout table; never started this session) and on the
+# H100 again (routes and rollout under batch-invariant humming), then tests/test_lora_shrink.py, test_moe_gpu.py and
+# test_aqn_families.py on both cards.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
