@@ -46,6 +46,17 @@ def model(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The TRL-style tests' model: a tiny Llama folder (1024 positions, room for chat templates) with its tokenizer."""
+    from tiny_models import save_tiny, tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    save_tiny(d, "llama", max_position_embeddings=1024)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if a model loads (bad input must be reported before any loading)."""

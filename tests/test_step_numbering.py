@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from tiny_models import save_tiny, tiny_tokenizer
 
 
 def _old_folder(d, n=3):
@@ -104,13 +103,6 @@ def test_time_left_leaves_the_first_step_s_one_off_costs_out():
 
 # ---- a TRL script: num_iterations=2, every view numbered alike ---------------------------------------
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny(d, "llama", max_position_embeddings=1024)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def _grpo(model_dir, out, **kw):

@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import save_tiny, tiny_tokenizer
 
 KEYS = ("reward", "rewards/reward_len/mean", "completions/mean_length", "learning_rate", "num_tokens")
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 RUN = textwrap.dedent('''

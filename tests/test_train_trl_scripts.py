@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from tiny_models import save_tiny, tiny_tokenizer
 
 pytest.importorskip("trl")
 
@@ -96,13 +95,6 @@ TRL_NAMES = ("reward", "reward_std", "completions/mean_length", "completions/max
              "num_tokens", "learning_rate", "grad_norm", "loss", "clip_ratio/region_mean", "clip_ratio/low_mean",
              "clip_ratio/high_mean", "epoch")
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def run(script: str, under: str, out, model_dir) -> dict:

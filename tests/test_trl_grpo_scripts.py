@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from tiny_models import save_tiny, tiny_tokenizer
 
 pytest.importorskip("trl")
 
@@ -81,13 +80,6 @@ EVAL = HEAD + textwrap.dedent('''
     metrics = trainer.evaluate()
 ''')
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny(d, "llama", max_position_embeddings=1024)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def run(script, under, out, model_dir):

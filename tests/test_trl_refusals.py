@@ -8,17 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import save_tiny, tiny_tokenizer
 
 from qerl.rl.rewards import FAILING_CALLS, RewardFunctionError
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "model"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 ROWS = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]

@@ -7,7 +7,6 @@ import textwrap
 
 import pytest
 
-from tiny_models import save_tiny, tiny_tokenizer
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -44,13 +43,6 @@ SCRIPT = textwrap.dedent('''
 # TRL's names of the metrics an SFT step logs (CPU, PEFT)
 TRL_NAMES = ("loss", "grad_norm", "learning_rate", "entropy", "num_tokens", "mean_token_accuracy", "epoch")
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def run(under, fmt, steps, out, model_dir):
