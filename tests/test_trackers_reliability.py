@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_trackers import model_dir  # noqa: F401 - a fixture
 
 from qerl.train.trackers import open_trackers
 
