@@ -169,7 +169,8 @@ def main(argv=None):
     ap.add_argument("--quants", default="nvfp4,bf16",
                     help="policies to time: nvfp4 (the routed kernels), nvfp4_own (humming-kernels off: qerl's own "
                          "kernels alone, the baseline of the routing), nvfp4_head4 (nvfp4 with the lm_head in NVFP4 too; "
-                         "after the other nvfp4 entries), bf16")
+                         "after the other nvfp4 entries), nvfp4_one (NVFP4 stored in humming's layout: one copy, humming at every M; "
+                         "KernelSettings.humming_storage), bf16")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--results-dir", "--results_dir", default=None)
     ap.add_argument("--out", default="runs/bench_rollout")
@@ -196,17 +197,20 @@ def main(argv=None):
         (out / "bench_rollout_kv.json").write_text(json.dumps(res, indent=1, default=str))
         return
     fused = {"auto": None, "on": True, "off": False}[a.fused_attention]
+    from ..kernels import settings
     from ..kernels.settings import KernelSettings
 
     pol, pol_quant = None, None
     for quant in a.quants.split(","):
         log(f"engine, {quant} base + LoRA r32 ({a.model}, prompt {a.prompt_len}, {a.new_tokens} new tokens)")
         base = "nvfp4" if quant.startswith("nvfp4") else quant
-        if pol_quant != base:  # nvfp4 and nvfp4_own share one policy
+        key = quant if quant == "nvfp4_one" else base
+        if pol_quant != key:  # nvfp4 and nvfp4_own share one policy
             pol = None
             gc.collect()
             torch.cuda.empty_cache()
-            pol, pol_quant = random_policy(cfg, base, lora_rank=32, device="cuda", progress=False), base
+            with settings.use(humming_storage=quant == "nvfp4_one"):
+                pol, pol_quant = random_policy(cfg, base, lora_rank=32, device="cuda", progress=False), key
         if quant == "nvfp4_head4":  # the same policy with its lm_head in NVFP4 too (in place: list it after nvfp4*)
             from ..layers.quant_head import quantize_lm_head
 
@@ -231,6 +235,10 @@ def main(argv=None):
             v = res["nvfp4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
             log(f"nvfp4 / bf16 at batch {b}: {v:.2f}x")
             rec(f"{a.model} engine batch={b}", "nvfp4_over_bf16", v, "x", ratio_targets.get(b))
+        if b in res.get("bf16", {}) and "nvfp4_one" in res:
+            v = res["nvfp4_one"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
+            log(f"nvfp4 in humming's layout (one copy) / bf16 at batch {b}: {v:.2f}x")
+            rec(f"{a.model} engine batch={b}", "nvfp4_one_over_bf16", v, "x", ratio_targets.get(b))
         if b in res.get("bf16", {}) and "nvfp4_head4" in res:
             v = res["nvfp4_head4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
             log(f"nvfp4 with a 4-bit lm_head / bf16 at batch {b}: {v:.2f}x")

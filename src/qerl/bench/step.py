@@ -106,6 +106,8 @@ def case_name(a, quant: str) -> str:
         lv.append("moe-loop")
     if not getattr(a, "humming", True):
         lv.append("no-humming")
+    if getattr(a, "humming_storage", False):
+        lv.append("humming-storage")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -148,8 +150,11 @@ def build_policy(a):
     dev = _rank_device(a)
     cfg = shape_config(a)
     t0 = time.perf_counter()
-    pol = random_policy(cfg, a.quant, lora_rank=a.lora_rank, device=dev,
-                        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=a.seed)
+    from ..kernels import settings
+
+    with settings.use(humming_storage=getattr(a, "humming_storage", False)):  # the layout is chosen at load
+        pol = random_policy(cfg, a.quant, lora_rank=a.lora_rank, device=dev,
+                            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=a.seed)
     pol.tokenizer = synthetic_tokenizer(cfg.vocab_size)
     return pol, time.perf_counter() - t0
 
@@ -440,6 +445,9 @@ def main(argv=None):
     ap.add_argument("--humming", action=argparse.BooleanOptionalAction, default=True,
                     help="route the M buckets humming-kernels won on this card to it (KernelSettings.humming): a "
                          "second copy of each attention weight it takes; --no-humming keeps qerl's own kernels")
+    ap.add_argument("--humming-storage", action="store_true",
+                    help="store NVFP4 in humming-kernels' layout (KernelSettings.humming_storage): one copy of each "
+                         "weight, humming at every M, the backward dequantizing from it")
     ap.add_argument("--profile", action="store_true",
                     help="one more, untimed step with its logprob and update phases under torch.profiler (table in the log)")
     ap.add_argument("--sweep-levers", action="store_true", help="the case, then each memory lever changed alone")

@@ -45,6 +45,10 @@ class WeightFormat:
     # Byte order of the stored tensors: "standard" (as checkpoints hold them) or a kernel's
     # order (formats/nvfp4_mma.py), which `to_checkpoint` turns back into the standard one.
     layout: ClassVar[str] = "standard"
+    # Rows a kernel layout stores together: a fused group's members must start on a multiple of it.
+    row_tile: ClassVar[int] = 1
+    # The dim of each stored tensor that grows with the rows, where it is not 0 (a fused group splits there).
+    split_dims: ClassVar[dict[str, int]] = {}
 
     def to_checkpoint(self, t: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
         """The tensors as a checkpoint stores them (identity for the standard layout)."""

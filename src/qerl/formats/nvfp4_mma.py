@@ -191,6 +191,7 @@ class NVFP4Mma(NVFP4):
     `to_checkpoint` (a transient copy of one layer)."""
 
     layout = "mma"
+    row_tile = ROWS
 
     def to_checkpoint(self, t, shape):
         packed, scale = unrepack(t["weight_packed"], t["weight_scale"], shape)

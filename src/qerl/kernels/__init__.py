@@ -7,8 +7,10 @@ Neither compiles anything at import.
 
 import torch
 
-from . import dispatch, mma_backend, triton_backend
+from . import dispatch, humming_backend, mma_backend, triton_backend
 
+dispatch.register_backend(dispatch.Backend("humming", humming_backend.stored_supports, humming_backend.stored_matmul,
+                                            humming_backend.stored_matmul_grad_input))
 dispatch.register_backend(dispatch.Backend("mma", mma_backend.supports, mma_backend.matmul,
                                             mma_backend.matmul_grad_input))
 dispatch.register_backend(
@@ -17,14 +19,22 @@ dispatch.register_backend(
 
 
 def storage_format(fmt, shape: tuple[int, int], device) -> "object":
-    """The format a frozen weight of `fmt` is stored in on `device`: the kernel layout of NVFP4 where
-    the MMA kernel runs (CUDA, shape tiles into 16 x 64), else `fmt` itself. The one place that
-    decides the layout; the loader asks it layer by layer."""
+    """The format a frozen weight of `fmt` is stored in on `device`. NVFP4: humming-kernels' layout where
+    KernelSettings.humming_storage asks for it and humming runs here (its shapes; on the CPU too when asked,
+    where the torch path reads it: tests), else the MMA kernels' layout where they run (CUDA, shape tiles into
+    16 x 64), else `fmt` itself. The one place that decides the layout; the loader asks it layer by layer."""
     from ..formats.nvfp4 import NVFP4
+    from ..formats.nvfp4_humming import NVFP4Humming
     from ..formats.nvfp4_mma import NVFP4Mma, supports_shape
-    from . import w4_mma
+    from ..formats import nvfp4_humming
+    from . import settings, w4_mma
 
     device = torch.device(device)
-    if type(fmt) is NVFP4 and supports_shape(shape) and w4_mma.available(device):
+    if type(fmt) is not NVFP4:
+        return fmt
+    if (settings.current().humming_storage and nvfp4_humming.supports_shape(shape)
+            and (device.type == "cpu" or humming_backend.available(device))):
+        return NVFP4Humming()
+    if supports_shape(shape) and w4_mma.available(device):
         return NVFP4Mma()
     return fmt

@@ -22,6 +22,7 @@ import torch
 
 from . import lora_expand, settings
 from .dispatch import LoraTerm
+from .weight_state import WeightState
 
 PIN = "0.1.20"  # pyproject's `cuda` extra installs exactly this
 _AVAILABLE: dict[int, bool] = {}
@@ -141,3 +142,69 @@ def add_lora(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) 
         rows = slice(bounds[s], bounds[s + 1])
         y[:, rows].addmm_(xa[:, s * r:(s + 1) * r], b[rows].t(), alpha=lora.scaling)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stored layout (formats/nvfp4_humming.py): humming's tensors are the layer's own buffers, one copy.
+# ---------------------------------------------------------------------------------------------------
+
+_CONFIGS: dict[tuple, object] = {}
+_LOCKS: WeightState = WeightState()
+
+
+def _layer_config(n: int, k: int, device: torch.device):
+    """humming's LayerConfig for an [n, k] NVFP4 weight with bf16 activations: it depends on the shape and
+    dtypes only, so it is made once per shape by transforming a zero weight (freed at once) and then
+    serves every stored weight of that shape."""
+    key = (n, k, device)
+    if key not in _CONFIGS:
+        from humming.layer import HummingLayer
+
+        with torch.device(device):
+            layer = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(CT_CONFIGS["nvfp4"]),
+                                 torch_dtype=torch.bfloat16)
+        layer.load_from_tensors({"weight_packed": torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
+                                 "weight_scale": torch.ones(n, k // 16, device=device).to(torch.float8_e4m3fn),
+                                 "weight_global_scale": torch.ones(1, device=device)})
+        layer.transform()
+        _CONFIGS[key] = layer.humming_config
+    return _CONFIGS[key]
+
+
+def stored_supports(x: torch.Tensor, fmt) -> bool:
+    return getattr(fmt, "layout", None) == "humming" and x.is_cuda and available(x.device)
+
+
+def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
+    """x [..., K] @ W.T (+ bias) (+ LoRA) straight from the stored humming tensors, at every M. A fused
+    group's member alone (a column view of the group's storage, the member-by-member reference path)
+    is not contiguous for humming: it dequantizes and runs cuBLAS."""
+    from humming.forward import humming_forward
+
+    from .mma_backend import _shrunk
+
+    n, k = shape
+    dtype = x.dtype
+    x2d = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16)
+    w, s = tensors["weight_packed"], tensors["weight_scale"]
+    if lora is not None and lora.xa is None:
+        lora = _shrunk(lora, x2d)
+    if w.is_contiguous() and s.is_contiguous():
+        locks = _LOCKS.get(w, lambda: torch.zeros(2048, dtype=torch.int32, device=w.device))
+        y = humming_forward(_layer_config(n, k, w.device), inputs=x2d, weight=w, weight_scale=s,
+                            weight_scale_2=tensors["weight_scale_2"], locks=locks, compute_config=COMPUTE)
+        y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)
+    else:
+        y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)
+        if lora is not None:
+            y = add_lora(y, lora)
+    return y.view(*x.shape[:-1], n).to(dtype)
+
+
+def stored_matmul_grad_input(gy, fmt, tensors, shape):
+    """dX = dY @ W from the same bytes: one dequantize (formats/humming_layout.dequantize_bf16) + cuBLAS."""
+    n, k = shape
+    g2d = gy.reshape(-1, n).to(torch.bfloat16)
+    g = g2d @ fmt.dequantize(tensors, shape, torch.bfloat16)
+    return g.view(*gy.shape[:-1], k).to(gy.dtype)

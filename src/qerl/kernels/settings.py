@@ -32,6 +32,11 @@ class KernelSettings:
     """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py) to it, where it
     imports (pyproject's `cuda` extra). H100, 7B layer set vs cuBLAS bf16: 1.82 / 1.66 / 1.32 / 0.91x at M 32 / 64 /
     128 / 256 against qerl's own 1.50 / 1.16 / 0.88 / 0.64 (bench kernels, 2026-12-06)."""
+    humming_storage: bool = False
+    """Load NVFP4 weights in humming-kernels' layout (formats/nvfp4_humming.py) where humming runs: one copy,
+    read by humming at every M and dequantized from for the backward, instead of qerl's MMA layout plus a
+    humming copy for the M buckets it serves. Read when a model loads (kernels.storage_format). Off until its
+    GPU tests and the rollout/memory comparison ran on the device (tests/test_humming_storage_gpu.py)."""
     lora_expand_kernel: bool = True
     """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
     (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""

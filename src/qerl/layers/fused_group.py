@@ -39,7 +39,6 @@ from .qlora_linear import QLoRALinear
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
-TILE_ROWS = 16  # kernel layouts store rows in tiles of 16 (formats/nvfp4_mma.py): members must start on one
 _REGISTRY = "_qerl_groups"  # parent module attribute: {member attribute names: QuantGroup}
 
 
@@ -51,26 +50,30 @@ def members_one_by_one():
     return settings.use(train_fused=False)
 
 
-def row_split(fmt, rows: Sequence[int], k: int) -> dict[str, list[int] | None] | str:
-    """For each stored tensor, the members' extents along dim 0 of the group's tensor (None: one
-    tensor shared by every member, like NVFP4's global scale), or why the rows do not concatenate."""
+def row_split(fmt, rows: Sequence[int], k: int) -> dict[str, tuple[int, list[int]] | None] | str:
+    """For each stored tensor, (the dim that grows with the rows, the members' extents along it) in the
+    group's tensor (None: one tensor shared by every member, like NVFP4's global scale), or why the rows do
+    not concatenate. The dim is 0 except in layouts that store rows along another (`fmt.split_dims`:
+    humming's, formats/nvfp4_humming.py)."""
     if getattr(fmt, "double_quant", False):
         return "NF4 double quantization stores one offset and second-level scales for the whole tensor"
     if isinstance(fmt, NF4) and any(n * k % fmt.block_size for n in rows):
         return f"NF4 blocks of {fmt.block_size} run over the flattened weight and would straddle two members"
-    if fmt.layout != "standard" and any(n % TILE_ROWS for n in rows):
-        return f"layout {fmt.layout!r} stores rows in tiles of {TILE_ROWS}; member rows {list(rows)}"
+    if any(n % fmt.row_tile for n in rows):
+        return f"layout {fmt.layout!r} stores rows in tiles of {fmt.row_tile}; member rows {list(rows)}"
     group = fmt.expected_shapes((sum(rows), k))
     one, two = fmt.expected_shapes((rows[0], k)), fmt.expected_shapes((2 * rows[0], k))
-    out: dict[str, list[int] | None] = {}
+    out: dict[str, tuple[int, list[int]] | None] = {}
     for key, (shape, _) in group.items():
         if one[key] == two[key]:  # does not grow with the rows: per tensor
             out[key] = None
             continue
+        d = fmt.split_dims.get(key, 0)
         member = [fmt.expected_shapes((n, k))[key][0] for n in rows]
-        if any(tuple(s[1:]) != tuple(shape[1:]) for s in member) or sum(s[0] for s in member) != shape[0]:
+        rest = [tuple(s[:d] + s[d + 1:]) for s in (*member, shape)]
+        if len(set(rest)) != 1 or sum(s[d] for s in member) != shape[d]:
             return f"{key} does not split by rows ({[list(s) for s in member]} vs {list(shape)})"
-        out[key] = [s[0] for s in member]
+        out[key] = (d, [s[d] for s in member])
     return out
 
 
@@ -198,7 +201,8 @@ class QuantGroup:
         with torch.no_grad():
             for key, (shape, dt) in self.fmt.expected_shapes(self.shape).items():
                 whole = torch.zeros(shape, dtype=dt, device=device)
-                views = [whole] * len(self.members) if split[key] is None else list(whole.split(split[key]))
+                views = ([whole] * len(self.members) if split[key] is None
+                         else list(whole.split(split[key][1], dim=split[key][0])))
                 for m, view in zip(self.members, views):
                     if not getattr(m, key).is_meta:  # an existing layer: take its values along
                         view.copy_(getattr(m, key))
