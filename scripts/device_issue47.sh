@@ -2,6 +2,8 @@
 # Issue 47's device steps in one call. Needs the humming-kernels wheel in .whl (carry it):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl humming-kernels==0.1.20
 # STEP=kernels: GPU tests of the humming backend, then every candidate side by side on the 7B layer set.
+# STEP=update: one 7B GRPO step with qerl's MMA layout (+ humming copies) and with humming's layout stored (one
+#   copy): peak memory and update time before/after (issue 47 section 1).
 # Owed (2026-12-07): STEP=card on an H200 (tests, routes, rollout table; never started this session) and on the
 # H100 again (routes and rollout under batch-invariant humming), then tests/test_lora_shrink.py, test_moe_gpu.py and
 # test_aqn_families.py on both cards.
@@ -59,5 +61,13 @@ esac
 case "${STEP:-kernels}" in
 moe)  # one Qwen3-30B-A3B GRPO step at defaults (MoE decode from graphs): rollout tok/s and peak memory
   LIMIT=${LIMIT:-400} SHAPE=${SHAPE:-qwen3-30b-a3b} NEW=${NEW:-256} KV=${KV:-3.4} bash scripts/device_moe.sh step
+  ;;
+esac
+case "${STEP:-kernels}" in
+update)  # the GRPO step (rollout + update) with the MMA layout and with humming's layout stored: memory and time
+  for hs in "" "--humming-storage"; do
+    timeout ${STEP_S:-280} python3 -m qerl.bench.step --shape qwen2.5-7b --max-new-tokens ${NEW:-512} --steps ${STEPS:-2} --record \
+      --results-dir $OUT/results --out $OUT/step $hs --json $OUT/step${hs:+_one}.json 2>&1 | grep -v Warning | tail -${TAIL:-12}
+  done
   ;;
 esac
