@@ -13,7 +13,7 @@ humming = pytest.importorskip("humming")
 
 from qerl.formats import NVFP4  # noqa: E402
 from qerl.formats.nvfp4_humming import NVFP4Humming  # noqa: E402
-from qerl.kernels import dispatch, humming_backend, mma_backend, settings  # noqa: E402
+from qerl.kernels import dispatch, humming_backend, lora_shrink, settings  # noqa: E402
 from qerl.kernels.humming_backend import HummingWeight  # noqa: E402
 from qerl.model import qwen25_config, quantized_layers, random_policy  # noqa: E402
 from qerl.rollout import Engine, SamplingParams  # noqa: E402
@@ -51,7 +51,7 @@ def test_lora_bias_and_the_backward_from_the_stored_bytes():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         lo = dispatch.LoraTerm(None, b, 2.0, (3584, 4096), a=a)
         got = humming_backend.stored_matmul(x, fmt, h, (n, k), bias=bias, lora=lo)
-        want = ref.matmul(x, bias=bias, lora=mma_backend._shrunk(lo, x))
+        want = ref.matmul(x, bias=bias, lora=lora_shrink.shrunk(lo, x))
         assert torch.equal(got, want), m
     gy = torch.randn(300, n, device="cuda", dtype=torch.bfloat16)
     w = NVFP4().dequantize(ct, (n, k), torch.bfloat16)

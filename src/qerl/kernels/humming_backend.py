@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import lora_expand, settings
+from . import lora_expand, lora_shrink, settings
 from .dispatch import LoraTerm
 from .weight_state import WeightState
 
@@ -181,15 +181,13 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     is not contiguous for humming: it dequantizes and runs cuBLAS."""
     from humming.forward import humming_forward
 
-    from .mma_backend import _shrunk
-
     n, k = shape
     dtype = x.dtype
     x2d = x.reshape(-1, k).to(torch.bfloat16).contiguous()
     b = None if bias is None else bias.to(torch.bfloat16)
     w, s = tensors["weight_packed"], tensors["weight_scale"]
     if lora is not None and lora.xa is None:
-        lora = _shrunk(lora, x2d)
+        lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
         locks = _LOCKS.get(w, lambda: torch.zeros(2048, dtype=torch.int32, device=w.device))
         y = humming_forward(_layer_config(n, k, w.device), inputs=x2d, weight=w, weight_scale=s,

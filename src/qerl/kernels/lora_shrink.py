@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import settings
+from .dispatch import LoraTerm
 from .m_thresholds import (LORA_SHRINK_MAX_M, LORA_SHRINK_SPLIT_MAX_M, LORA_SHRINK_SPLIT_ROUTE_MAX_M,
                            LORA_SHRINK_SPLIT_ROUTE_MIN_M)
 
@@ -184,3 +186,15 @@ def shrink_split(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
                         BM=bm, BR=br, BK=SPLIT_BLOCK_K, SPLITS=splits,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
+
+
+def shrunk(lora, x2d):
+    """The term with xa computed by the measured fastest shrink: split-K (one launch) where the table routes M to
+    it, else the one-row decode shrink where it applies (one token), else cuBLAS."""
+    if lora.xa is None and lora.a is not None:
+        if (settings.current().lora_shrink_split and split_routes(x2d.shape[0])
+                and split_supports(x2d, lora.a)):
+            return LoraTerm(shrink_split(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
+        if supports(x2d, lora.a):
+            return LoraTerm(shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
+    return lora.shrunk(x2d)

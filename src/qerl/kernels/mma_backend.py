@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import humming_backend, lora_shrink, routes, settings, w4_mma, w4_wgmma
-from .dispatch import LoraTerm, lora_expand
+from .dispatch import lora_expand
 from .weight_state import WeightState
 
 _STATE: WeightState[tuple] = WeightState()
@@ -43,21 +43,21 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     hw = _humming(tensors, shape, m, x2d.device)
     if hw is not None:
         if lora is not None and lora.xa is None:
-            lora = _shrunk(lora, x2d)
+            lora = lora_shrink.shrunk(lora, x2d)
         return hw.matmul(x2d.contiguous(), bias=b, lora=lora).view(*x.shape[:-1], n).to(dtype)
     if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
         # The shrink inside the launch only where the measured policy says it finishes in time
         # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
         fuse = lora is not None and w4_mma.lora_fusable(lora, k) and w4_mma.shrink_in_launch(m, n, k)
         if lora is not None and not fuse:
-            lora = _shrunk(lora, x2d)
+            lora = lora_shrink.shrunk(lora, x2d)
             fuse = w4_mma.lora_fusable(lora, k)
         y = w4_wgmma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
         if lora is not None and not fuse:
             y = y + lora_expand(lora, y.dtype).reshape(y.shape)
     elif m <= w4_mma.MAX_M:
         if lora is not None and not w4_mma.shrink_in_launch(x2d.shape[0], n, k):
-            lora = _shrunk(lora, x2d)
+            lora = lora_shrink.shrunk(lora, x2d)
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
         if lora is not None and not fuse:
             lora = lora.shrunk(x2d)
@@ -91,18 +91,6 @@ def _humming(tensors, shape, m, device):
                           f"({type(e).__name__}: {str(e)[:120]}); it stays on qerl's kernels", stacklevel=3)
             return None
     return _HUMMING.get(tensors["weight_packed"], build)
-
-
-def _shrunk(lora, x2d):
-    """The term with xa computed by the measured fastest shrink: split-K (one launch) where the table routes M to
-    it, else the one-row decode shrink where it applies (one token), else cuBLAS."""
-    if lora.xa is None and lora.a is not None:
-        if (settings.current().lora_shrink_split and lora_shrink.split_routes(x2d.shape[0])
-                and lora_shrink.split_supports(x2d, lora.a)):
-            return LoraTerm(lora_shrink.shrink_split(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
-        if lora_shrink.supports(x2d, lora.a):
-            return LoraTerm(lora_shrink.shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
-    return lora.shrunk(x2d)
 
 
 def matmul_grad_input(gy, fmt, tensors, shape):
