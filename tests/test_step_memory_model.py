@@ -52,6 +52,8 @@ def test_humming_copies_and_lora():
     assert [s[0] for s in humming_copy_shapes(MOE_SHAPES["gpt-oss-120b"])] == [5120]
     assert plan_step(QWEN).kernel_copies == 48 * (5120 * 2048 + 2048 * 4096) * 9 // 16
     assert plan_step(QWEN, replace(StepSettings(), humming=False)).kernel_copies == 0
+    one = plan_step(QWEN, replace(StepSettings(), humming_storage=True))  # humming's layout stored: no copies
+    assert one.kernel_copies == 0 and one.attention == plan_step(QWEN).attention
     params = 48 * 32 * ((4096 + 2048) + 2 * (512 + 2048) + (2048 + 4096))
     assert lora_bytes(QWEN, StepSettings()) == params * 8  # bf16 factor, gradient and two AdamW moments
 

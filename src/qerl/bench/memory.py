@@ -75,6 +75,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--expert-chunk", type=int, default=d.expert_chunk)
     ap.add_argument("--humming", action=argparse.BooleanOptionalAction, default=d.humming,
                     help="a humming-kernels copy of each attention weight (KernelSettings.humming)")
+    ap.add_argument("--humming-storage", action="store_true",
+                    help="NVFP4 attention weights stored in humming's layout (KernelSettings.humming_storage): no copies")
     ap.add_argument("--step-only", action="store_true", help="only the MoE step projection (no SmolLM2 / 7B rows)")
 
 
@@ -85,14 +87,16 @@ def step_settings(args):
                         new_tokens=args.max_new_tokens, kv_cache_gb=args.kv_cache_gb,
                         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, micro_batch=args.micro_batch,
                         logprob_chunk=args.logprob_chunk, lora_rank=args.lora_rank, lora_dtype=args.lora_dtype,
-                        optim=args.optim, expert_chunk=args.expert_chunk, humming=args.humming)
+                        optim=args.optim, expert_chunk=args.expert_chunk, humming=args.humming,
+                        humming_storage=args.humming_storage)
 
 
 def describe(st) -> str:
     return (f"{st.prompts}x{st.rows // st.prompts} prompt {st.prompt_len} new {st.new_tokens}, KV budget "
             f"{st.kv_cache_gb} GiB {'fp8' if st.kv_bytes == 1 else 'bf16'}, micro-batch {st.micro_batch}, logprob chunk "
             f"{st.logprob_chunk}, {st.optim}, LoRA r{st.lora_rank} {st.lora_dtype}, expert chunk {st.expert_chunk}, "
-            f"humming copies {'on' if st.humming else 'off'}")
+            f"humming copies {'on' if st.humming and not st.humming_storage else 'off'}"
+            + (", humming's layout stored" if st.humming_storage else ""))
 
 
 def main(argv=None):

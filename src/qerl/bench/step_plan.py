@@ -105,6 +105,8 @@ class StepSettings:
     humming: bool = True          # KernelSettings.humming: a humming-kernels copy of each attention weight it
                                   # takes (the H100's routes send M > 16 to it); off, or on a card where the
                                   # copy would leave < KEEP_FREE of it free (a 24 GB card), no copy is made
+    humming_storage: bool = False  # KernelSettings.humming_storage: the attention weights it takes stored in
+                                  # humming's layout (formats/nvfp4_humming.py), so humming needs no copies
     runtime_bytes: int = GIB // 2  # CUDA context and libraries: outside torch's count (not in peak_reserved)
 
     @property
@@ -262,7 +264,7 @@ def plan_step(s: MoEShape, st: StepSettings = StepSettings()) -> StepMemory:
     experts = s.layers * s.experts * sum(exp_fmt.nbytes(sh) for sh in expert_shapes(s))
     attention = s.layers * sum(attn_fmt.nbytes(sh) for sh in attention_shapes(s))
     dense = counts["dense"] * BF16
-    copies = s.layers * sum(n * k * 9 // 16 for n, k in humming_copy_shapes(s)) if st.humming else 0
+    copies = s.layers * sum(n * k * 9 // 16 for n, k in humming_copy_shapes(s)) if st.humming and not st.humming_storage else 0
     slots = kv_slots(s, st)
     kv = slots * kv_slot_bytes(s, st)
     parts = update_working(s, st)
