@@ -22,7 +22,6 @@ import torch
 
 from . import lora_expand, lora_shrink, settings
 from .dispatch import LoraTerm
-from .weight_state import WeightState
 
 PIN = "0.1.20"  # pyproject's `cuda` extra installs exactly this
 _AVAILABLE: dict[int, bool] = {}
@@ -149,7 +148,19 @@ def add_lora(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) 
 # ---------------------------------------------------------------------------------------------------
 
 _CONFIGS: dict[tuple, object] = {}
-_LOCKS: WeightState = WeightState()
+_LOCKS: dict[tuple, torch.Tensor] = {}
+LOCKS = 2048  # humming's stream-K lock buffer (its HummingLayer allocates this many int32 a layer)
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """humming's lock buffer for the current stream of `device`: one a (device, stream), as kernels/counters.py
+    keeps split-K counters. Launches on one stream run in order and leave their locks zeroed, so they may share it;
+    two streams at once (a rollout beside an update) may not. A captured graph keeps its capture stream's."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _LOCKS.get(key)
+    if buf is None:
+        buf = _LOCKS[key] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
+    return buf
 
 
 def _layer_config(n: int, k: int, device: torch.device):
@@ -189,9 +200,8 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     if lora is not None and lora.xa is None:
         lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
-        locks = _LOCKS.get(w, lambda: torch.zeros(2048, dtype=torch.int32, device=w.device))
         y = humming_forward(_layer_config(n, k, w.device), inputs=x2d, weight=w, weight_scale=s,
-                            weight_scale_2=tensors["weight_scale_2"], locks=locks, compute_config=COMPUTE)
+                            weight_scale_2=tensors["weight_scale_2"], locks=_locks(w.device), compute_config=COMPUTE)
         y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)
     else:
         y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)
