@@ -73,12 +73,14 @@ def test_a_model_in_the_layout_keeps_one_copy_and_agrees_with_the_mma_layout():
     layers = dict(quantized_layers(one.model))
     assert sum(isinstance(m.fmt, NVFP4Humming) for m in layers.values()) >= len(layers) // 2
     ids = torch.randint(0, one.config.vocab_size, (4, 64), device="cuda")
+    with torch.no_grad():  # libraries' workspaces (cuBLAS, humming's configs and locks) exist after one call
+        one.model(ids[:1, :8])
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with torch.no_grad():
         y1 = one.model(ids).logits.float()
     torch.cuda.synchronize()
-    grown = torch.cuda.memory_allocated() - before - y1.numel() * 6  # the logits (bf16 + the fp32 copy)
+    grown = torch.cuda.memory_allocated() - before - y1.numel() * 4  # the fp32 logits kept
     weights = sum(t.numel() * t.element_size() for m in layers.values() for t in m.quant_tensors().values())
     assert grown < 0.05 * weights, (grown, weights)  # no second copy of any weight was made
     two = _policy(False)
