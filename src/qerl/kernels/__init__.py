@@ -23,10 +23,9 @@ def storage_format(fmt, shape: tuple[int, int], device) -> "object":
     KernelSettings.humming_storage asks for it and humming runs here (its shapes; on the CPU too when asked,
     where the torch path reads it: tests), else the MMA kernels' layout where they run (CUDA, shape tiles into
     16 x 64), else `fmt` itself. The one place that decides the layout; the loader asks it layer by layer."""
-    from ..formats.nvfp4 import NVFP4
-    from ..formats.nvfp4_humming import NVFP4Humming
-    from ..formats.nvfp4_mma import NVFP4Mma, supports_shape
     from ..formats import nvfp4_humming
+    from ..formats.nvfp4 import NVFP4
+    from ..formats.nvfp4_mma import NVFP4Mma, supports_shape
     from . import settings, w4_mma
 
     device = torch.device(device)
@@ -34,7 +33,7 @@ def storage_format(fmt, shape: tuple[int, int], device) -> "object":
         return fmt
     if (settings.current().humming_storage and nvfp4_humming.supports_shape(shape)
             and (device.type == "cpu" or humming_backend.available(device))):
-        return NVFP4Humming()
+        return nvfp4_humming.NVFP4Humming()
     if supports_shape(shape) and w4_mma.available(device):
         return NVFP4Mma()
     return fmt
