@@ -126,6 +126,7 @@ def test_a_model_in_the_layout_computes_what_the_standard_one_does(dense_dir, tm
     std, hum = _load(dense_dir, "nvfp4", False), _load(dense_dir, "nvfp4", True)
     layers = dict(quantized_layers(hum.model))
     assert layers and all(isinstance(m.fmt, NVFP4Humming) for m in layers.values())
+    assert hum.repack_seconds > 0 and std.repack_seconds == 0  # the load's repack is timed
     for attrs in (QKV, GATE_UP):
         parent = hum.model.model.layers[0].self_attn if attrs is QKV else hum.model.model.layers[0].mlp
         assert isinstance(group_of(parent, attrs).fmt, NVFP4Humming)

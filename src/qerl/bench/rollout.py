@@ -211,6 +211,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
             with settings.use(humming_storage=quant == "nvfp4_one"):
                 pol, pol_quant = random_policy(cfg, base, lora_rank=32, device="cuda", progress=False), key
+            if pol.repack_seconds:  # the quantized bytes into the kernels' layout, as a checkpoint load does it
+                log(f"  repack into the kernel layout: {pol.repack_seconds:.2f} s")
+                rec(f"{a.model} {quant} load", "repack_seconds", pol.repack_seconds, "s")
         if quant == "nvfp4_head4":  # the same policy with its lm_head in NVFP4 too (in place: list it after nvfp4*)
             from ..layers.quant_head import quantize_lm_head
 

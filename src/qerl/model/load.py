@@ -54,6 +54,11 @@ class Policy:
     def config(self):
         return self.model.config
 
+    @property
+    def repack_seconds(self) -> float:
+        """Time the load spent turning checkpoint bytes into the device kernels' layout (MMA or humming's)."""
+        return sum(getattr(m, "repack_seconds", 0.0) for _, m in quantized_layers(self.model))
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

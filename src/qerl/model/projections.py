@@ -6,6 +6,7 @@ The loader (model/load.py) and the random builder (model/random_init.py) build t
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from typing import Callable
 
@@ -50,8 +51,12 @@ def _build(names, shapes, biases, store, lora, device, tensors_of, fuse, fmt):
     group = QuantGroup(layers, names) if fuse and why_not_fusable(layers) is None else None
     for i, (name, layer, b, shape) in enumerate(zip(names, layers, biases, shapes)):
         t = tensors_of(i)
-        if store is not fmt:
+        if store is not fmt:  # the checkpoint's bytes into the kernel's layout, timed (Policy.repack_seconds)
+            t0 = time.perf_counter()
             t = store.from_checkpoint(fmt.to_checkpoint(t, shape), shape, name)
+            if t["weight_packed"].is_cuda:
+                torch.cuda.synchronize(t["weight_packed"].device)
+            layer.repack_seconds = time.perf_counter() - t0
         layer.load_quantized(t, name)
         if b is not None:
             with torch.no_grad():

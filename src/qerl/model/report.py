@@ -43,6 +43,7 @@ def quantization_report(model: str, quant: str, device="cpu") -> dict:
         "bf16_fallback": policy.bf16_fallback, "linear_bytes": lin_q, "linear_bf16_bytes": lin_b,
         "linear_ratio": lin_q / lin_b, "model_bytes": model_bytes, "model_bf16_bytes": model_bf16,
         "model_ratio": model_bytes / model_bf16, "load_seconds": load_s,
+        "repack_seconds": policy.repack_seconds,
         "mean_rel_error": sum(r["rel_error"] for r in rows) / max(len(rows), 1),
     }
     return {"layers": rows, "summary": summary}
