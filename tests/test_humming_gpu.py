@@ -12,7 +12,7 @@ humming = pytest.importorskip("humming")
 
 from qerl.formats import get_format  # noqa: E402
 from qerl.kernels import dispatch  # noqa: E402
-from qerl.kernels import mma_backend, routes  # noqa: E402
+from qerl.kernels import mma_backend, routes, settings  # noqa: E402
 from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
 from qerl.kernels.humming_backend import HummingWeight, available, supports_shape  # noqa: E402
 
@@ -63,9 +63,16 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
     assert _rel(y, x.double() @ ref_w.T + bias.double() + 2.0 * lo) < 8e-3
 
 
-def test_the_routed_mma_backend_serves_humming_buckets_and_keeps_its_own_elsewhere():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_routed_mma_backend_serves_humming_buckets_and_keeps_its_own_elsewhere(deterministic):
     """mma_backend.matmul on MMA-layout bytes: where the card's table says humming (and the shape tiles), its
-    result equals HummingWeight's on the same weight; a shape humming cannot tile stays on qerl's kernels."""
+    result equals HummingWeight's on the same weight; a shape humming cannot tile stays on qerl's kernels. Both
+    of humming's modes (batch-invariant, stream-K), each with its own table."""
+    with settings.use(humming_deterministic=deterministic):
+        _routed_case()
+
+
+def _routed_case():
     n, k = 4608, 3584
     std = _weights("nvfp4", n, k, seed=3)
     mma = NVFP4Mma().from_checkpoint(std, (n, k))

@@ -33,3 +33,42 @@ def test_the_shipped_table_parses_and_every_card_ends_open():
         assert t.buckets[-1].m_max is None and t.source
         bounds = [b.m_max for b in t.buckets[:-1]]
         assert bounds == sorted(bounds)
+
+
+def test_humming_stream_k_has_its_own_table_picked_by_the_setting(monkeypatch, tmp_path):
+    from qerl.kernels import settings
+
+    obj = {"card": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[16, "own"], [None, "humming"]], "source": "s"}}
+    table = routes.parse(obj)["card"]
+    assert [table.pick(m) for m in (1, 64)] == ["own", "own"]
+    assert [table.pick(m, streamk=True) for m in (1, 16, 17, 2048)] == ["own", "own", "humming", "humming"]
+    # a card whose stream-K table was not measured uses its one table in both modes
+    plain = routes.parse({"c": {"nvfp4": [[8, "humming"], [None, "own"]]}})["c"]
+    assert plain.pick(4, streamk=True) == "humming" and plain.pick(64, streamk=True) == "own"
+    with pytest.raises(ValueError, match="card 'y'.*marlin"):
+        routes.parse({"y": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[None, "marlin"]]}})
+    # routes.pick follows KernelSettings.humming_deterministic
+    monkeypatch.setattr(routes.torch.cuda, "get_device_name", lambda device=None: "card")
+    monkeypatch.setattr(routes, "_tables", lambda: routes.parse(obj))
+    routes.table_for.cache_clear()
+    try:
+        assert routes.pick(64, None) == "own"
+        with settings.use(humming_deterministic=False):
+            assert routes.pick(64, None) == "humming" and routes.pick(8, None) == "own"
+    finally:
+        routes.table_for.cache_clear()
+
+
+def test_bench_kernels_writes_both_tables_from_one_run(tmp_path):
+    from qerl.bench.kernels import write_routes
+
+    path = tmp_path / "routes.json"
+    path.write_text(json.dumps({"other": {"nvfp4": [[None, "humming"]], "source": "kept"}}))
+    det = {1: {"own": 73.0, "humming": 221.0}, 64: {"own": 157.0, "humming": 239.0}}
+    sk = {1: {"own": 73.0, "humming": 86.0}, 64: {"own": 157.0, "humming": 109.0}}
+    write_routes(path, "card", det, lambda *_: None, sk)
+    got = json.loads(path.read_text())
+    assert got["other"]["source"] == "kept"
+    assert got["card"]["nvfp4"] == [[None, "own"]] and got["card"]["nvfp4_streamk"] == [[1, "own"], [None, "humming"]]
+    write_routes(path, "card2", det, lambda *_: None)
+    assert "nvfp4_streamk" not in json.loads(path.read_text())["card2"]

@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -370,8 +371,10 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
     return rows, final
 
 
-def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log) -> None:
-    """Put this card's measured buckets into the routes table (other cards' entries kept)."""
+def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
+                 streamk_timings: dict[int, dict[str, float]] | None = None) -> None:
+    """Put this card's measured buckets into the routes table (other cards' entries kept): humming batch-invariant
+    against qerl's own path, and, where its stream-K default was timed too, that table apart."""
     import os
 
     from ..kernels import routes
@@ -381,9 +384,11 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
     buckets = routes.from_timings(timings)
     table[card] = {"source": f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
                              f"{time.strftime('%Y-%m-%d')}", "nvfp4": buckets}
+    if streamk_timings:
+        table[card]["nvfp4_streamk"] = routes.from_timings(streamk_timings)
     routes.parse(table)  # refuse to write a table the router could not read
     path.write_text(json.dumps(table, indent=2) + "\n")
-    log(f"routes for {card}: {buckets} -> {path}")
+    log(f"routes for {card}: {buckets}, stream-K: {table[card].get('nvfp4_streamk')} -> {path}")
 
 
 LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\d+)x(\d+)\s+M=(\d+)\s+bf16\s+([\d.]+) \| nvfp4\s+([\d.]+) µs.*\| x\s*[\d.]+ \|(.*)$")
@@ -464,6 +469,7 @@ def main(argv=None):
     rows, final = [], []
     modes = ["bf16", "nvfp4"] + [m for m in a.modes.split(",") if m and m not in ("bf16", "nvfp4")]
     route_timings: dict[int, dict[str, float]] = {}
+    streamk_timings: dict[int, dict[str, float]] = {}
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
@@ -498,6 +504,9 @@ def main(argv=None):
         if not route_timings:  # the first model's layer set decides the table
             route_timings = {m: {"own": agg[("nvfp4", m)][0], "humming": agg.get(("humming", m), [float("nan")])[0]}
                              for m in ms}
+            if any(("humming_streamk", m) in agg for m in ms):  # humming's stream-K default: its own table
+                streamk_timings = {m: {"own": agg[("nvfp4", m)][0],
+                                       "humming": agg.get(("humming_streamk", m), [float("nan")])[0]} for m in ms}
         r_rows, r_final = summarize(model, agg, ms, bw)
         rows += r_rows
         final += r_final
@@ -508,12 +517,12 @@ def main(argv=None):
     if a.record:
         rows += [("copy", "copy_bandwidth", bw / 1e12, "TB/s", None), ("copy", "copy_bandwidth_end", bw_end / 1e12, "TB/s", None)]
         kw = {"results_dir": Path(a.results_dir)} if a.results_dir else {}
-        cmd = ("python -m qerl.bench.kernels --record" + (" --sweep" if a.sweep else "")
-               + (" --wgmma-sweep" if a.wgmma_sweep else ""))
+        cmd = " ".join(["python -m qerl.bench.kernels"] + [x for x in (argv if argv is not None else sys.argv[1:])
+                                                            if not x.startswith(("/", "--results-dir", "--out"))])
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
     if a.write_routes:
-        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log)
+        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log, streamk_timings)
     (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")

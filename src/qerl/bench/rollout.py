@@ -170,7 +170,8 @@ def main(argv=None):
                     help="policies to time: nvfp4 (the routed kernels), nvfp4_own (humming-kernels off: qerl's own "
                          "kernels alone, the baseline of the routing), nvfp4_head4 (nvfp4 with the lm_head in NVFP4 too; "
                          "after the other nvfp4 entries), nvfp4_one (NVFP4 stored in humming's layout: one copy, humming at every M; "
-                         "KernelSettings.humming_storage), bf16")
+                         "KernelSettings.humming_storage), a _streamk suffix (nvfp4_streamk, nvfp4_one_streamk: humming "
+                         "in its stream-K default, KernelSettings.humming_deterministic off), bf16")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--results-dir", "--results_dir", default=None)
     ap.add_argument("--out", default="runs/bench_rollout")
@@ -204,12 +205,13 @@ def main(argv=None):
     for quant in a.quants.split(","):
         log(f"engine, {quant} base + LoRA r32 ({a.model}, prompt {a.prompt_len}, {a.new_tokens} new tokens)")
         base = "nvfp4" if quant.startswith("nvfp4") else quant
-        key = quant if quant == "nvfp4_one" else base
-        if pol_quant != key:  # nvfp4 and nvfp4_own share one policy
+        one = quant.startswith("nvfp4_one")
+        key = "nvfp4_one" if one else base
+        if pol_quant != key:  # nvfp4, nvfp4_own and nvfp4_streamk share one policy
             pol = None
             gc.collect()
             torch.cuda.empty_cache()
-            with settings.use(humming_storage=quant == "nvfp4_one"):
+            with settings.use(humming_storage=one):
                 pol, pol_quant = random_policy(cfg, base, lora_rank=32, device="cuda", progress=False), key
             if pol.repack_seconds:  # the quantized bytes into the kernels' layout, as a checkpoint load does it
                 log(f"  repack into the kernel layout: {pol.repack_seconds:.2f} s")
@@ -218,7 +220,8 @@ def main(argv=None):
             from ..layers.quant_head import quantize_lm_head
 
             quantize_lm_head(pol.model)
-        ks = KernelSettings(humming=False) if quant == "nvfp4_own" else None
+        ks = (KernelSettings(humming=False) if quant == "nvfp4_own"
+              else KernelSettings(humming_deterministic=False) if quant.endswith("_streamk") else None)
         res[quant] = _engine_case(pol, batches, a.prompt_len, a.new_tokens, log, bw, cfg, fused=fused, ks=ks)
         for b, r in res[quant].items():
             case = f"{a.model} engine {quant} lora32 batch={b}" + ("" if fused is None else f" fused_attention={a.fused_attention}")
@@ -234,18 +237,10 @@ def main(argv=None):
             v = res["nvfp4"][b]["tokens_per_s"] / res["nvfp4_own"][b]["tokens_per_s"]
             log(f"nvfp4 routed / qerl's own kernels at batch {b}: {v:.2f}x")
             rec(f"{a.model} engine batch={b}", "routed_over_own", v, "x")
-        if b in res.get("bf16", {}) and "nvfp4" in res:
-            v = res["nvfp4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
-            log(f"nvfp4 / bf16 at batch {b}: {v:.2f}x")
-            rec(f"{a.model} engine batch={b}", "nvfp4_over_bf16", v, "x", ratio_targets.get(b))
-        if b in res.get("bf16", {}) and "nvfp4_one" in res:
-            v = res["nvfp4_one"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
-            log(f"nvfp4 in humming's layout (one copy) / bf16 at batch {b}: {v:.2f}x")
-            rec(f"{a.model} engine batch={b}", "nvfp4_one_over_bf16", v, "x", ratio_targets.get(b))
-        if b in res.get("bf16", {}) and "nvfp4_head4" in res:
-            v = res["nvfp4_head4"][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
-            log(f"nvfp4 with a 4-bit lm_head / bf16 at batch {b}: {v:.2f}x")
-            rec(f"{a.model} engine batch={b}", "nvfp4_head4_over_bf16", v, "x", ratio_targets.get(b))
+        for quant in (q for q in res if q.startswith("nvfp4") and b in res.get("bf16", {})):
+            v = res[quant][b]["tokens_per_s"] / res["bf16"][b]["tokens_per_s"]
+            log(f"{quant} / bf16 at batch {b}: {v:.2f}x")
+            rec(f"{a.model} engine batch={b}", f"{quant}_over_bf16", v, "x", ratio_targets.get(b))
     if not a.skip_hf:
         hb = [b for b in batches if b in (1, 8)]
         for peft, name, tgt in ((True, "hf_generate_peft_bf16", {1: ">=25"}), (False, "hf_static_compiled_bf16",

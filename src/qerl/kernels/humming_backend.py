@@ -88,6 +88,12 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 COMPUTE = {"use_batch_invariant": True}
 
 
+def compute_config() -> dict | None:
+    """Batch-invariant tiles (COMPUTE) under KernelSettings.humming_deterministic, else humming's default
+    (stream-K: faster at M 1-256, not bit-repeatable)."""
+    return COMPUTE if settings.current().humming_deterministic else None
+
+
 @dataclass
 class HummingWeight:
     """One frozen weight in humming's layout, and how long the repack took."""
@@ -118,7 +124,7 @@ class HummingWeight:
 
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16."""
-        y = self.layer(x2d, compute_config=COMPUTE)
+        y = self.layer(x2d, compute_config=compute_config())
         if lora is not None:
             return add_lora(y, lora.shrunk(x2d), bias)
         return y if bias is None else y + bias
@@ -201,7 +207,8 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
         lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
         y = humming_forward(_layer_config(n, k, w.device), inputs=x2d, weight=w, weight_scale=s,
-                            weight_scale_2=tensors["weight_scale_2"], locks=_locks(w.device), compute_config=COMPUTE)
+                            weight_scale_2=tensors["weight_scale_2"], locks=_locks(w.device),
+                            compute_config=compute_config())
         y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)
     else:
         y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)

@@ -31,23 +31,28 @@ class Table:
     card: str
     buckets: tuple[Bucket, ...]
     source: str  # command, commit and date of the measurement
+    # the same card's buckets with humming in its stream-K default (KernelSettings.humming_deterministic off);
+    # empty where that was not measured (then `buckets` serve both)
+    streamk_buckets: tuple[Bucket, ...] = ()
 
-    def pick(self, m: int) -> str:
-        for b in self.buckets:
+    def pick(self, m: int, streamk: bool = False) -> str:
+        buckets = self.streamk_buckets if streamk and self.streamk_buckets else self.buckets
+        for b in buckets:
             if b.m_max is None or m <= b.m_max:
                 return b.backend
-        return self.buckets[-1].backend
+        return buckets[-1].backend
 
 
 def parse(obj: dict) -> dict[str, Table]:
     tables = {}
     for card, t in obj.items():
         buckets = tuple(Bucket(m, name) for m, name in t["nvfp4"])
-        bad = [b.backend for b in buckets if b.backend not in BACKENDS]
+        streamk = tuple(Bucket(m, name) for m, name in t.get("nvfp4_streamk", ()))
+        bad = [b.backend for b in buckets + streamk if b.backend not in BACKENDS]
         if bad or not buckets:
             raise ValueError(f"{TABLE_PATH.name}: card {card!r}: backends {bad} not in {BACKENDS}" if bad
                              else f"{TABLE_PATH.name}: card {card!r} has no buckets")
-        tables[card] = Table(card, buckets, t.get("source", ""))
+        tables[card] = Table(card, buckets, t.get("source", ""), streamk)
     return tables
 
 
@@ -70,9 +75,12 @@ def table_for(card: str) -> Table | None:
 
 
 def pick(m: int, device: torch.device) -> str:
-    """The backend for M tokens on `device` ("own" where nothing was measured)."""
+    """The backend for M tokens on `device` ("own" where nothing was measured), from the table of humming's
+    mode in force (KernelSettings.humming_deterministic)."""
+    from . import settings
+
     t = table_for(torch.cuda.get_device_name(device))
-    return "own" if t is None else t.pick(m)
+    return "own" if t is None else t.pick(m, streamk=not settings.current().humming_deterministic)
 
 
 def from_timings(timings: dict[int, dict[str, float]]) -> list[list]:

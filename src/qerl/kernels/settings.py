@@ -29,14 +29,23 @@ class KernelSettings:
     """Route M = w4_wgmma.ROUTE_MIN_M..MAX_M tokens to the Hopper wgmma kernel (sm_90a only; its GPU tests,
     tests/test_w4_wgmma_gpu.py, passed on an H100 and H200, and it beat mma.sync from M = 64: w4_wgmma.py)."""
     humming: bool = True
-    """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py) to it, where it
-    imports (pyproject's `cuda` extra). H100, 7B layer set vs cuBLAS bf16: 1.82 / 1.66 / 1.32 / 0.91x at M 32 / 64 /
-    128 / 256 against qerl's own 1.50 / 1.16 / 0.88 / 0.64 (bench kernels, 2026-12-06)."""
+    """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py, one table for each
+    of humming's modes: `humming_deterministic`) to it, where it imports (pyproject's `cuda` extra). H100 at
+    e40759d: with batch-invariant tiles humming wins no M (0.46-0.84x cuBLAS bf16 on the 7B layer set), so the
+    table keeps qerl's own kernels everywhere; in stream-K it wins from M 64 (bench kernels, 2026-12-07)."""
+    humming_deterministic: bool = True
+    """humming-kernels with batch-invariant tiles: every call repeats bit for bit (seeded rollouts repeat, CUDA
+    graphs equal eager steps). False: humming's own default, stream-K, whose split-K partial sums land in a varying
+    order (other bits each call; scripts/humming_determinism.py) but which is 2.0-2.6x faster at M 1-256: H100, 7B
+    layer set, 108.8 / 140.2 / 230.6 µs at M 64 / 128 / 256 against 238.6 / 298.6 / 462.0 batch-invariant and qerl's
+    own 157.4 / 208.7 / 321.2 (bench kernels, 2026-12-07). Each has its own routes table (kernels/routes.py)."""
     humming_storage: bool = False
     """Load NVFP4 weights in humming-kernels' layout (formats/nvfp4_humming.py) where humming runs: one copy,
     read by humming at every M and dequantized from for the backward, instead of qerl's MMA layout plus a
     humming copy for the M buckets it serves. Read when a model loads (kernels.storage_format). Off until its
-    GPU tests and the rollout/memory comparison ran on the device (tests/test_humming_storage_gpu.py)."""
+    GPU tests and the rollout/memory comparison ran on the device (tests/test_humming_storage_gpu.py). With
+    batch-invariant humming (`humming_deterministic`) it is slower than qerl's own kernels at every M (H100: the
+    7B rollout at batch 1 ran 121 against 262 tok/s): pair it with humming_deterministic=False."""
     lora_expand_kernel: bool = True
     """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
     (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""
