@@ -4,9 +4,13 @@
 # STEP=kernels: GPU tests of the humming backend, then every candidate side by side on the 7B layer set.
 # STEP=update: one 7B GRPO step with qerl's MMA layout (+ humming copies) and with humming's layout stored (one
 #   copy): peak memory and update time before/after (issue 47 section 1).
-# Owed (2026-12-07): STEP=card on an H200 (tests, routes, rollout table; never started this session) and on the
-# H100 again (routes and rollout under batch-invariant humming), then tests/test_lora_shrink.py, test_moe_gpu.py and
-# test_aqn_families.py on both cards.
+# Give QERL_COMMIT literally (QERL_COMMIT=abc1234 ...): on 2026-12-07 `git rev-parse HEAD` on the device gave an
+# older commit than the tree it ran (the rows were corrected by hand).
+# Owed (2026-12-07, second session): the rollout under the re-measured H100 routes (own at every M when
+# deterministic) and with stream-K (QUANTS=nvfp4,nvfp4_streamk,nvfp4_one_streamk,bf16); STEP=update (one copy's
+# update time and peak); STEP=card on an H200 (never started: tests, both routes tables, rollout);
+# tests/test_humming_storage_gpu.py again (its model test's RNG fix), test_lora_shrink.py, test_moe_gpu.py and
+# test_aqn_families.py on both cards; ncu of batch-invariant humming at M 1-64.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
