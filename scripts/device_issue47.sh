@@ -10,7 +10,8 @@
 # deterministic) and with stream-K (QUANTS=nvfp4,nvfp4_streamk,nvfp4_one_streamk,bf16); STEP=update (one copy's
 # update time and peak); STEP=card on an H200 (never started: tests, both routes tables, rollout);
 # tests/test_humming_storage_gpu.py again (its model test's RNG fix), test_lora_shrink.py, test_moe_gpu.py and
-# test_aqn_families.py on both cards; ncu of batch-invariant humming at M 1-64.
+# test_aqn_families.py on both cards; ncu of batch-invariant humming at M 1-64; the humming_nosplit candidate
+# (default tiles, stream-K off: bit-repeatable) in bench kernels and scripts/humming_determinism.py.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -37,7 +38,7 @@ check)  # GPU tests of the humming layout, the humming route, the MoE LoRA kerne
   timeout ${TEST_S:-260} python3 -m pytest -q -s -p no:cacheprovider --tb=short ${TESTS:-tests/test_humming_layout_gpu.py tests/test_humming_gpu.py tests/test_moe_lora_kernel_gpu.py tests/test_moe_gpu.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -40
   if [ -n "${ROUTES:-}" ]; then  # this card's side-by-side table, written into the routes the rollout then reads
     timeout ${BENCH_S:-200} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
-      --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_lora32} \
+      --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_lora32} \
       > $OUT/bench_stdout.log 2>&1; tail -n 12 $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/
   fi
   [ -n "${BATCHES:-}" ] && timeout ${ROLLOUT_S:-300} python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
@@ -49,7 +50,7 @@ card)  # one call per card: GPU tests of the paths changed since the last device
        # (kept in /tmp/qerl_routes.json for a later call on the same warm machine), then the rollout table
   timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${TESTS:-tests/test_rollout_gpu.py tests/test_lora_shrink.py tests/test_humming_gpu.py tests/test_moe_gpu.py tests/test_quant_head.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -25
   [ -z "${NO_KERNELS:-}" ] && timeout ${BENCH_S:-170} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
-    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_lora32} \
+    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_lora32} \
     > $OUT/bench_stdout.log 2>&1; tail -n 14 $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/; cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
   left=$((${LIMIT:-585} - SECONDS))
   timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \

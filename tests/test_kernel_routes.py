@@ -72,3 +72,15 @@ def test_bench_kernels_writes_both_tables_from_one_run(tmp_path):
     assert got["card"]["nvfp4"] == [[None, "own"]] and got["card"]["nvfp4_streamk"] == [[1, "own"], [None, "humming"]]
     write_routes(path, "card2", det, lambda *_: None)
     assert "nvfp4_streamk" not in json.loads(path.read_text())["card2"]
+
+
+def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():
+    from qerl.kernels.humming_backend import nosplit_entries
+
+    entries = [[1, 8, {"block_shape": [16, 128, 256], "use_stream_k": True, "num_sms": 132}],
+               [9, 64, {"block_shape": [64, 128, 128], "use_stream_k": False, "num_sms": 100}]]
+    out = nosplit_entries(entries)
+    assert [e[:2] for e in out] == [[1, 8], [9, 64]]
+    assert all(e[2]["use_stream_k"] is False for e in out)
+    assert [e[2]["block_shape"] for e in out] == [[16, 128, 256], [64, 128, 128]]
+    assert entries[0][2]["use_stream_k"] is True  # the heuristics' own (cached) list is not changed

@@ -29,7 +29,7 @@ from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
-         "humming", "humming_streamk", "humming_lora32", "humming_lora32_addmm", "triton", "tinygemm"]
+         "humming", "humming_streamk", "humming_nosplit", "humming_lora32", "humming_lora32_addmm", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -213,11 +213,16 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             _, inv = mma_backend._prepare(t)
             out.append(lambda t=t, inv=inv: w4_mma.dequant_matmul(x, t["weight_packed"], t["weight_scale"], inv, n))
         return out
-    if mode in ("humming", "humming_streamk", "humming_lora32"):
+    if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_lora32"):
         if mode == "humming":
             return [lambda h=h: h.matmul(x) for h in sets.humming]
         if mode == "humming_streamk":  # humming's own default config (stream-K: not bit-repeatable), for comparison
             return [lambda h=h: h.layer(x) for h in sets.humming]
+        if mode == "humming_nosplit":  # its default tiles with stream-K off (bit-repeatable: a candidate mode)
+            from ..kernels.humming_backend import nosplit_tuning
+
+            tunings = [nosplit_tuning(h.layer.humming_config, x.device) for h in sets.humming]
+            return [lambda h=h, tu=tu: h.layer(x, tuning_config=tu) for h, tu in zip(sets.humming, tunings)]
         a, starts = _lora32(sets, group)
         return [lambda h=h: h.matmul(x, lora=dispatch.LoraTerm(None, sets.lora_b, 2.0, starts, a=a)) for h in sets.humming]
     if mode == "triton":
@@ -362,6 +367,8 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_streamk", m) in agg:
             rows.append((case, "humming_streamk_us", g("humming_streamk"), "us", None))
+        if ("humming_nosplit", m) in agg:
+            rows.append((case, "humming_nosplit_us", g("humming_nosplit"), "us", None))
         if ("humming_lora32", m) in agg:
             rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
         if ("humming_lora32_addmm", m) in agg:

@@ -88,6 +88,27 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 COMPUTE = {"use_batch_invariant": True}
 
 
+_NOSPLIT: dict[tuple, list] = {}
+
+
+def nosplit_entries(entries: list) -> list:
+    """humming's per-M tile configs ([m_lo, m_hi, config] intervals) with stream-K off: each output tile is
+    summed by one CTA in a fixed K order, so a call repeats bit for bit (not batch-invariant: another M may take
+    other tiles), while the tiles keep their default K depth. Why a candidate: batch-invariant tiles force
+    block_k = warp_k = 32 (humming/tune/base.py) and measured 2.0-2.6x slower than stream-K in graphs."""
+    return [[lo, hi, {**cfg, "use_stream_k": False}] for lo, hi, cfg in entries]
+
+
+def nosplit_tuning(layer_config, device: torch.device) -> list:
+    """`nosplit_entries` of humming's default heuristics for this layer config, once per (config, device)."""
+    from humming.tune import get_heuristics_config
+
+    key = (layer_config.to_str(), device.index)
+    if key not in _NOSPLIT:
+        _NOSPLIT[key] = nosplit_entries(get_heuristics_config(layer_config, None, device=device))
+    return _NOSPLIT[key]
+
+
 def compute_config() -> dict | None:
     """Batch-invariant tiles (COMPUTE) under KernelSettings.humming_deterministic, else humming's default
     (stream-K: faster at M 1-256, not bit-repeatable)."""
