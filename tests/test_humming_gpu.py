@@ -80,20 +80,26 @@ def _routed_case():
     for m in (1, 16, 64, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
-        if routes.pick(m, x.device) == "humming":
+        route = routes.pick(m, x.device)
+        if route in routes.HUMMING:
             assert any(v[1] is not None for v in mma_backend._HUMMING._entries.values()), "humming was not used"
             # two humming runs of one weight differ by bf16 output roundings (H100: 0.0044 relative at M = 64)
-            assert _rel(y, hw.matmul(x)) < 1e-2, m
+            assert _rel(y, hw.matmul(x, backend=route)) < 1e-2, m
         ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
         assert _rel(y, ref) < 8e-3
     assert not supports_shape((1088, 1536)) and supports_shape((1152, 1536))
 
 
+@pytest.mark.parametrize("backend", ["humming", "humming_nosplit"])
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
-def test_the_same_input_gives_the_same_bits(m):
-    """Seeded rollouts repeat and graphs equal eager steps only if each GEMM does (humming's stream-K did not)."""
+def test_the_same_input_gives_the_same_bits(m, backend):
+    """Seeded rollouts repeat and graphs equal eager steps only if each GEMM does (humming's stream-K did not):
+    both of its deterministic modes the routes may pick, batch-invariant tiles and no split."""
     n, k = 4608, 3584
     hw = HummingWeight.build("nvfp4", _weights("nvfp4", n, k, seed=3), (n, k))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    first = hw.matmul(x)
-    assert all(torch.equal(first, hw.matmul(x)) for _ in range(8))
+    first = hw.matmul(x, backend=backend)
+    assert all(torch.equal(first, hw.matmul(x, backend=backend)) for _ in range(8))
+    ref = x.double() @ NVFP4Mma().dequantize(NVFP4Mma().from_checkpoint(_weights("nvfp4", n, k, seed=3), (n, k)),
+                                              (n, k), torch.float64).T
+    assert _rel(first, ref) < 8e-3

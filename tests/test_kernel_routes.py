@@ -14,6 +14,11 @@ def test_buckets_take_the_fastest_backend_at_each_measured_m_and_merge_neighbour
     # a backend that was not measured (nan) never wins; a win in the middle makes its own bucket
     t2 = {1: {"own": 1.0, "humming": float("nan")}, 8: {"own": 3.0, "humming": 2.0}, 16: {"own": 1.0, "humming": 2.0}}
     assert routes.from_timings(t2) == [[1, "own"], [8, "humming"], [None, "own"]]
+    # humming without split is a third candidate (bit-repeatable, so it may serve the deterministic table)
+    t3 = {1: {"own": 73.0, "humming": 221.0, "humming_nosplit": 150.0},
+          64: {"own": 157.0, "humming": 239.0, "humming_nosplit": 120.0},
+          256: {"own": 321.0, "humming": 462.0, "humming_nosplit": float("nan")}}
+    assert routes.from_timings(t3) == [[1, "own"], [64, "humming_nosplit"], [None, "own"]]
 
 
 def test_a_call_takes_the_first_bucket_whose_bound_holds_it():
@@ -84,3 +89,14 @@ def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():
     assert all(e[2]["use_stream_k"] is False for e in out)
     assert [e[2]["block_shape"] for e in out] == [[16, 128, 256], [64, 128, 128]]
     assert entries[0][2]["use_stream_k"] is True  # the heuristics' own (cached) list is not changed
+
+
+def test_each_routed_humming_mode_calls_humming_with_its_own_configs(monkeypatch):
+    from qerl.kernels import humming_backend, settings
+
+    monkeypatch.setattr(humming_backend, "nosplit_tuning", lambda cfg, dev: [[1, 8, {"cfg": cfg}]])
+    assert humming_backend.call_configs("humming_nosplit", "L", None) == (None, [[1, 8, {"cfg": "L"}]])
+    assert humming_backend.call_configs("humming", "L", None) == (humming_backend.COMPUTE, None)
+    with settings.use(humming_deterministic=False):
+        assert humming_backend.call_configs("humming", "L", None) == (None, None)
+        assert humming_backend.call_configs("humming_nosplit", "L", None)[1] is not None

@@ -380,8 +380,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
 
 def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
                  streamk_timings: dict[int, dict[str, float]] | None = None) -> None:
-    """Put this card's measured buckets into the routes table (other cards' entries kept): humming batch-invariant
-    against qerl's own path, and, where its stream-K default was timed too, that table apart."""
+    """Put this card's measured buckets into the routes table (other cards' entries kept): qerl's own path against
+    humming batch-invariant and humming without split (both bit-repeatable), and, where humming's stream-K default
+    was timed too, a table with it in batch-invariant's place."""
     import os
 
     from ..kernels import routes
@@ -509,11 +510,12 @@ def main(argv=None):
             del sets
             torch.cuda.empty_cache()
         if not route_timings:  # the first model's layer set decides the table
-            route_timings = {m: {"own": agg[("nvfp4", m)][0], "humming": agg.get(("humming", m), [float("nan")])[0]}
-                             for m in ms}
+            nan = [float("nan")]  # a candidate not timed at this M never wins it
+            route_timings = {m: {"own": agg[("nvfp4", m)][0], "humming": agg.get(("humming", m), nan)[0],
+                                 "humming_nosplit": agg.get(("humming_nosplit", m), nan)[0]} for m in ms}
             if any(("humming_streamk", m) in agg for m in ms):  # humming's stream-K default: its own table
-                streamk_timings = {m: {"own": agg[("nvfp4", m)][0],
-                                       "humming": agg.get(("humming_streamk", m), [float("nan")])[0]} for m in ms}
+                streamk_timings = {m: {**route_timings[m], "humming": agg.get(("humming_streamk", m), nan)[0]}
+                                   for m in ms}
         r_rows, r_final = summarize(model, agg, ms, bw)
         rows += r_rows
         final += r_final

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import lora_expand, lora_shrink, settings
+from . import lora_expand, lora_shrink, routes, settings
 from .dispatch import LoraTerm
 
 PIN = "0.1.20"  # pyproject's `cuda` extra installs exactly this
@@ -115,6 +115,13 @@ def compute_config() -> dict | None:
     return COMPUTE if settings.current().humming_deterministic else None
 
 
+def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, list | None]:
+    """(compute_config, tuning_config) for a humming call the routes table sent to `backend`."""
+    if backend == "humming_nosplit":
+        return None, nosplit_tuning(layer_config, device)
+    return compute_config(), None
+
+
 @dataclass
 class HummingWeight:
     """One frozen weight in humming's layout, and how long the repack took."""
@@ -143,9 +150,11 @@ class HummingWeight:
         torch.cuda.synchronize()
         return cls(layer, n, k, time.perf_counter() - t0)
 
-    def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None):
-        """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16."""
-        y = self.layer(x2d, compute_config=compute_config())
+    def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
+               backend: str = "humming"):
+        """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16, in the routed humming mode."""
+        cc, tc = call_configs(backend, self.layer.humming_config, x2d.device)
+        y = self.layer(x2d, compute_config=cc, tuning_config=tc)
         if lora is not None:
             return add_lora(y, lora.shrunk(x2d), bias)
         return y if bias is None else y + bias
@@ -227,9 +236,11 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     if lora is not None and lora.xa is None:
         lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
-        y = humming_forward(_layer_config(n, k, w.device), inputs=x2d, weight=w, weight_scale=s,
-                            weight_scale_2=tensors["weight_scale_2"], locks=_locks(w.device),
-                            compute_config=compute_config())
+        config = _layer_config(n, k, w.device)
+        # every M runs on humming here; the table only says in which of its modes
+        cc, tc = call_configs(routes.pick(x2d.shape[0], w.device), config, w.device)
+        y = humming_forward(config, inputs=x2d, weight=w, weight_scale=s, weight_scale_2=tensors["weight_scale_2"],
+                            locks=_locks(w.device), compute_config=cc, tuning_config=tc)
         y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)
     else:
         y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)

@@ -40,11 +40,12 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
-    hw = _humming(tensors, shape, m, x2d.device)
+    route = routes.pick(m, x2d.device)
+    hw = _humming(tensors, shape, route, x2d.device)
     if hw is not None:
         if lora is not None and lora.xa is None:
             lora = lora_shrink.shrunk(lora, x2d)
-        return hw.matmul(x2d.contiguous(), bias=b, lora=lora).view(*x.shape[:-1], n).to(dtype)
+        return hw.matmul(x2d.contiguous(), bias=b, lora=lora, backend=route).view(*x.shape[:-1], n).to(dtype)
     if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
         # The shrink inside the launch only where the measured policy says it finishes in time
         # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
@@ -72,10 +73,10 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     return y.view(*x.shape[:-1], n).to(dtype)
 
 
-def _humming(tensors, shape, m, device):
+def _humming(tensors, shape, route, device):
     """The humming-kernels copy of this weight where the measured table routes M tokens to it, else None.
     Built from these bytes on first use (a second copy of the weight, until humming's layout is the stored one)."""
-    if not (settings.current().humming and humming_backend.supports_shape(shape) and routes.pick(m, device) == "humming"
+    if not (settings.current().humming and humming_backend.supports_shape(shape) and route in routes.HUMMING
             and humming_backend.available(device)):
         return None
 

@@ -17,7 +17,11 @@ from pathlib import Path
 import torch
 
 TABLE_PATH = Path(__file__).with_name("routes.json")
-BACKENDS = ("own", "humming")  # own: qerl's mma.sync / wgmma / dequantize + cuBLAS, by mma_backend's thresholds
+# own: qerl's mma.sync / wgmma / dequantize + cuBLAS, by mma_backend's thresholds; humming: humming-kernels in the
+# mode KernelSettings.humming_deterministic names (batch-invariant tiles, or its stream-K default); humming_nosplit:
+# its default tiles with stream-K off (bit-repeatable per M; humming_backend.nosplit_tuning)
+BACKENDS = ("own", "humming", "humming_nosplit")
+HUMMING = ("humming", "humming_nosplit")
 
 
 @dataclass(frozen=True)
