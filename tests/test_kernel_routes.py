@@ -79,6 +79,51 @@ def test_bench_kernels_writes_both_tables_from_one_run(tmp_path):
     assert "nvfp4_streamk" not in json.loads(path.read_text())["card2"]
 
 
+def test_a_measured_shape_takes_its_own_buckets_and_others_the_cards(monkeypatch):
+    from qerl.kernels import settings
+
+    obj = {"card": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[16, "own"], [None, "humming"]], "source": "s",
+                    "shapes": {"37888x3584": {"nvfp4": [[8, "own"], [None, "humming_nosplit"]]},
+                               "3584x18944": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[None, "own"]]}}}}
+    t = routes.parse(obj)["card"]
+    assert [t.pick(m, shape=(37888, 3584)) for m in (1, 8, 64)] == ["own", "own", "humming_nosplit"]
+    assert t.pick(64, shape=(4608, 3584)) == "own" and t.pick(64, True, (4608, 3584)) == "humming"
+    assert t.pick(64, True, (3584, 18944)) == "own"
+    # a shape without a stream-K table of its own keeps its deterministic buckets in both modes
+    assert t.pick(64, True, (37888, 3584)) == "humming_nosplit"
+    with pytest.raises(ValueError, match="card 'card' shape 1x2.*marlin"):
+        routes.parse({"card": {"nvfp4": [[None, "own"]], "shapes": {"1x2": {"nvfp4": [[None, "marlin"]]}}}})
+    monkeypatch.setattr(routes.torch.cuda, "get_device_name", lambda device=None: "card")
+    monkeypatch.setattr(routes, "_tables", lambda: routes.parse(obj))
+    routes.table_for.cache_clear()
+    try:
+        assert routes.pick(64, None, (37888, 3584)) == "humming_nosplit" and routes.pick(64, None) == "own"
+        with settings.use(humming_deterministic=False):
+            assert routes.pick(64, None, (3584, 18944)) == "own" and routes.pick(64, None, (1, 1)) == "humming"
+    finally:
+        routes.table_for.cache_clear()
+
+
+def test_bench_kernels_writes_each_shapes_buckets_from_its_own_timings(tmp_path):
+    from qerl.bench.kernels import candidates, write_routes
+
+    # one measurement's µs by bench mode -> the table's candidates (humming_streamk stands in for humming there)
+    r = {"bf16": 9.0, "nvfp4": 5.0, "humming": 8.0, "humming_streamk": 4.0, "humming_nosplit": None}
+    c = candidates(r)
+    assert (c["own"], c["humming"]) == (5.0, 8.0) and c["humming_nosplit"] != c["humming_nosplit"]  # nan: never wins
+    assert candidates(r, streamk=True)["humming"] == 4.0
+    path = tmp_path / "routes.json"
+    det = {1: {"own": 73.0, "humming": 221.0}, 64: {"own": 157.0, "humming": 239.0}}
+    shapes = {"3584x18944": ({1: {"own": 20.0, "humming_nosplit": 30.0}, 64: {"own": 50.0, "humming_nosplit": 40.0}},
+                             {}),
+              "4608x3584": ({1: {"own": 5.0, "humming": 6.0}, 64: {"own": 9.0, "humming": 8.0}},
+                            {1: {"own": 5.0, "humming": 4.0}, 64: {"own": 9.0, "humming": 3.0}})}
+    write_routes(path, "card", det, lambda *_: None, None, shapes)
+    got = json.loads(path.read_text())["card"]["shapes"]
+    assert got == {"3584x18944": {"nvfp4": [[1, "own"], [None, "humming_nosplit"]]},
+                   "4608x3584": {"nvfp4": [[1, "own"], [None, "humming"]], "nvfp4_streamk": [[None, "humming"]]}}
+
+
 def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():
     from qerl.kernels.humming_backend import nosplit_entries
 

@@ -25,6 +25,7 @@ import torch
 
 from ..formats import get_format
 from ..formats.nvfp4_mma import NVFP4Mma
+from ..kernels import routes
 from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
@@ -378,8 +379,19 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
     return rows, final
 
 
+def candidates(r: dict[str, float | None], streamk: bool = False) -> dict[str, float]:
+    """The routes table's backends from one measurement's µs by bench mode: qerl's own path ("nvfp4"), humming in
+    the table's mode (batch-invariant, or stream-K for the stream-K table) and humming without split. A candidate
+    not timed never wins (nan)."""
+    nan = float("nan")
+    got = lambda mode: nan if r.get(mode) is None else r[mode]  # noqa: E731
+    return {"own": got("nvfp4"), "humming": got("humming_streamk" if streamk else "humming"),
+            "humming_nosplit": got("humming_nosplit")}
+
+
 def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
-                 streamk_timings: dict[int, dict[str, float]] | None = None) -> None:
+                 streamk_timings: dict[int, dict[str, float]] | None = None,
+                 shape_timings: dict[str, tuple[dict, dict]] | None = None) -> None:
     """Put this card's measured buckets into the routes table (other cards' entries kept): qerl's own path against
     humming batch-invariant and humming without split (both bit-repeatable), and, where humming's stream-K default
     was timed too, a table with it in batch-invariant's place."""
@@ -394,9 +406,15 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
                              f"{time.strftime('%Y-%m-%d')}", "nvfp4": buckets}
     if streamk_timings:
         table[card]["nvfp4_streamk"] = routes.from_timings(streamk_timings)
+    if shape_timings:
+        table[card]["shapes"] = {key: {"nvfp4": routes.from_timings(det),
+                                       **({"nvfp4_streamk": routes.from_timings(sk)} if sk else {})}
+                                 for key, (det, sk) in shape_timings.items()}
     routes.parse(table)  # refuse to write a table the router could not read
     path.write_text(json.dumps(table, indent=2) + "\n")
     log(f"routes for {card}: {buckets}, stream-K: {table[card].get('nvfp4_streamk')} -> {path}")
+    for key, st in table[card].get("shapes", {}).items():
+        log(f"  {key}: {st['nvfp4']}, stream-K: {st.get('nvfp4_streamk')}")
 
 
 LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\d+)x(\d+)\s+M=(\d+)\s+bf16\s+([\d.]+) \| nvfp4\s+([\d.]+) µs.*\| x\s*[\d.]+ \|(.*)$")
@@ -478,6 +496,7 @@ def main(argv=None):
     modes = ["bf16", "nvfp4"] + [m for m in a.modes.split(",") if m and m not in ("bf16", "nvfp4")]
     route_timings: dict[int, dict[str, float]] = {}
     streamk_timings: dict[int, dict[str, float]] = {}
+    shape_timings: dict[str, tuple[dict, dict]] = {}
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
@@ -510,12 +529,15 @@ def main(argv=None):
             del sets
             torch.cuda.empty_cache()
         if not route_timings:  # the first model's layer set decides the table
-            nan = [float("nan")]  # a candidate not timed at this M never wins it
-            route_timings = {m: {"own": agg[("nvfp4", m)][0], "humming": agg.get(("humming", m), nan)[0],
-                                 "humming_nosplit": agg.get(("humming_nosplit", m), nan)[0]} for m in ms}
+            route_timings = {m: candidates({mode: v[0] for (mode, mm), v in agg.items() if mm == m}) for m in ms}
             if any(("humming_streamk", m) in agg for m in ms):  # humming's stream-K default: its own table
-                streamk_timings = {m: {**route_timings[m], "humming": agg.get(("humming_streamk", m), nan)[0]}
+                streamk_timings = {m: candidates({mode: v[0] for (mode, mm), v in agg.items() if mm == m}, True)
                                    for m in ms}
+            for group, (n, k) in LAYER_SETS[model].items():  # and each weight shape's own
+                per = {m: results["shapes"][f"{model}|{group}|{m}"] for m in ms}
+                shape_timings[routes.shape_key((n, k))] = (
+                    {m: candidates(per[m]) for m in ms},
+                    {m: candidates(per[m], True) for m in ms} if streamk_timings else {})
         r_rows, r_final = summarize(model, agg, ms, bw)
         rows += r_rows
         final += r_final
@@ -531,7 +553,8 @@ def main(argv=None):
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
     if a.write_routes:
-        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log, streamk_timings)
+        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log, streamk_timings,
+                     shape_timings)
     (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")

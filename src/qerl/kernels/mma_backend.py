@@ -40,7 +40,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
-    route = routes.pick(m, x2d.device)
+    route = routes.pick(m, x2d.device, shape)
     hw = _humming(tensors, shape, route, x2d.device)
     if hw is not None:
         if lora is not None and lora.xa is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,25 +38,45 @@ class Table:
     # the same card's buckets with humming in its stream-K default (KernelSettings.humming_deterministic off);
     # empty where that was not measured (then `buckets` serve both)
     streamk_buckets: tuple[Bucket, ...] = ()
+    # per weight shape "NxK" measured on its own: (buckets, streamk_buckets). The down projection's long K wants a
+    # split that a wide gate|up does not, so one winner per M for a whole layer set leaves time on the table.
+    shapes: dict[str, tuple[tuple[Bucket, ...], tuple[Bucket, ...]]] = field(default_factory=dict)
 
-    def pick(self, m: int, streamk: bool = False) -> str:
-        buckets = self.streamk_buckets if streamk and self.streamk_buckets else self.buckets
+    def pick(self, m: int, streamk: bool = False, shape: tuple[int, int] | None = None) -> str:
+        own, own_sk = self.shapes.get(shape_key(shape), (self.buckets, self.streamk_buckets)) if shape else \
+            (self.buckets, self.streamk_buckets)
+        buckets = own_sk if streamk and own_sk else own
         for b in buckets:
             if b.m_max is None or m <= b.m_max:
                 return b.backend
         return buckets[-1].backend
 
 
+def shape_key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _buckets(card: str, where: str, rows) -> tuple[Bucket, ...]:
+    buckets = tuple(Bucket(m, name) for m, name in rows)
+    bad = [b.backend for b in buckets if b.backend not in BACKENDS]
+    if bad:
+        raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where}: backends {bad} not in {BACKENDS}")
+    return buckets
+
+
 def parse(obj: dict) -> dict[str, Table]:
     tables = {}
     for card, t in obj.items():
-        buckets = tuple(Bucket(m, name) for m, name in t["nvfp4"])
-        streamk = tuple(Bucket(m, name) for m, name in t.get("nvfp4_streamk", ()))
-        bad = [b.backend for b in buckets + streamk if b.backend not in BACKENDS]
-        if bad or not buckets:
-            raise ValueError(f"{TABLE_PATH.name}: card {card!r}: backends {bad} not in {BACKENDS}" if bad
-                             else f"{TABLE_PATH.name}: card {card!r} has no buckets")
-        tables[card] = Table(card, buckets, t.get("source", ""), streamk)
+        buckets = _buckets(card, "", t["nvfp4"])
+        if not buckets:
+            raise ValueError(f"{TABLE_PATH.name}: card {card!r} has no buckets")
+        shapes = {}
+        for key, st in t.get("shapes", {}).items():
+            sb = _buckets(card, f" shape {key}", st["nvfp4"])
+            if not sb:
+                raise ValueError(f"{TABLE_PATH.name}: card {card!r} shape {key} has no buckets")
+            shapes[key] = (sb, _buckets(card, f" shape {key}", st.get("nvfp4_streamk", ())))
+        tables[card] = Table(card, buckets, t.get("source", ""), _buckets(card, "", t.get("nvfp4_streamk", ())), shapes)
     return tables
 
 
@@ -78,13 +98,14 @@ def table_for(card: str) -> Table | None:
     return first
 
 
-def pick(m: int, device: torch.device) -> str:
-    """The backend for M tokens on `device` ("own" where nothing was measured), from the table of humming's
-    mode in force (KernelSettings.humming_deterministic)."""
+def pick(m: int, device: torch.device, shape: tuple[int, int] | None = None) -> str:
+    """The backend for M tokens of an [N, K] weight on `device` ("own" where nothing was measured): that shape's
+    own buckets where it was measured, else the card's, from the table of humming's mode in force
+    (KernelSettings.humming_deterministic)."""
     from . import settings
 
     t = table_for(torch.cuda.get_device_name(device))
-    return "own" if t is None else t.pick(m, streamk=not settings.current().humming_deterministic)
+    return "own" if t is None else t.pick(m, streamk=not settings.current().humming_deterministic, shape=shape)
 
 
 def from_timings(timings: dict[int, dict[str, float]]) -> list[list]:
