@@ -16,6 +16,8 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
+# KEEP_ROUTES=1: the routes an earlier call wrote on this warm machine (the tree is copied afresh each call)
+[ -n "${KEEP_ROUTES:-}" ] && [ -f /tmp/qerl_routes.json ] && cp /tmp/qerl_routes.json src/qerl/kernels/routes.json && echo "routes from /tmp/qerl_routes.json"
 case "${STEP:-kernels}" in
 kernels)
   timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider --tb=short -x tests/test_humming_gpu.py 2>&1 | tee $OUT/pytest_humming.log | tail -15
@@ -51,9 +53,9 @@ card)  # one call per card: GPU tests of the paths changed since the last device
   timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${TESTS:-tests/test_rollout_gpu.py tests/test_lora_shrink.py tests/test_humming_gpu.py tests/test_moe_gpu.py tests/test_quant_head.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -25
   [ -z "${NO_KERNELS:-}" ] && timeout ${BENCH_S:-170} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
     --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_lora32} \
-    > $OUT/bench_stdout.log 2>&1; tail -n 14 $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/; cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
+    > $OUT/bench_stdout.log 2>&1; tail -n ${TAIL:-24} $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/; cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
   left=$((${LIMIT:-585} - SECONDS))
-  timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
+  [ -z "${NO_ROLLOUT:-}" ] && timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
     --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tee $OUT/rollout.log | tail -30
   ;;
 esac
