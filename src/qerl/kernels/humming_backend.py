@@ -103,10 +103,11 @@ def nosplit_tuning(layer_config, device: torch.device) -> list:
     """`nosplit_entries` of humming's default heuristics for this layer config, once per (config, device)."""
     from humming.tune import get_heuristics_config
 
-    key = (layer_config.to_str(), device.index)
+    # keyed by the config object (held here, so its id is not reused): this runs on every routed call
+    key = (id(layer_config), device.index)
     if key not in _NOSPLIT:
-        _NOSPLIT[key] = nosplit_entries(get_heuristics_config(layer_config, None, device=device))
-    return _NOSPLIT[key]
+        _NOSPLIT[key] = (layer_config, nosplit_entries(get_heuristics_config(layer_config, None, device=device)))
+    return _NOSPLIT[key][1]
 
 
 def compute_config() -> dict | None:

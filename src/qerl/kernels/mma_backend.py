@@ -40,7 +40,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
-    route = routes.pick(m, x2d.device, shape)
+    route = routes.pick(m, x2d.device, shape) if settings.current().humming else "own"
     hw = _humming(tensors, shape, route, x2d.device)
     if hw is not None:
         if lora is not None and lora.xa is None:
@@ -76,7 +76,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
 def _humming(tensors, shape, route, device):
     """The humming-kernels copy of this weight where the measured table routes M tokens to it, else None.
     Built from these bytes on first use (a second copy of the weight, until humming's layout is the stored one)."""
-    if not (settings.current().humming and humming_backend.supports_shape(shape) and route in routes.HUMMING
+    if not (route in routes.HUMMING and humming_backend.supports_shape(shape)
             and humming_backend.available(device)):
         return None
 
