@@ -88,7 +88,7 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 COMPUTE = {"use_batch_invariant": True}
 
 
-_NOSPLIT: dict[tuple, list] = {}
+_NOSPLIT: dict[tuple, tuple] = {}
 
 
 def nosplit_entries(entries: list) -> list:
