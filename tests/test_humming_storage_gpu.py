@@ -87,7 +87,13 @@ def test_a_model_in_the_layout_keeps_one_copy_and_agrees_with_the_mma_layout():
     two = _policy(False)
     with torch.no_grad():
         y2 = two.model(ids).logits.float()
-    assert float((y1 - y2).norm() / y2.norm()) < 2e-2  # the same weights through other kernels (bf16)
+        with settings.use(kernels=False):  # the plain-torch path: dequantize + cuBLAS
+            ref = two.model(ids).logits.float()
+    # the same weights through other bf16 kernels: the stored path is as close to the plain-torch reference as the
+    # MMA layout's kernels are (H100 at ff722d0: every layer within 0.002 relative; the logits of 4 random layers
+    # amplify that to ~0.03, so a fixed bound on y1 - y2 says little)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(y1, ref) < max(2 * rel(y2, ref), 5e-3), (rel(y1, ref), rel(y2, ref), rel(y1, y2))
     # a training step's gradients flow through the stored bytes
     loss = one.model(ids).logits.float().square().mean()
     loss.backward()
