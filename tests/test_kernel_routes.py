@@ -89,8 +89,18 @@ def test_a_measured_shape_takes_its_own_buckets_and_others_the_cards(monkeypatch
     assert [t.pick(m, shape=(37888, 3584)) for m in (1, 8, 64)] == ["own", "own", "humming_nosplit"]
     assert t.pick(64, shape=(4608, 3584)) == "own" and t.pick(64, True, (4608, 3584)) == "humming"
     assert t.pick(64, True, (3584, 18944)) == "own"
-    # a shape without a stream-K table of its own keeps its deterministic buckets in both modes
-    assert t.pick(64, True, (37888, 3584)) == "humming_nosplit"
+    # a shape without a stream-K list of its own takes the card's: the mode decides first, then the shape
+    assert t.pick(64, True, (37888, 3584)) == "humming" and t.pick(8, True, (37888, 3584)) == "own"
+    # a weight stored in humming's layout: the stored lists, else the mode's list with own read as humming
+    assert t.pick(1, shape=(37888, 3584), stored=True) == "humming" and t.pick(64, shape=(37888, 3584), stored=True) \
+        == "humming_nosplit"
+    st = routes.parse({"c": {"nvfp4": [[None, "own"]], "nvfp4_stored": [[8, "humming_nosplit"], [None, "humming"]],
+                             "shapes": {"1x2": {"nvfp4": [[None, "own"]], "nvfp4_stored_streamk": [[None, "humming_nosplit"]]}}}})["c"]
+    assert [st.pick(m, stored=True) for m in (1, 8, 9)] == ["humming_nosplit", "humming_nosplit", "humming"]
+    assert st.pick(1, False, (1, 2), stored=True) == "humming_nosplit"  # the card's stored list (the shape has none)
+    assert st.pick(1, True, (1, 2), stored=True) == "humming_nosplit" and st.pick(1, True, (3, 4), stored=True) \
+        == "humming_nosplit"  # stream-K: the shape's stored list; another shape: the card's stored list
+    assert st.pick(64, True) == "own" and st.pick(64) == "own"
     with pytest.raises(ValueError, match="card 'card' shape 1x2.*marlin"):
         routes.parse({"card": {"nvfp4": [[None, "own"]], "shapes": {"1x2": {"nvfp4": [[None, "marlin"]]}}}})
     monkeypatch.setattr(routes.torch.cuda, "get_device_name", lambda device=None: "card")
@@ -120,8 +130,41 @@ def test_bench_kernels_writes_each_shapes_buckets_from_its_own_timings(tmp_path)
                             {1: {"own": 5.0, "humming": 4.0}, 64: {"own": 9.0, "humming": 3.0}})}
     write_routes(path, "card", det, lambda *_: None, None, shapes)
     got = json.loads(path.read_text())["card"]["shapes"]
-    assert got == {"3584x18944": {"nvfp4": [[1, "own"], [None, "humming_nosplit"]]},
-                   "4608x3584": {"nvfp4": [[1, "own"], [None, "humming"]], "nvfp4_streamk": [[None, "humming"]]}}
+    # each list from its own timings; the stored lists leave qerl's own path out (it cannot read humming's layout)
+    assert got == {"3584x18944": {"nvfp4": [[1, "own"], [None, "humming_nosplit"]],
+                                  "nvfp4_stored": [[None, "humming_nosplit"]]},
+                   "4608x3584": {"nvfp4": [[1, "own"], [None, "humming"]], "nvfp4_stored": [[None, "humming"]],
+                                 "nvfp4_streamk": [[None, "humming"]], "nvfp4_stored_streamk": [[None, "humming"]]}}
+
+
+def test_a_near_tie_keeps_the_bucket_its_backend_holds():
+    t = {1: {"own": 10.0, "humming_nosplit": 20.0}, 8: {"own": 30.0, "humming_nosplit": 29.9},
+         16: {"own": 40.0, "humming_nosplit": 35.0}, 32: {"own": 50.5, "humming_nosplit": 50.0}}
+    # M 8: own within 2 % keeps its bucket; M 16: a clear win moves it; M 32: own within 2 % but no longer holding
+    assert routes.from_timings(t) == [[8, "own"], [None, "humming_nosplit"]]
+
+
+def test_routes_rebuilt_from_a_saved_run_equal_the_live_runs(tmp_path):
+    """bench kernels --routes-from a run's bench_kernels.json writes what --write-routes wrote in that run."""
+    from qerl.bench.kernels import main, timings_from_results
+
+    shapes = {}
+    for g, (n, k) in (("qkv", (4608, 3584)), ("down", (3584, 18944))):
+        for m, own, bi, ns, sk in ((1, 8.5, 24.7, 24.7, 10.8), (64, 18.8, 26.8, 26.7, 13.5), (256, 31.1, 47.2, 40.0, 24.3)):
+            if g == "down":
+                own, ns = own * 2.5, ns * 0.5
+            shapes[f"qwen2.5-7b|{g}|{m}"] = {"bf16": 1.0, "nvfp4": own, "humming": bi, "humming_nosplit": ns,
+                                              "humming_streamk": sk, "nvfp4_lora32": None}
+    results = {"device": "card", "shapes": shapes}
+    det, sk, per = timings_from_results(results)
+    assert det[64] == {"own": 18.8 + 47.0, "humming": 26.8 * 2, "humming_nosplit": 26.7 + 13.35}
+    assert sk[64]["humming"] == 27.0 and set(per) == {"4608x3584", "3584x18944"}
+    (tmp_path / "run.json").write_text(json.dumps(results))
+    main(["--routes-from", str(tmp_path / "run.json"), "--routes-path", str(tmp_path / "r.json"), "--command", "x"])
+    got = routes.parse(json.loads((tmp_path / "r.json").read_text()))["card"]
+    assert got.source.endswith("of x") and got.pick(64, shape=(3584, 18944)) == "humming_nosplit"
+    assert got.pick(64, shape=(4608, 3584)) == "own" and got.pick(256, True, (4608, 3584)) == "humming"
+    assert got.pick(256, shape=(4608, 3584), stored=True) == "humming_nosplit"
 
 
 def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():

@@ -391,30 +391,55 @@ def candidates(r: dict[str, float | None], streamk: bool = False) -> dict[str, f
 
 def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
                  streamk_timings: dict[int, dict[str, float]] | None = None,
-                 shape_timings: dict[str, tuple[dict, dict]] | None = None) -> None:
+                 shape_timings: dict[str, tuple[dict, dict]] | None = None, source: str | None = None) -> None:
     """Put this card's measured buckets into the routes table (other cards' entries kept): qerl's own path against
     humming batch-invariant and humming without split (both bit-repeatable), and, where humming's stream-K default
-    was timed too, a table with it in batch-invariant's place."""
+    was timed too, a list with it in batch-invariant's place; each again without qerl's own path for weights stored
+    in humming's layout; for the layer set and for each weight shape."""
     import os
-
-    from ..kernels import routes
 
     path = path or routes.TABLE_PATH
     table = json.loads(path.read_text()) if path.exists() else {}
-    buckets = routes.from_timings(timings)
-    table[card] = {"source": f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
-                             f"{time.strftime('%Y-%m-%d')}", "nvfp4": buckets}
-    if streamk_timings:
-        table[card]["nvfp4_streamk"] = routes.from_timings(streamk_timings)
+
+    def lists(det: dict, sk: dict | None) -> dict:
+        humming_only = lambda t: {m: {k: v for k, v in c.items() if k != "own"} for m, c in t.items()}  # noqa: E731
+        out = {"nvfp4": routes.from_timings(det), "nvfp4_stored": routes.from_timings(humming_only(det))}
+        if sk:
+            out |= {"nvfp4_streamk": routes.from_timings(sk), "nvfp4_stored_streamk": routes.from_timings(humming_only(sk))}
+        return out
+
+    source = source or (f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
+                        f"{time.strftime('%Y-%m-%d')}")
+    table[card] = {"source": source, **lists(timings, streamk_timings)}
     if shape_timings:
-        table[card]["shapes"] = {key: {"nvfp4": routes.from_timings(det),
-                                       **({"nvfp4_streamk": routes.from_timings(sk)} if sk else {})}
-                                 for key, (det, sk) in shape_timings.items()}
+        table[card]["shapes"] = {key: lists(det, sk) for key, (det, sk) in shape_timings.items()}
     routes.parse(table)  # refuse to write a table the router could not read
     path.write_text(json.dumps(table, indent=2) + "\n")
-    log(f"routes for {card}: {buckets}, stream-K: {table[card].get('nvfp4_streamk')} -> {path}")
-    for key, st in table[card].get("shapes", {}).items():
-        log(f"  {key}: {st['nvfp4']}, stream-K: {st.get('nvfp4_streamk')}")
+    log(f"routes for {card} -> {path}")
+    for key, st in [("layer set", table[card]), *table[card].get("shapes", {}).items()]:
+        log(f"  {key}: " + "; ".join(f"{k}: {st[k]}" for k in routes.KINDS if k in st))
+
+
+def timings_from_results(results: dict, model: str | None = None) -> tuple[dict, dict, dict]:
+    """(layer-set timings, its stream-K timings, per-shape timings) as write_routes takes them, from a run's
+    bench_kernels.json: the first model's layer set, as a live run decides."""
+    per: dict[str, dict[int, dict]] = {}
+    for key, r in results["shapes"].items():
+        mdl, group, m = key.split("|")
+        model = model or mdl
+        if mdl == model:
+            per.setdefault(group, {})[int(m)] = r
+    ms = sorted({m for g in per.values() for m in g})
+    streamk = any(r.get("humming_streamk") is not None for g in per.values() for r in g.values())
+    nan = float("nan")
+    det = {m: {k: sum(candidates(per[g][m]).get(k, nan) for g in per) for k in ("own", "humming", "humming_nosplit")}
+           for m in ms}
+    sk = {m: {k: sum(candidates(per[g][m], True).get(k, nan) for g in per) for k in ("own", "humming", "humming_nosplit")}
+          for m in ms} if streamk else {}
+    shapes = {routes.shape_key(LAYER_SETS[model][g]): ({m: candidates(per[g][m]) for m in ms},
+                                                       {m: candidates(per[g][m], True) for m in ms} if streamk else {})
+              for g in per}
+    return det, sk, shapes
 
 
 LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\d+)x(\d+)\s+M=(\d+)\s+bf16\s+([\d.]+) \| nvfp4\s+([\d.]+) µs.*\| x\s*[\d.]+ \|(.*)$")
@@ -467,6 +492,9 @@ def main(argv=None):
                     help="write this card's fastest path per M (own vs humming, the first model's layer set) into "
                          "the routes table kernels/routes.json (or --routes-path)")
     ap.add_argument("--routes-path", "--routes_path", default=None)
+    ap.add_argument("--routes-from", "--routes_from", default=None,
+                    help="write the routes table from a saved run's bench_kernels.json (no GPU needed); --command "
+                         "says which run it was, for the table's source")
     ap.add_argument("--device", default=None, help="with --from-log: the device the run was on")
     a = ap.parse_args(argv)
     if a.from_log:
@@ -478,6 +506,12 @@ def main(argv=None):
             print("\n".join(final))
             for case, metric, value, unit, target in rows if a.record else ():
                 record("kernels", case, metric, float(value), unit, target, device=a.device, command=a.command, **kw)
+        return
+    if a.routes_from:
+        results = json.loads(Path(a.routes_from).read_text())
+        det, sk, shapes = timings_from_results(results)
+        write_routes(Path(a.routes_path) if a.routes_path else None, results["device"], det, print, sk, shapes,
+                     source=f"python -m qerl.bench.kernels --routes-from bench_kernels.json of {a.command or 'a saved run'}")
         return
     out = Path(a.out)
     log = tee_log(out / "bench_kernels.log")
@@ -494,9 +528,6 @@ def main(argv=None):
     ms = [int(v) for v in a.ms.split(",")]
     rows, final = [], []
     modes = ["bf16", "nvfp4"] + [m for m in a.modes.split(",") if m and m not in ("bf16", "nvfp4")]
-    route_timings: dict[int, dict[str, float]] = {}
-    streamk_timings: dict[int, dict[str, float]] = {}
-    shape_timings: dict[str, tuple[dict, dict]] = {}
     for model in a.models.split(","):
         agg: dict = {}
         for group, (n, k) in LAYER_SETS[model].items():
@@ -528,16 +559,6 @@ def main(argv=None):
                     + " ".join(f"{kk}={v:.1f}" for kk, v in r.items() if kk not in ("bf16", "nvfp4") and v))
             del sets
             torch.cuda.empty_cache()
-        if not route_timings:  # the first model's layer set decides the table
-            route_timings = {m: candidates({mode: v[0] for (mode, mm), v in agg.items() if mm == m}) for m in ms}
-            if any(("humming_streamk", m) in agg for m in ms):  # humming's stream-K default: its own table
-                streamk_timings = {m: candidates({mode: v[0] for (mode, mm), v in agg.items() if mm == m}, True)
-                                   for m in ms}
-            for group, (n, k) in LAYER_SETS[model].items():  # and each weight shape's own
-                per = {m: results["shapes"][f"{model}|{group}|{m}"] for m in ms}
-                shape_timings[routes.shape_key((n, k))] = (
-                    {m: candidates(per[m]) for m in ms},
-                    {m: candidates(per[m], True) for m in ms} if streamk_timings else {})
         r_rows, r_final = summarize(model, agg, ms, bw)
         rows += r_rows
         final += r_final
@@ -553,8 +574,8 @@ def main(argv=None):
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
     if a.write_routes:
-        write_routes(Path(a.routes_path) if a.routes_path else None, dev, route_timings, log, streamk_timings,
-                     shape_timings)
+        det, sk, shapes = timings_from_results(results)
+        write_routes(Path(a.routes_path) if a.routes_path else None, dev, det, log, sk, shapes)
     (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")

@@ -238,8 +238,8 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
         lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
         config = _layer_config(n, k, w.device)
-        # every M runs on humming here; the table only says in which of its modes
-        cc, tc = call_configs(routes.pick(x2d.shape[0], w.device, shape), config, w.device)
+        # every M runs on humming here; the table's stored lists say in which of its modes
+        cc, tc = call_configs(routes.pick(x2d.shape[0], w.device, shape, stored=True), config, w.device)
         y = humming_forward(config, inputs=x2d, weight=w, weight_scale=s, weight_scale_2=tensors["weight_scale_2"],
                             locks=_locks(w.device), compute_config=cc, tuning_config=tc)
         y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)

@@ -30,26 +30,38 @@ class Bucket:
     backend: str
 
 
+# The lists a card's table may hold, each [[m_max, backend], ...]: `nvfp4` for the deterministic mode, `_streamk`
+# for humming's stream-K mode, `_stored` for NVFP4 stored in humming's layout (formats/nvfp4_humming.py), where
+# qerl's own kernels cannot read the bytes and only humming's modes compete.
+KINDS = ("nvfp4", "nvfp4_streamk", "nvfp4_stored", "nvfp4_stored_streamk")
+
+
+def _order(streamk: bool, stored: bool) -> tuple[str, ...]:
+    """Which lists answer, first found first: a mode's own list, else the deterministic one."""
+    if stored:
+        return ("nvfp4_stored_streamk", "nvfp4_streamk", "nvfp4_stored", "nvfp4") if streamk else ("nvfp4_stored", "nvfp4")
+    return ("nvfp4_streamk", "nvfp4") if streamk else ("nvfp4",)
+
+
 @dataclass(frozen=True)
 class Table:
     card: str
-    buckets: tuple[Bucket, ...]
+    lists: dict[str, tuple[Bucket, ...]]  # KINDS -> buckets; "nvfp4" always present
     source: str  # command, commit and date of the measurement
-    # the same card's buckets with humming in its stream-K default (KernelSettings.humming_deterministic off);
-    # empty where that was not measured (then `buckets` serve both)
-    streamk_buckets: tuple[Bucket, ...] = ()
-    # per weight shape "NxK" measured on its own: (buckets, streamk_buckets). The down projection's long K wants a
-    # split that a wide gate|up does not, so one winner per M for a whole layer set leaves time on the table.
-    shapes: dict[str, tuple[tuple[Bucket, ...], tuple[Bucket, ...]]] = field(default_factory=dict)
+    # per weight shape "NxK" measured on its own, the same lists. The down projection's long K wants a split that a
+    # wide gate|up does not, so one winner per M for a whole layer set leaves time on the table.
+    shapes: dict[str, dict[str, tuple[Bucket, ...]]] = field(default_factory=dict)
 
-    def pick(self, m: int, streamk: bool = False, shape: tuple[int, int] | None = None) -> str:
-        own, own_sk = self.shapes.get(shape_key(shape), (self.buckets, self.streamk_buckets)) if shape else \
-            (self.buckets, self.streamk_buckets)
-        buckets = own_sk if streamk and own_sk else own
-        for b in buckets:
-            if b.m_max is None or m <= b.m_max:
-                return b.backend
-        return buckets[-1].backend
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self.lists["nvfp4"]
+
+    def pick(self, m: int, streamk: bool = False, shape: tuple[int, int] | None = None, stored: bool = False) -> str:
+        own = self.shapes.get(shape_key(shape), {}) if shape else {}
+        buckets = next(src[k] for k in _order(streamk, stored) for src in (own, self.lists) if src.get(k))
+        name = next((b.backend for b in buckets if b.m_max is None or m <= b.m_max), buckets[-1].backend)
+        # a stored weight has no copy in qerl's layout: a list that names own falls to humming in the mode in force
+        return "humming" if stored and name == "own" else name
 
 
 def shape_key(shape: tuple[int, int]) -> str:
@@ -64,20 +76,17 @@ def _buckets(card: str, where: str, rows) -> tuple[Bucket, ...]:
     return buckets
 
 
+def _lists(card: str, where: str, t: dict) -> dict[str, tuple[Bucket, ...]]:
+    lists = {k: _buckets(card, where, t[k]) for k in KINDS if k in t}
+    if not lists.get("nvfp4"):
+        raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where} has no buckets")
+    return lists
+
+
 def parse(obj: dict) -> dict[str, Table]:
-    tables = {}
-    for card, t in obj.items():
-        buckets = _buckets(card, "", t["nvfp4"])
-        if not buckets:
-            raise ValueError(f"{TABLE_PATH.name}: card {card!r} has no buckets")
-        shapes = {}
-        for key, st in t.get("shapes", {}).items():
-            sb = _buckets(card, f" shape {key}", st["nvfp4"])
-            if not sb:
-                raise ValueError(f"{TABLE_PATH.name}: card {card!r} shape {key} has no buckets")
-            shapes[key] = (sb, _buckets(card, f" shape {key}", st.get("nvfp4_streamk", ())))
-        tables[card] = Table(card, buckets, t.get("source", ""), _buckets(card, "", t.get("nvfp4_streamk", ())), shapes)
-    return tables
+    return {card: Table(card, _lists(card, "", t), t.get("source", ""),
+                        {key: _lists(card, f" shape {key}", st) for key, st in t.get("shapes", {}).items()})
+            for card, t in obj.items()}
 
 
 @lru_cache(maxsize=None)
@@ -98,22 +107,31 @@ def table_for(card: str) -> Table | None:
     return first
 
 
-def pick(m: int, device: torch.device, shape: tuple[int, int] | None = None) -> str:
-    """The backend for M tokens of an [N, K] weight on `device` ("own" where nothing was measured): that shape's
-    own buckets where it was measured, else the card's, from the table of humming's mode in force
-    (KernelSettings.humming_deterministic)."""
+def pick(m: int, device: torch.device, shape: tuple[int, int] | None = None, stored: bool = False) -> str:
+    """The backend for M tokens of an [N, K] weight on `device` ("own" where nothing was measured; "humming" for
+    a stored weight): that shape's own buckets where it was measured, else the card's, from the list of humming's
+    mode in force (KernelSettings.humming_deterministic) and of the weight's layout."""
     from . import settings
 
     t = table_for(torch.cuda.get_device_name(device))
-    return "own" if t is None else t.pick(m, streamk=not settings.current().humming_deterministic, shape=shape)
+    if t is None:
+        return "humming" if stored else "own"
+    return t.pick(m, streamk=not settings.current().humming_deterministic, shape=shape, stored=stored)
+
+
+TIE = 0.02  # a backend within 2 % of the fastest at an M keeps the bucket it already holds: one run's noise
 
 
 def from_timings(timings: dict[int, dict[str, float]]) -> list[list]:
-    """Buckets [[m_max, backend], ...] from {M: {backend: µs}}: the fastest backend at each measured M,
-    neighbours with the same winner merged, the last bucket open-ended."""
+    """Buckets [[m_max, backend], ...] from {M: {backend: µs}}: the fastest backend at each measured M (the
+    previous bucket's backend where it is within TIE of it: fewer kernels to compile and capture for no measurable
+    loss), neighbours with the same winner merged, the last bucket open-ended."""
     out: list[list] = []
     for m in sorted(timings):
-        best = min((us, name) for name, us in timings[m].items() if us == us and name in BACKENDS)[1]
+        us_best, best = min((us, name) for name, us in timings[m].items() if us == us and name in BACKENDS)
+        held = timings[m].get(out[-1][1], float("nan")) if out else float("nan")
+        if held <= us_best * (1 + TIE):
+            best = out[-1][1]
         if out and out[-1][1] == best:
             out[-1][0] = m
         else:
