@@ -6,12 +6,14 @@
 #   copy): peak memory and update time before/after (issue 47 section 1).
 # Give QERL_COMMIT literally (QERL_COMMIT=abc1234 ...): on 2026-12-07 `git rev-parse HEAD` on the device gave an
 # older commit than the tree it ran (the rows were corrected by hand).
-# Owed (2026-12-07, second session): the rollout under the re-measured H100 routes (own at every M when
-# deterministic) and with stream-K (QUANTS=nvfp4,nvfp4_streamk,nvfp4_one_streamk,bf16); STEP=update (one copy's
-# update time and peak); STEP=card on an H200 (never started: tests, both routes tables, rollout);
-# tests/test_humming_storage_gpu.py again (its model test's RNG fix), test_lora_shrink.py, test_moe_gpu.py and
-# test_aqn_families.py on both cards; ncu of batch-invariant humming at M 1-64; the humming_nosplit candidate
-# (default tiles, stream-K off: bit-repeatable) in bench kernels and scripts/humming_determinism.py.
+# Owed (2026-12-07, third session; H100 done at 1758d4c: per-shape kernels table with humming_nosplit, the rollout
+# under it and in stream-K, one copy's rollout and GRPO step, GPU tests of humming/storage/lora_shrink/rollout/MoE/AQN):
+# the H200, never started in three sessions: one call
+#   QERL_COMMIT=<hash> STEP=card LIMIT=570 TEST_S=170 BENCH_S=200 QUANTS=nvfp4,nvfp4_streamk,bf16 bash scripts/device_issue47.sh
+# then, on the same warm machine, KEEP_ROUTES=1 STEP=card NO_KERNELS=1 TESTS="tests/test_moe_gpu.py
+# tests/test_aqn_families.py tests/test_humming_storage_gpu.py" QUANTS=nvfp4_one,nvfp4_one_streamk BATCHES=1,64,256;
+# the one-copy rollout under the stored lists (9fa9c97: humming without split at small M, not yet measured); ncu of
+# humming's repeatable modes on q|k|v (the idle-SM diagnosis is from tile counts); MoE section 3/5; section 4's profile.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -50,13 +52,13 @@ esac
 case "${STEP:-kernels}" in
 card)  # one call per card: GPU tests of the paths changed since the last device call, this card's routes
        # (kept in /tmp/qerl_routes.json for a later call on the same warm machine), then the rollout table
-  timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${TESTS:-tests/test_rollout_gpu.py tests/test_lora_shrink.py tests/test_humming_gpu.py tests/test_moe_gpu.py tests/test_quant_head.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -25
+  timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${TESTS:-tests/test_rollout_gpu.py tests/test_lora_shrink.py tests/test_humming_gpu.py tests/test_quant_head.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -25
   [ -z "${NO_KERNELS:-}" ] && timeout ${BENCH_S:-170} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
-    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,routed,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_lora32} \
+    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_lora32} \
     > $OUT/bench_stdout.log 2>&1; tail -n ${TAIL:-24} $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/; cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
   left=$((${LIMIT:-585} - SECONDS))
   [ -z "${NO_ROLLOUT:-}" ] && timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
-    --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -v Warning | tee $OUT/rollout.log | tail -30
+    --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -vE "Warning|ms/step" | tee $OUT/rollout.log | tail -30
   ;;
 esac
 case "${STEP:-kernels}" in
