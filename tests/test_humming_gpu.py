@@ -64,30 +64,40 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_the_routed_mma_backend_serves_humming_buckets_and_keeps_its_own_elsewhere(deterministic):
-    """mma_backend.matmul on MMA-layout bytes: where the card's table says humming (and the shape tiles), its
-    result equals HummingWeight's on the same weight; a shape humming cannot tile stays on qerl's kernels. Both
-    of humming's modes (batch-invariant, stream-K), each with its own table."""
-    with settings.use(humming_deterministic=deterministic):
-        _routed_case()
-
-
-def _routed_case():
+@pytest.mark.parametrize("backend", ["own", "humming", "humming_nosplit"])
+def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, deterministic, monkeypatch):
+    """mma_backend.matmul on MMA-layout bytes, with a table that sends this shape to `backend` at every M: humming's
+    routes give HummingWeight's result in that mode on the same weight (bit for bit where the mode repeats), qerl's
+    own route gives its own kernels' (which humming's result is not); a shape humming cannot tile stays on qerl's."""
     n, k = 4608, 3584
-    std = _weights("nvfp4", n, k, seed=3)
-    mma = NVFP4Mma().from_checkpoint(std, (n, k))
-    hw = HummingWeight.build("nvfp4", std, (n, k))
-    for m in (1, 16, 64, 256):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
-        route = routes.pick(m, x.device)
-        if route in routes.HUMMING:
-            assert any(v[1] is not None for v in mma_backend._HUMMING._entries.values()), "humming was not used"
-            # two humming runs of one weight differ by bf16 output roundings (H100: 0.0044 relative at M = 64)
-            assert _rel(y, hw.matmul(x, backend=route)) < 1e-2, m
-        ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
-        assert _rel(y, ref) < 8e-3
-    assert not supports_shape((1088, 1536)) and supports_shape((1152, 1536))
+    obj = {"any": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[None, "own"]],
+                   "shapes": {routes.shape_key((n, k)): {"nvfp4": [[None, backend]], "nvfp4_streamk": [[None, backend]]}}}}
+    monkeypatch.setattr(routes, "_tables", lambda: routes.parse(obj))
+    monkeypatch.setattr(routes.torch.cuda, "get_device_name", lambda device=None: "any")
+    routes.table_for.cache_clear()
+    try:
+        with settings.use(humming_deterministic=deterministic):
+            std = _weights("nvfp4", n, k, seed=3)
+            mma = NVFP4Mma().from_checkpoint(std, (n, k))
+            hw = HummingWeight.build("nvfp4", std, (n, k))
+            for m in (1, 16, 64, 256):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                assert routes.pick(m, x.device, (n, k)) == backend
+                y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
+                ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
+                assert _rel(y, ref) < 8e-3
+                theirs = hw.matmul(x, backend=backend if backend != "own" else "humming")
+                if backend == "own":
+                    with settings.use(humming=False):
+                        assert torch.equal(y, mma_backend.matmul(x, NVFP4Mma(), mma, (n, k)))
+                    assert not torch.equal(y, theirs), m  # other kernels, other roundings: it did not run humming
+                elif deterministic or backend == "humming_nosplit":
+                    assert torch.equal(y, theirs), m  # the same kernel on the same bytes
+                else:  # stream-K: two runs differ by bf16 output roundings (H100: 0.0044 relative at M = 64)
+                    assert _rel(y, theirs) < 1e-2, m
+            assert not supports_shape((1088, 1536)) and supports_shape((1152, 1536))
+    finally:
+        routes.table_for.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["humming", "humming_nosplit"])

@@ -144,8 +144,10 @@ def test_a_near_tie_keeps_the_bucket_its_backend_holds():
     assert routes.from_timings(t) == [[8, "own"], [None, "humming_nosplit"]]
 
 
-def test_routes_rebuilt_from_a_saved_run_equal_the_live_runs(tmp_path):
-    """bench kernels --routes-from a run's bench_kernels.json writes what --write-routes wrote in that run."""
+def test_routes_from_a_saved_run_sum_each_shape_and_pick_per_shape(tmp_path):
+    """bench kernels --routes-from a run's bench_kernels.json: the layer set's timings are the shapes' sums, each
+    shape gets its own lists, and a mode timed nowhere leaves its lists out. (On the H100 run of 1758d4c it
+    rebuilt the lists that run's --write-routes had written, before the tie rule existed.)"""
     from qerl.bench.kernels import main, timings_from_results
 
     shapes = {}
@@ -165,6 +167,18 @@ def test_routes_rebuilt_from_a_saved_run_equal_the_live_runs(tmp_path):
     assert got.source.endswith("of x") and got.pick(64, shape=(3584, 18944)) == "humming_nosplit"
     assert got.pick(64, shape=(4608, 3584)) == "own" and got.pick(256, True, (4608, 3584)) == "humming"
     assert got.pick(256, shape=(4608, 3584), stored=True) == "humming_nosplit"
+    # a run without humming: own everywhere, no stored lists, nothing refused
+    bare = {"device": "card", "shapes": {k: {"bf16": 1.0, "nvfp4": v["nvfp4"]} for k, v in shapes.items()}}
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    main(["--routes-from", str(tmp_path / "bare.json"), "--routes-path", str(tmp_path / "b.json")])
+    written = json.loads((tmp_path / "b.json").read_text())["card"]
+    assert written["nvfp4"] == [[None, "own"]] and "nvfp4_stored" not in written
+    assert routes.parse({"card": written})["card"].pick(64, shape=(3584, 18944), stored=True) == "humming"
+
+
+def test_a_table_built_without_its_deterministic_list_is_refused():
+    with pytest.raises(ValueError, match="card 'c' shape 1x2 has no buckets"):
+        routes.Table("c", {"nvfp4": (routes.Bucket(None, "own"),)}, "s", {"1x2": {"nvfp4_streamk": ()}})
 
 
 def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():

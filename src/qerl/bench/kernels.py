@@ -406,7 +406,7 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
         out = {"nvfp4": routes.from_timings(det), "nvfp4_stored": routes.from_timings(humming_only(det))}
         if sk:
             out |= {"nvfp4_streamk": routes.from_timings(sk), "nvfp4_stored_streamk": routes.from_timings(humming_only(sk))}
-        return out
+        return {k: v for k, v in out.items() if v}  # a list nothing was timed for is left out (humming absent)
 
     source = source or (f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
                         f"{time.strftime('%Y-%m-%d')}")
@@ -573,10 +573,10 @@ def main(argv=None):
                                                             if not x.startswith(("/", "--results-dir", "--out"))])
         for case, metric, value, unit, target in rows:
             record("kernels", case, metric, float(value), unit, target, device=dev, command=cmd, **kw)
+    (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))  # first: routes may refuse
     if a.write_routes:
         det, sk, shapes = timings_from_results(results)
         write_routes(Path(a.routes_path) if a.routes_path else None, dev, det, log, sk, shapes)
-    (out / "bench_kernels.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(["", "=" * 40, *final]))
     log(f"done in {time.time() - t0:.0f} s")
 

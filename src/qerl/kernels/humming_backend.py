@@ -88,7 +88,7 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 COMPUTE = {"use_batch_invariant": True}
 
 
-_NOSPLIT: dict[tuple, tuple] = {}
+_NOSPLIT: dict[tuple, list] = {}
 
 
 def nosplit_entries(entries: list) -> list:
@@ -103,11 +103,12 @@ def nosplit_tuning(layer_config, device: torch.device) -> list:
     """`nosplit_entries` of humming's default heuristics for this layer config, once per (config, device)."""
     from humming.tune import get_heuristics_config
 
-    # keyed by the config object (held here, so its id is not reused): this runs on every routed call
-    key = (id(layer_config), device.index)
+    # once per distinct config (shape, dtypes) and device; to_str() of a transformed (frozen) config is a stored
+    # string, so the lookup on every routed call is cheap
+    key = (layer_config.to_str(), device.index)
     if key not in _NOSPLIT:
-        _NOSPLIT[key] = (layer_config, nosplit_entries(get_heuristics_config(layer_config, None, device=device)))
-    return _NOSPLIT[key][1]
+        _NOSPLIT[key] = nosplit_entries(get_heuristics_config(layer_config, None, device=device))
+    return _NOSPLIT[key]
 
 
 def compute_config() -> dict | None:

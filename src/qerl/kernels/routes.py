@@ -52,6 +52,11 @@ class Table:
     # wide gate|up does not, so one winner per M for a whole layer set leaves time on the table.
     shapes: dict[str, dict[str, tuple[Bucket, ...]]] = field(default_factory=dict)
 
+    def __post_init__(self):
+        for where, lists in [("", self.lists), *((f" shape {k}", v) for k, v in self.shapes.items())]:
+            if not lists.get("nvfp4"):
+                raise ValueError(f"{TABLE_PATH.name}: card {self.card!r}{where} has no buckets")
+
     @property
     def buckets(self) -> tuple[Bucket, ...]:
         return self.lists["nvfp4"]
@@ -128,7 +133,10 @@ def from_timings(timings: dict[int, dict[str, float]]) -> list[list]:
     loss), neighbours with the same winner merged, the last bucket open-ended."""
     out: list[list] = []
     for m in sorted(timings):
-        us_best, best = min((us, name) for name, us in timings[m].items() if us == us and name in BACKENDS)
+        timed = [(us, name) for name, us in timings[m].items() if us == us and name in BACKENDS]
+        if not timed:  # nothing ran at this M (humming absent, or refused the shape): the neighbours decide
+            continue
+        us_best, best = min(timed)
         held = timings[m].get(out[-1][1], float("nan")) if out else float("nan")
         if held <= us_best * (1 + TIE):
             best = out[-1][1]
