@@ -30,7 +30,8 @@ from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
-         "humming", "humming_streamk", "humming_nosplit", "humming_lora32", "humming_lora32_addmm", "triton", "tinygemm"]
+         "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
+         "humming_lora32_addmm", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -114,6 +115,7 @@ class Sets:
             if tinygemm:
                 self.int4.append(_tinygemm_pack(w))
         self._humming = None
+        self._ksplit: dict[int, list] = {}
         self.lora_a = torch.randn(3 * 32, k, device="cuda", dtype=torch.bfloat16) * 0.01  # r = 32, <= 3 segments
         self.lora_b = torch.randn(n, 32, device="cuda", dtype=torch.bfloat16) * 0.01
 
@@ -125,6 +127,13 @@ class Sets:
             from ..kernels.humming_backend import HummingWeight
             self._humming = [HummingWeight.build("nvfp4", t, (self.n, self.k)) for t in self.std]
         return self._humming
+
+    def ksplit(self, splits: int) -> list:
+        """The same weights as `splits` K-slices in humming's grouped layout (kernels/humming_ksplit.py)."""
+        if splits not in self._ksplit:
+            from ..kernels.humming_ksplit import KSplitWeight
+            self._ksplit[splits] = [KSplitWeight.build(t, (self.n, self.k), splits) for t in self.std]
+        return self._ksplit[splits]
 
 
 def _lora32(sets, group):
@@ -214,6 +223,8 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             _, inv = mma_backend._prepare(t)
             out.append(lambda t=t, inv=inv: w4_mma.dequant_matmul(x, t["weight_packed"], t["weight_scale"], inv, n))
         return out
+    if mode.startswith("humming_ksplit"):  # a repeatable split-K through humming's grouped GEMM (a candidate)
+        return [lambda w=w: w.matmul(x) for w in sets.ksplit(int(mode.removeprefix("humming_ksplit")))]
     if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_lora32"):
         if mode == "humming":
             return [lambda h=h: h.matmul(x) for h in sets.humming]
@@ -368,8 +379,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_streamk", m) in agg:
             rows.append((case, "humming_streamk_us", g("humming_streamk"), "us", None))
-        if ("humming_nosplit", m) in agg:
-            rows.append((case, "humming_nosplit_us", g("humming_nosplit"), "us", None))
+        for mode in ("humming_nosplit", "humming_ksplit2", "humming_ksplit4"):
+            if (mode, m) in agg:
+                rows.append((case, f"{mode}_us", g(mode), "us", None))
         if ("humming_lora32", m) in agg:
             rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
         if ("humming_lora32_addmm", m) in agg:

@@ -1,0 +1,32 @@
+"""The split-K-through-a-grouped-GEMM candidate (kernels/humming_ksplit.py) on the GPU: against a float64
+dequantize-then-matmul of the same compressed-tensors bytes (qerl's own NVFP4), and the same bits on every call
+(what it is for: humming's stream-K gives other bits each call)."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+humming = pytest.importorskip("humming")
+
+from qerl.formats import get_format  # noqa: E402
+from qerl.kernels.humming_ksplit import KSplitWeight  # noqa: E402
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (3584, 3584)])
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("m", [1, 64, 256])
+def test_split_k_matches_the_dequantized_reference_and_repeats(n, k, splits, m):
+    g = torch.Generator(device="cuda").manual_seed(n + k + m + splits)
+    w = (torch.randn(n, k, device="cuda", generator=g) * torch.rand(n, 1, device="cuda", generator=g) * 0.05)
+    t = get_format("nvfp4").quantize(w.to(torch.bfloat16))
+    ks = KSplitWeight.build(t, (n, k), splits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = ks.matmul(x)
+    ref = x.double() @ get_format("nvfp4").dequantize(t, (n, k), torch.float64).T
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert _rel(y, ref) < 8e-3
+    assert all(torch.equal(y, ks.matmul(x)) for _ in range(6))
