@@ -15,6 +15,7 @@ from qerl.kernels import dispatch  # noqa: E402
 from qerl.kernels import mma_backend, routes, settings  # noqa: E402
 from qerl.formats.nvfp4_mma import NVFP4Mma  # noqa: E402
 from qerl.kernels.humming_backend import HummingWeight, available, supports_shape  # noqa: E402
+from qerl.kernels.humming_ksplit import KSplitWeight  # noqa: E402
 
 SHAPES = [(4608, 3584), (3584, 18944), (512, 256), (1152, 1536)]
 
@@ -64,7 +65,7 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("backend", ["own", "humming", "humming_nosplit"])
+@pytest.mark.parametrize("backend", ["own", "humming", "humming_nosplit", "humming_ksplit4"])
 def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, deterministic, monkeypatch):
     """mma_backend.matmul on MMA-layout bytes, with a table that sends this shape to `backend` at every M: humming's
     routes give HummingWeight's result in that mode on the same weight (bit for bit where the mode repeats), qerl's
@@ -80,18 +81,20 @@ def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, determ
             std = _weights("nvfp4", n, k, seed=3)
             mma = NVFP4Mma().from_checkpoint(std, (n, k))
             hw = HummingWeight.build("nvfp4", std, (n, k))
+            ks = KSplitWeight.build(std, (n, k), routes.KSPLIT[backend]) if backend in routes.KSPLIT else None
             for m in (1, 16, 64, 256):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 assert routes.pick(m, x.device, (n, k)) == backend
                 y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
                 ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
                 assert _rel(y, ref) < 8e-3
-                theirs = hw.matmul(x, backend=backend if backend != "own" else "humming")
+                theirs = (ks.matmul(x) if backend in routes.KSPLIT else
+                          hw.matmul(x, backend=backend if backend != "own" else "humming"))
                 if backend == "own":
                     with settings.use(humming=False):
                         assert torch.equal(y, mma_backend.matmul(x, NVFP4Mma(), mma, (n, k)))
                     assert not torch.equal(y, theirs), m  # other kernels, other roundings: it did not run humming
-                elif deterministic or backend == "humming_nosplit":
+                elif deterministic or backend != "humming":
                     assert torch.equal(y, theirs), m  # the same kernel on the same bytes
                 else:  # stream-K: two runs differ by bf16 output roundings (H100: 0.0044 relative at M = 64)
                     assert _rel(y, theirs) < 1e-2, m

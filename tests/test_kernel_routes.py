@@ -159,7 +159,9 @@ def test_routes_from_a_saved_run_sum_each_shape_and_pick_per_shape(tmp_path):
                                               "humming_streamk": sk, "nvfp4_lora32": None}
     results = {"device": "card", "shapes": shapes}
     det, sk, per = timings_from_results(results)
-    assert det[64] == {"own": 18.8 + 47.0, "humming": 26.8 * 2, "humming_nosplit": 26.7 + 13.35}
+    assert {k: det[64][k] for k in ("own", "humming", "humming_nosplit")} == \
+        {"own": 18.8 + 47.0, "humming": 26.8 * 2, "humming_nosplit": 26.7 + 13.35}
+    assert det[64]["humming_ksplit4"] != det[64]["humming_ksplit4"]  # not timed: nan, never wins
     assert sk[64]["humming"] == 27.0 and set(per) == {"4608x3584", "3584x18944"}
     (tmp_path / "run.json").write_text(json.dumps(results))
     main(["--routes-from", str(tmp_path / "run.json"), "--routes-path", str(tmp_path / "r.json"), "--command", "x"])
@@ -202,3 +204,21 @@ def test_each_routed_humming_mode_calls_humming_with_its_own_configs(monkeypatch
     with settings.use(humming_deterministic=False):
         assert humming_backend.call_configs("humming", "L", None) == (None, None)
         assert humming_backend.call_configs("humming_nosplit", "L", None)[1] is not None
+
+
+def test_split_k_is_a_backend_for_the_mma_layout_and_never_for_stored_weights(tmp_path):
+    from qerl.bench.kernels import candidates, write_routes
+
+    r = {"nvfp4": 40.0, "humming": 120.0, "humming_nosplit": 110.0, "humming_ksplit4": 20.0, "humming_ksplit2": 30.0}
+    assert candidates(r)["humming_ksplit4"] == 20.0 and candidates(r, True)["humming_ksplit2"] == 30.0
+    path = tmp_path / "routes.json"
+    det = {1: {"own": 10.0, "humming_ksplit4": 15.0, "humming_nosplit": 60.0},
+           64: {"own": 40.0, "humming_ksplit4": 20.0, "humming_nosplit": 110.0}}
+    write_routes(path, "card", det, lambda *_: None)
+    got = json.loads(path.read_text())["card"]
+    assert got["nvfp4"] == [[1, "own"], [None, "humming_ksplit4"]]
+    assert got["nvfp4_stored"] == [[None, "humming_nosplit"]]  # the stored layout cannot serve split-K
+    t = routes.parse({"card": got})["card"]
+    assert t.pick(64) == "humming_ksplit4" and t.pick(64, stored=True) == "humming_nosplit"
+    # a hand-written list naming split-K for a stored weight falls to humming in the mode in force
+    assert routes.parse({"c": {"nvfp4": [[None, "humming_ksplit2"]]}})["c"].pick(8, stored=True) == "humming"

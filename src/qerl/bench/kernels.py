@@ -398,7 +398,7 @@ def candidates(r: dict[str, float | None], streamk: bool = False) -> dict[str, f
     nan = float("nan")
     got = lambda mode: nan if r.get(mode) is None else r[mode]  # noqa: E731
     return {"own": got("nvfp4"), "humming": got("humming_streamk" if streamk else "humming"),
-            "humming_nosplit": got("humming_nosplit")}
+            "humming_nosplit": got("humming_nosplit"), **{k: got(k) for k in routes.KSPLIT}}
 
 
 def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
@@ -414,7 +414,7 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
     table = json.loads(path.read_text()) if path.exists() else {}
 
     def lists(det: dict, sk: dict | None) -> dict:
-        humming_only = lambda t: {m: {k: v for k, v in c.items() if k != "own"} for m, c in t.items()}  # noqa: E731
+        humming_only = lambda t: {m: {k: v for k, v in c.items() if k in routes.HUMMING} for m, c in t.items()}  # noqa: E731
         out = {"nvfp4": routes.from_timings(det), "nvfp4_stored": routes.from_timings(humming_only(det))}
         if sk:
             out |= {"nvfp4_streamk": routes.from_timings(sk), "nvfp4_stored_streamk": routes.from_timings(humming_only(sk))}
@@ -444,9 +444,8 @@ def timings_from_results(results: dict, model: str | None = None) -> tuple[dict,
     ms = sorted({m for g in per.values() for m in g})
     streamk = any(r.get("humming_streamk") is not None for g in per.values() for r in g.values())
     nan = float("nan")
-    det = {m: {k: sum(candidates(per[g][m]).get(k, nan) for g in per) for k in ("own", "humming", "humming_nosplit")}
-           for m in ms}
-    sk = {m: {k: sum(candidates(per[g][m], True).get(k, nan) for g in per) for k in ("own", "humming", "humming_nosplit")}
+    det = {m: {k: sum(candidates(per[g][m]).get(k, nan) for g in per) for k in routes.BACKENDS} for m in ms}
+    sk = {m: {k: sum(candidates(per[g][m], True).get(k, nan) for g in per) for k in routes.BACKENDS}
           for m in ms} if streamk else {}
     shapes = {routes.shape_key(LAYER_SETS[model][g]): ({m: candidates(per[g][m]) for m in ms},
                                                        {m: candidates(per[g][m], True) for m in ms} if streamk else {})

@@ -5,8 +5,9 @@ columns) and long-K (down) weights, 2-4x slower than its stream-K, whose atomic 
 call's bits differ (benchmarks/kernels.md, 2026-12-07). Its grouped-masked GEMM runs every (expert, tile) pair in
 one launch: with K-slices as experts the grid has S times the tiles, each summed by one CTA in a fixed order, and
 the S partial outputs are added by one torch reduction, also in a fixed order. The cost: the activations are
-regrouped per slice (M x K bf16) and S partials of M x N are written and read. A bench candidate
-(`qerl bench kernels --modes humming_ksplit2,humming_ksplit4`), not yet measured, not routed.
+regrouped per slice (M x K bf16) and S partials of M x N are written and read, and the weight needs this copy beside
+qerl's. A candidate of `qerl bench kernels` (modes humming_ksplit2 / humming_ksplit4) and a routes backend of the
+same names (mma_backend builds the copy where the table sends a weight); not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .humming_backend import CT_CONFIGS, nosplit_entries
+from .dispatch import LoraTerm
+from .humming_backend import CT_CONFIGS, add_lora, nosplit_entries
 
 GROUPED = {"gemm_type": "grouped_masked"}
 SLICE_ALIGN = 128  # K elements a slice must be a multiple of (humming's K tiles; NVFP4's 16-element groups)
@@ -89,7 +91,15 @@ class KSplitWeight:
                                                                  gemm_type="grouped_masked", device=device))
         return self._tuning
 
-    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
+               backend: str | None = None) -> torch.Tensor:
+        """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16 (HummingWeight.matmul's contract)."""
+        y = self._product(x2d)
+        if lora is not None:
+            return add_lora(y, lora.shrunk(x2d), bias)
+        return y if bias is None else y + bias
+
+    def _product(self, x2d: torch.Tensor) -> torch.Tensor:
         m = x2d.shape[0]
         layout = self._layouts.get(m)
         if layout is None:

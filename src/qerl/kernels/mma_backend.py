@@ -20,6 +20,7 @@ from .weight_state import WeightState
 
 _STATE: WeightState[tuple] = WeightState()
 _HUMMING: WeightState = WeightState()
+_KSPLIT: dict[int, WeightState] = {s: WeightState() for s in routes.KSPLIT.values()}
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
@@ -41,7 +42,8 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
     route = routes.pick(m, x2d.device, shape) if settings.current().humming else "own"
-    hw = _humming(tensors, shape, route, x2d.device)
+    hw = _humming(tensors, shape, route, x2d.device) if route in routes.HUMMING else \
+        _ksplit(tensors, shape, route, x2d.device) if route in routes.KSPLIT else None
     if hw is not None:
         if lora is not None and lora.xa is None:
             lora = lora_shrink.shrunk(lora, x2d)
@@ -92,6 +94,28 @@ def _humming(tensors, shape, route, device):
                           f"({type(e).__name__}: {str(e)[:120]}); it stays on qerl's kernels", stacklevel=3)
             return None
     return _HUMMING.get(tensors["weight_packed"], build)
+
+
+def _ksplit(tensors, shape, route, device):
+    """The K-sliced grouped copy of this weight (kernels/humming_ksplit.py) where the table routes M tokens to it,
+    else None (humming absent, the shape does not slice, or the card lacks room for a second copy)."""
+    if not humming_backend.available(device):
+        return None
+    splits = routes.KSPLIT[route]
+
+    def build():
+        from ..formats.nvfp4_mma import NVFP4Mma
+        from .humming_ksplit import KSplitWeight
+
+        if not humming_backend.copy_fits(shape, tensors["weight_packed"].device):
+            return None
+        try:
+            return KSplitWeight.build(NVFP4Mma().to_checkpoint(tensors, shape), shape, splits)
+        except Exception as e:  # its JIT or heuristics refuse this shape or split: qerl's own kernels serve it
+            warnings.warn(f"qerl: humming split-K ({splits}) cannot take a {shape[0]}x{shape[1]} weight "
+                          f"({type(e).__name__}: {str(e)[:120]}); it stays on qerl's kernels", stacklevel=3)
+            return None
+    return _KSPLIT[splits].get(tensors["weight_packed"], build)
 
 
 def matmul_grad_input(gy, fmt, tensors, shape):
