@@ -65,6 +65,13 @@ card)  # one call per card: GPU tests of the paths changed since the last device
   ;;
 esac
 case "${STEP:-kernels}" in
+ncu)  # humming's modes, the split-K candidate and qerl's own on q|k|v and down, one launch each (scripts/profile_humming.py)
+  timeout ${NCU_S:-240} ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats python3 scripts/profile_humming.py ${MS:-1 64 256} > $OUT/ncu.log 2>&1
+  grep -E "^range:|^  [a-zA-Z_].*\(|DRAM Throughput|Achieved Occupancy|Grid Size|Duration|Registers Per|Stall" $OUT/ncu.log | head -${TAIL:-200}
+  ;;
+esac
+case "${STEP:-kernels}" in
 profile)  # where one 7B decode step's time goes, by kernel kind, nvfp4 and bf16 (issue 47 section 4)
   timeout ${PROFILE_S:-300} python3 scripts/profile_decode.py --skip-attention ${SHRINK:+--shrink} ${SKIP_STEP:+--skip-step} --quants ${QUANTS:-nvfp4,bf16} \
     --batches ${BATCHES:-1,64} --out $OUT 2>&1 | grep -v Warning | tail -${TAIL:-70}
