@@ -17,6 +17,7 @@
 # New candidate (not yet run anywhere): humming_ksplit2/4, a repeatable split-K through humming's grouped GEMM
 # (kernels/humming_ksplit.py; tests/test_humming_ksplit_gpu.py); if it beats own at M 64-256 on q|k|v, o and down,
 # make it a routes backend (it needs its own copy of those weights, or the stored layout in its grouped form).
+# Also new: STEP=moe_kernels (humming's MoE GEMM against qerl's expert paths, kernels/humming_moe.py) and STEP=ncu.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -62,6 +63,13 @@ card)  # one call per card: GPU tests of the paths changed since the last device
   left=$((${LIMIT:-585} - SECONDS))
   [ -z "${NO_ROLLOUT:-}" ] && timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
     --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512} 2>&1 | grep -vE "Warning|ms/step" | tee $OUT/rollout.log | tail -30
+  ;;
+esac
+case "${STEP:-kernels}" in
+moe_kernels)  # one Qwen3-30B-A3B MoE layer's experts: qerl's loop / grouped / GEMV against humming's MoE GEMM
+  timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_humming_moe_gpu.py 2>&1 | tail -8
+  timeout ${BENCH_S:-240} python3 scripts/moe_gemv_speed.py --humming --record --results-dir $OUT/results \
+    --batches ${BATCHES:-1,8,64,512,2048} 2>&1 | grep -v Warning | tail -20
   ;;
 esac
 case "${STEP:-kernels}" in

@@ -26,6 +26,7 @@ ap.add_argument("--record", action="store_true", help="append the figures to <re
 ap.add_argument("--results-dir", default="benchmarks/results")
 ap.add_argument("--profile", action="store_true", help="torch.profiler of the GEMV at T = 1 and 64 (GPU)")
 ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
+ap.add_argument("--humming", action="store_true", help="also humming-kernels' MoE GEMM (kernels/humming_moe.py, NVFP4)")
 a = ap.parse_args()
 dt = getattr(torch, a.dtype)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,6 +58,11 @@ def timed(fn, reps=20):
     return (time.perf_counter() - t0) * 1e6 / reps
 
 
+hum = None
+if a.humming:
+    from qerl.kernels.humming_moe import HummingExperts
+
+    hum = HummingExperts.from_quant_experts(q)
 print(f"{torch.cuda.get_device_name(0) if dev == 'cuda' else 'CPU'}; experts {e} x (gate_up {2 * i}x{h}, down {h}x{i}) "
       f"{a.format}, top-{a.top_k}")
 print(f"{'T':>5} {'hit':>4} {'loop µs':>9} {'grouped µs':>10} {'gemv µs':>9} {'best/loop':>9} {'GB/s best':>10} "
@@ -81,6 +87,12 @@ with torch.no_grad():
                 us_gemv = timed(lambda: q(x, idx, wts), reps)
             d_gemv = (got.float() - want.float()).abs().max().item()
         d_grouped = (got_g.float() - want.float()).abs().max().item()
+        us_hum, d_hum = float("nan"), float("nan")
+        if hum is not None:
+            got_h = hum(x, idx, wts)
+            d_hum = (got_h.float() - want.float()).abs().max().item()
+            us_hum = timed(lambda: hum(x, idx, wts), reps)
+            print(f"      humming MoE GEMM: {us_hum:.1f} µs, |d| {d_hum:.2e}", flush=True)
         best = min(us_grouped, us_gemv) if us_gemv == us_gemv else us_grouped
         if a.record:
             from pathlib import Path
@@ -88,7 +100,8 @@ with torch.no_grad():
             from qerl.bench.record import record
 
             case = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k} T={t}"
-            for metric, v in (("loop_us", us_loop), ("grouped_us", us_grouped), ("gemv_us", us_gemv)):
+            for metric, v in (("loop_us", us_loop), ("grouped_us", us_grouped), ("gemv_us", us_gemv),
+                              ("humming_us", us_hum)):
                 if v == v:
                     record("moe", case, metric, v, "µs", results_dir=Path(a.results_dir))
         print(f"{t:>5} {hit:>4} {us_loop:>9.1f} {us_grouped:>10.1f} {us_gemv:>9.1f} {us_loop / best:>8.2f}x "
