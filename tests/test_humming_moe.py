@@ -31,6 +31,18 @@ def test_align_lays_the_pairs_out_per_expert_in_padded_blocks(t, k, e, block):
     assert len(ids) % block == 0 and len(experts) * block == len(ids)
 
 
+def test_pairs_routed_to_no_expert_take_no_row_and_add_nothing():
+    topk = torch.tensor([[0, 4], [2, 0], [4, 4]])  # 4 experts: the id 4 is "no expert"
+    a = align(topk, 4, 2)
+    ids, experts = _reference(topk, 4, 2)  # the loop covers experts 0-3 only
+    assert a.sorted_ids.tolist() == ids == [0, 3, 2, 6] and a.expert_ids.tolist() == experts == [0, 2]
+    rows = torch.full((6, 3), float("nan"))  # unwritten rows may hold anything
+    rows[0], rows[3], rows[2] = 1.0, 2.0, 3.0
+    w = torch.full((3, 2), 0.5)
+    got = combine(rows, w, torch.float32, topk < 4)
+    assert torch.equal(got, torch.tensor([[0.5] * 3, [2.5] * 3, [0.0] * 3]))
+
+
 def test_combine_weights_each_tokens_rows_and_sums_them():
     rows = torch.arange(2 * 3 * 4, dtype=torch.float32).view(6, 4)
     w = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]])

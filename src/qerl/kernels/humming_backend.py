@@ -14,6 +14,7 @@ package is optional: the CPU install and tests run without it, and where it cann
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 COMPUTE = {"use_batch_invariant": True}
 
 
-_NOSPLIT: dict[tuple, list] = {}
+_NOSPLIT: dict[tuple, str] = {}
 
 
 def nosplit_entries(entries: list) -> list:
@@ -99,15 +100,16 @@ def nosplit_entries(entries: list) -> list:
     return [[lo, hi, {**cfg, "use_stream_k": False}] for lo, hi, cfg in entries]
 
 
-def nosplit_tuning(layer_config, device: torch.device) -> list:
-    """`nosplit_entries` of humming's default heuristics for this layer config, once per (config, device)."""
+def nosplit_tuning(layer_config, device: torch.device, gemm_type: str = "dense") -> str:
+    """`nosplit_entries` of humming's default heuristics for this layer config, as the JSON string humming's
+    forward takes (a list it would serialize again on every call), once per (config, device, GEMM type)."""
     from humming.tune import get_heuristics_config
 
-    # once per distinct config (shape, dtypes) and device; to_str() of a transformed (frozen) config is a stored
-    # string, so the lookup on every routed call is cheap
-    key = (layer_config.to_str(), device.index)
+    # to_str() of a transformed (frozen) config is a stored string, so the lookup on every routed call is cheap
+    key = (layer_config.to_str(), device.index, gemm_type)
     if key not in _NOSPLIT:
-        _NOSPLIT[key] = nosplit_entries(get_heuristics_config(layer_config, None, device=device))
+        _NOSPLIT[key] = json.dumps(nosplit_entries(get_heuristics_config(layer_config, None, gemm_type=gemm_type,
+                                                                         device=device)))
     return _NOSPLIT[key]
 
 
@@ -117,7 +119,7 @@ def compute_config() -> dict | None:
     return COMPUTE if settings.current().humming_deterministic else None
 
 
-def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, list | None]:
+def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, str | None]:
     """(compute_config, tuning_config) for a humming call the routes table sent to `backend`."""
     if backend == "humming_nosplit":
         return None, nosplit_tuning(layer_config, device)
@@ -155,11 +157,29 @@ class HummingWeight:
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
                backend: str = "humming"):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16, in the routed humming mode."""
+        lora, pending = start_lora(lora, x2d)
         cc, tc = call_configs(backend, self.layer.humming_config, x2d.device)
         y = self.layer(x2d, compute_config=cc, tuning_config=tc)
-        if lora is not None:
-            return add_lora(y, lora.shrunk(x2d), bias)
-        return y if bias is None else y + bias
+        return end_lora(y, lora, pending, bias)
+
+
+def start_lora(lora: LoraTerm | None, x2d: torch.Tensor):
+    """Before a humming GEMM: (the term with xa, None), or (None, the shrink started beside it) under
+    KernelSettings.lora_overlap."""
+    if lora is None or lora.xa is not None:
+        return lora, None
+    if settings.current().lora_overlap and x2d.is_cuda:
+        return None, lora_shrink.begin(lora, x2d)
+    return lora_shrink.shrunk(lora, x2d), None
+
+
+def end_lora(y: torch.Tensor, lora: LoraTerm | None, pending, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """After it: y (+ bias) (+ the LoRA term), joining a shrink started beside the GEMM."""
+    if pending is not None:
+        lora = lora_shrink.finish(pending)
+    if lora is not None:
+        return add_lora(y, lora, bias)
+    return y if bias is None else y + bias
 
 
 def add_lora(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,16 +255,17 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     x2d = x.reshape(-1, k).to(torch.bfloat16).contiguous()
     b = None if bias is None else bias.to(torch.bfloat16)
     w, s = tensors["weight_packed"], tensors["weight_scale"]
-    if lora is not None and lora.xa is None:
-        lora = lora_shrink.shrunk(lora, x2d)
     if w.is_contiguous() and s.is_contiguous():
+        lora, pending = start_lora(lora, x2d)
         config = _layer_config(n, k, w.device)
         # every M runs on humming here; the table's stored lists say in which of its modes
         cc, tc = call_configs(routes.pick(x2d.shape[0], w.device, shape, stored=True), config, w.device)
         y = humming_forward(config, inputs=x2d, weight=w, weight_scale=s, weight_scale_2=tensors["weight_scale_2"],
                             locks=_locks(w.device), compute_config=cc, tuning_config=tc)
-        y = add_lora(y, lora, b) if lora is not None else (y if b is None else y + b)
+        y = end_lora(y, lora, pending, b)
     else:
+        if lora is not None and lora.xa is None:
+            lora = lora_shrink.shrunk(lora, x2d)
         y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)
         if lora is not None:
             y = add_lora(y, lora)

@@ -4,7 +4,7 @@ Why: on the H100 humming's repeatable modes leave most SMs idle on the narrow (q
 columns) and long-K (down) weights, 2-4x slower than its stream-K, whose atomic adds into the output make every
 call's bits differ (benchmarks/kernels.md, 2026-12-07). Its grouped-masked GEMM runs every (expert, tile) pair in
 one launch: with K-slices as experts the grid has S times the tiles, each summed by one CTA in a fixed order, and
-the S partial outputs are added by one torch reduction, also in a fixed order. The cost: the activations are
+the S partial outputs (bf16: humming writes no fp32) are added in fp32 by one torch reduction, in a fixed order. The cost: the activations are
 regrouped per slice (M x K bf16) and S partials of M x N are written and read, and the weight needs this copy beside
 qerl's. A candidate of `qerl bench kernels` (modes humming_ksplit2 / humming_ksplit4) and a routes backend of the
 same names (mma_backend builds the copy where the table sends a weight); not yet measured on a GPU.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .dispatch import LoraTerm
-from .humming_backend import CT_CONFIGS, add_lora, nosplit_entries
+from .humming_backend import CT_CONFIGS, end_lora, nosplit_tuning, start_lora
 
 GROUPED = {"gemm_type": "grouped_masked"}
 SLICE_ALIGN = 128  # K elements a slice must be a multiple of (humming's K tiles; NVFP4's 16-element groups)
@@ -52,7 +52,8 @@ def regroup(x2d: torch.Tensor, splits: int) -> torch.Tensor:
 
 
 def combine(partials: torch.Tensor, splits: int, dtype: torch.dtype) -> torch.Tensor:
-    """[S * M, N] partial products -> [M, N]: summed in fp32 in slice order, rounded once."""
+    """[S * M, N] partial products -> [M, N]: summed in fp32 in slice order, then rounded. (humming writes each
+    partial in bf16, so every slice is rounded once before the sum, as stream-K's partials are.)"""
     sm, n = partials.shape
     return partials.view(splits, sm // splits, n).sum(0, dtype=torch.float32).to(dtype)
 
@@ -66,7 +67,6 @@ class KSplitWeight:
     k: int
     splits: int
     _layouts: dict = field(default_factory=dict)  # M -> the per-slice token counts (kept: graphs hold them)
-    _tuning: list | None = None
 
     @classmethod
     def build(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int], splits: int,
@@ -82,27 +82,23 @@ class KSplitWeight:
         layer.transform()
         return cls(layer, n, k, splits)
 
-    def tuning(self, device: torch.device) -> list:
+    def tuning(self, device: torch.device) -> str:
         """humming's grouped-GEMM tiles with stream-K off: one CTA a tile, a fixed K order."""
-        if self._tuning is None:
-            from humming.tune import get_heuristics_config
-
-            self._tuning = nosplit_entries(get_heuristics_config(self.layer.humming_config, None,
-                                                                 gemm_type="grouped_masked", device=device))
-        return self._tuning
+        return nosplit_tuning(self.layer.humming_config, device, "grouped_masked")
 
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
                backend: str | None = None) -> torch.Tensor:
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16 (HummingWeight.matmul's contract)."""
-        y = self._product(x2d)
-        if lora is not None:
-            return add_lora(y, lora.shrunk(x2d), bias)
-        return y if bias is None else y + bias
+        lora, pending = start_lora(lora, x2d)
+        return end_lora(self._product(x2d), lora, pending, bias)
 
     def _product(self, x2d: torch.Tensor) -> torch.Tensor:
         m = x2d.shape[0]
         layout = self._layouts.get(m)
         if layout is None:
+            if torch.cuda.is_current_stream_capturing():  # a fill recorded in a graph is not run now: garbage later
+                raise RuntimeError(f"humming split-K: first call at M = {m} inside a CUDA graph capture; run one "
+                                   "eager call at this M first (the engine's warm-up does)")
             layout = self._layouts[m] = torch.full((self.splits,), m, dtype=torch.int32, device=x2d.device)
         y = self.layer(regroup(x2d, self.splits), expert_layout=layout, compute_config=GROUPED,
                        tuning_config=self.tuning(x2d.device))

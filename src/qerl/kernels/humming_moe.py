@@ -29,16 +29,19 @@ class Alignment:
 
 def align(topk_ids: torch.Tensor, num_experts: int, block: int) -> Alignment:
     """topk_ids [T, k] -> the pairs sorted by expert (ascending pair id within an expert), each expert's run padded to
-    a multiple of `block` with the out-of-range id T*k; experts no pair chose take no block."""
+    a multiple of `block` with the out-of-range id T*k; experts no pair chose take no block, and a pair routed to
+    no expert (the id num_experts, as QuantExperts accepts) takes no row."""
     flat = topk_ids.reshape(-1).long()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    flat = torch.where(flat < num_experts, flat, num_experts)  # sorts after every expert; dropped below
+    kept = int(counts.sum())
     padded = (counts + block - 1) // block * block
-    order = torch.argsort(flat, stable=True)  # pair ids, grouped by expert, ascending within each
+    order = torch.argsort(flat, stable=True)[:kept]  # pair ids, grouped by expert, ascending within each
     start = torch.cumsum(counts, 0) - counts  # first position of each expert in `order`
     start_padded = torch.cumsum(padded, 0) - padded
     experts_of = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - start[experts_of]
+    rank = torch.arange(kept, device=flat.device) - start[experts_of]
     total = int(padded.sum())
     sorted_ids = torch.full((total,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[start_padded[experts_of] + rank] = order.to(torch.int32)
@@ -47,10 +50,15 @@ def align(topk_ids: torch.Tensor, num_experts: int, block: int) -> Alignment:
     return Alignment(sorted_ids, expert_ids, torch.tensor(total, dtype=torch.int32, device=flat.device))
 
 
-def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T*k, H] outputs of the (token, slot) pairs -> [T, H]: each token's k rows weighted and summed in fp32."""
+def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, routed: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """[T*k, H] outputs of the (token, slot) pairs -> [T, H]: each token's k rows weighted and summed in fp32; a pair
+    not routed (routed [T, k] False: its row was never written) adds nothing."""
     t, k = weights.shape
-    return (rows.view(t, k, -1).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)
+    r = rows.view(t, k, -1).float()
+    if routed is not None:
+        r = torch.where(routed.unsqueeze(-1), r, 0.0)
+    return (r * weights.float().unsqueeze(-1)).sum(1).to(dtype)
 
 
 @dataclass
@@ -68,6 +76,9 @@ class HummingExperts:
 
         if getattr(q.fmt, "name", "nvfp4") != "nvfp4":
             raise ValueError(f"humming experts: format {q.fmt.name!r}; this candidate takes NVFP4")
+        if q.has_bias or q.r:
+            raise ValueError(f"humming experts ({q.name}): biases or LoRA on the experts; this candidate runs the "
+                             "frozen base only")
         layers = []
         for proj in ("gate_up_proj", "down_proj"):
             n, k = q.shapes[proj]
@@ -90,7 +101,7 @@ class HummingExperts:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
         x = x.to(torch.bfloat16).contiguous()
-        c1 = self._config(self.gate_up, t, x.device)
+        c1 = self._config(self.gate_up, t * k, x.device)  # humming's heuristics count routed rows (tokens x top-k)
         a1 = align(topk_ids, self.num_experts, c1["block_shape"][0])
         y = self.gate_up(x, sorted_ids=a1.sorted_ids, expert_ids=a1.expert_ids, num_tokens_padded=a1.num_tokens_padded,
                          top_k=k, compute_config=INDEXED, tuning_config=c1)
@@ -100,4 +111,4 @@ class HummingExperts:
                                                                             c2["block_shape"][0])
         out = self.down(h, sorted_ids=a2.sorted_ids, expert_ids=a2.expert_ids, num_tokens_padded=a2.num_tokens_padded,
                         top_k=1, compute_config=INDEXED, tuning_config=c2)
-        return combine(out, weights, x.dtype)
+        return combine(out, weights, x.dtype, topk_ids < self.num_experts)

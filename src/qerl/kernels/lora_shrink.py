@@ -9,6 +9,8 @@ for all M tokens, accumulating in fp32: one kernel, no reduce, no workspace.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import settings
@@ -198,3 +200,39 @@ def shrunk(lora, x2d):
         if supports(x2d, lora.a):
             return LoraTerm(shrink(x2d, lora.a), lora.b, lora.scaling, lora.seg_starts)
     return lora.shrunk(x2d)
+
+
+# ---- The shrink beside the base GEMM (KernelSettings.lora_overlap) ----
+# The shrink needs only x, the base GEMM only x and W: on a side stream the shrink's launches and its small grid
+# overlap the base GEMM instead of preceding it. The side stream forks from the current one (so it sees x) and the
+# current stream waits for it before the expand; in a CUDA graph capture the fork and join become graph edges. Each
+# (device, stream) has its own side stream, made at the first (eager) call, and the split shrink's workspace and
+# counters are per stream already.
+_SIDE: dict = {}
+
+
+@dataclass
+class Pending:
+    term: LoraTerm
+    side: torch.cuda.Stream
+
+
+def begin(lora: LoraTerm, x2d: torch.Tensor) -> Pending:
+    """Start xa = x @ A.T on the side stream of the current one; `finish` before using it."""
+    cur = torch.cuda.current_stream(x2d.device)
+    side = _SIDE.get((x2d.device.index, cur.cuda_stream))
+    if side is None:
+        side = _SIDE[(x2d.device.index, cur.cuda_stream)] = torch.cuda.Stream(x2d.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        term = shrunk(lora, x2d)
+    return Pending(term, side)
+
+
+def finish(p: Pending) -> LoraTerm:
+    """The current stream waits for the side stream's shrink; xa's memory is kept until the current stream is done
+    with it. (x, read on the side stream, stays referenced by the caller until after this join.)"""
+    cur = torch.cuda.current_stream(p.term.xa.device)
+    cur.wait_stream(p.side)
+    p.term.xa.record_stream(cur)
+    return p.term

@@ -44,9 +44,7 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     route = routes.pick(m, x2d.device, shape) if settings.current().humming else "own"
     hw = _humming(tensors, shape, route, x2d.device) if route in routes.HUMMING else \
         _ksplit(tensors, shape, route, x2d.device) if route in routes.KSPLIT else None
-    if hw is not None:
-        if lora is not None and lora.xa is None:
-            lora = lora_shrink.shrunk(lora, x2d)
+    if hw is not None:  # the shrink (beside the GEMM under lora_overlap) and the expand: humming_backend's
         return hw.matmul(x2d.contiguous(), bias=b, lora=lora, backend=route).view(*x.shape[:-1], n).to(dtype)
     if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
         # The shrink inside the launch only where the measured policy says it finishes in time
@@ -99,7 +97,7 @@ def _humming(tensors, shape, route, device):
 def _ksplit(tensors, shape, route, device):
     """The K-sliced grouped copy of this weight (kernels/humming_ksplit.py) where the table routes M tokens to it,
     else None (humming absent, the shape does not slice, or the card lacks room for a second copy)."""
-    if not humming_backend.available(device):
+    if not (humming_backend.supports_shape(shape) and humming_backend.available(device)):
         return None
     splits = routes.KSPLIT[route]
 
@@ -109,8 +107,10 @@ def _ksplit(tensors, shape, route, device):
 
         if not humming_backend.copy_fits(shape, tensors["weight_packed"].device):
             return None
-        try:
-            return KSplitWeight.build(NVFP4Mma().to_checkpoint(tensors, shape), shape, splits)
+        try:  # the heuristics and the JIT fail, if at all, at the first product: run one here
+            w = KSplitWeight.build(NVFP4Mma().to_checkpoint(tensors, shape), shape, splits)
+            w.matmul(torch.zeros(1, shape[1], dtype=torch.bfloat16, device=tensors["weight_packed"].device))
+            return w
         except Exception as e:  # its JIT or heuristics refuse this shape or split: qerl's own kernels serve it
             warnings.warn(f"qerl: humming split-K ({splits}) cannot take a {shape[0]}x{shape[1]} weight "
                           f"({type(e).__name__}: {str(e)[:120]}); it stays on qerl's kernels", stacklevel=3)
