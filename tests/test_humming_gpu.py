@@ -116,3 +116,32 @@ def test_the_same_input_gives_the_same_bits(m, backend):
     ref = x.double() @ NVFP4Mma().dequantize(NVFP4Mma().from_checkpoint(_weights("nvfp4", n, k, seed=3), (n, k)),
                                               (n, k), torch.float64).T
     assert _rel(first, ref) < 8e-3
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_the_shrink_beside_the_gemm_gives_the_same_bits_eager_and_from_a_graph(m):
+    """KernelSettings.lora_overlap runs the same kernels, only the shrink on a side stream: the same bits, also when
+    the fork and join are captured in a CUDA graph and replayed with new inputs."""
+    n, k = 4608, 3584
+    hw = HummingWeight.build("nvfp4", _weights("nvfp4", n, k, seed=5), (n, k))
+    a = torch.randn(96, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(n, 32, device="cuda", dtype=torch.bfloat16) * 0.02
+    term = lambda: dispatch.LoraTerm(None, b, 2.0, (3584, 4096), a=a)  # noqa: E731
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = hw.matmul(x, lora=term())
+    with settings.use(lora_overlap=True):
+        assert torch.equal(hw.matmul(x, lora=term()), ref)
+        static = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on the capture's kind of stream (configs, workspaces)
+            hw.matmul(static, lora=term())
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = hw.matmul(static, lora=term())
+        x2 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        static.copy_(x2)
+        g.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, hw.matmul(x2, lora=term()))

@@ -31,7 +31,7 @@ from .record import record, tee_log
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
          "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
-         "humming_lora32_addmm", "triton", "tinygemm"]
+         "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
 LAYER_SETS = {
@@ -252,8 +252,11 @@ def _time(sets, mode, x, group, **cfg):
     try:
         # "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
         # "humming_lora32_addmm": humming + LoRA with the expand as one addmm per segment (the one-launch kernel's baseline)
-        with settings.use(humming=mode == "routed", lora_expand_kernel=mode != "humming_lora32_addmm"):
-            base = {"routed": "nvfp4", "humming_lora32_addmm": "humming_lora32"}.get(mode, mode)
+        # "humming_lora32_overlap": the same with the shrink on a side stream beside the GEMM (KernelSettings.lora_overlap)
+        with settings.use(humming=mode == "routed", lora_expand_kernel=mode != "humming_lora32_addmm",
+                          lora_overlap=mode == "humming_lora32_overlap"):
+            base = {"routed": "nvfp4", "humming_lora32_addmm": "humming_lora32",
+                    "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
             fns = _fns(sets, base, x, group, **cfg)
             return None if fns is None else time_calls(fns)
     except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
@@ -386,6 +389,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
             rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
         if ("humming_lora32_addmm", m) in agg:
             rows.append((case, "humming_lora32_addmm_overhead", g("humming_lora32_addmm") / g("humming") - 1, "", None))
+        if ("humming_lora32_overlap", m) in agg:
+            rows.append((case, "humming_lora32_overlap_overhead", g("humming_lora32_overlap") / g("humming") - 1, "",
+                         "<=0.10" if m == 64 else None))
         if ("nvfp4_lora32_cublas_shrink", m) in agg:
             rows.append((case, "lora32_overhead_cublas_shrink", g("nvfp4_lora32_cublas_shrink") / q - 1, "", None))
     return rows, final
@@ -549,7 +555,7 @@ def main(argv=None):
                 for mode in modes:
                     if mode == "triton" and m > 64:
                         continue
-                    if mode.endswith("lora32") and m not in (1, 16, 64, 256, 2048):
+                    if "lora32" in mode and m not in (1, 16, 64, 256, 2048):
                         continue
                     if mode.startswith("wgmma") and not (w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M):
                         continue

@@ -234,5 +234,6 @@ def finish(p: Pending) -> LoraTerm:
     with it. (x, read on the side stream, stays referenced by the caller until after this join.)"""
     cur = torch.cuda.current_stream(p.term.xa.device)
     cur.wait_stream(p.side)
-    p.term.xa.record_stream(cur)
+    if not torch.cuda.is_current_stream_capturing():  # a capture's pool keeps its blocks for the graph's life
+        p.term.xa.record_stream(cur)
     return p.term
