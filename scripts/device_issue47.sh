@@ -17,7 +17,7 @@
 # New candidate (not yet run anywhere): humming_ksplit2/4, a repeatable split-K through humming's grouped GEMM
 # (kernels/humming_ksplit.py; tests/test_humming_ksplit_gpu.py); if it beats own at M 64-256 on q|k|v, o and down,
 # make it a routes backend (it needs its own copy of those weights, or the stored layout in its grouped form).
-# Also new: STEP=moe_kernels (humming's MoE GEMM against qerl's expert paths, kernels/humming_moe.py) and STEP=ncu.
+# Also new: bench mode humming_lora32_overlap (KernelSettings.lora_overlap: the shrink on a side stream), STEP=moe_kernels (humming's MoE GEMM against qerl's expert paths, kernels/humming_moe.py) and STEP=ncu.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 QERL_COMMIT=${QERL_COMMIT:-unknown}
@@ -58,7 +58,7 @@ card)  # one call per card: GPU tests of the paths changed since the last device
        # (kept in /tmp/qerl_routes.json for a later call on the same warm machine), then the rollout table
   timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE ${TESTS:-tests/test_humming_ksplit_gpu.py tests/test_rollout_gpu.py tests/test_lora_shrink.py tests/test_humming_gpu.py tests/test_quant_head.py} 2>&1 | tee $OUT/pytest.log | grep -vE "^\s*$|Warning|warn" | tail -25
   [ -z "${NO_KERNELS:-}" ] && timeout ${BENCH_S:-170} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --write-routes \
-    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_ksplit2,humming_ksplit4,humming_lora32} \
+    --models qwen2.5-7b --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-bf16,nvfp4,nvfp4_lora32,humming,humming_streamk,humming_nosplit,humming_ksplit2,humming_ksplit4,humming_lora32,humming_lora32_overlap} \
     > $OUT/bench_stdout.log 2>&1; tail -n ${TAIL:-24} $OUT/bench_stdout.log; cp src/qerl/kernels/routes.json $OUT/; cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
   left=$((${LIMIT:-585} - SECONDS))
   [ -z "${NO_ROLLOUT:-}" ] && timeout $left python3 -m qerl.bench.rollout --record --results-dir $OUT/results --out $OUT --skip-hf \
