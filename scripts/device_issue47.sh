@@ -16,8 +16,8 @@
 # the one-copy rollout under the stored lists (9fa9c97: humming without split at small M, not yet measured); ncu of
 # humming's repeatable modes on q|k|v (the idle-SM diagnosis is from tile counts); MoE section 3/5; section 4's profile.
 # New candidate (not yet run anywhere): humming_ksplit2/4, a repeatable split-K through humming's grouped GEMM
-# (kernels/humming_ksplit.py; tests/test_humming_ksplit_gpu.py); if it beats own at M 64-256 on q|k|v, o and down,
-# make it a routes backend (it needs its own copy of those weights, or the stored layout in its grouped form).
+# (kernels/humming_ksplit.py; tests/test_humming_ksplit_gpu.py), already a routes backend: --write-routes sends a
+# shape to it where it measures fastest, and the rollout after that call runs it.
 # Also new: bench mode humming_lora32_overlap (KernelSettings.lora_overlap: the shrink on a side stream), STEP=moe_kernels (humming's MoE GEMM against qerl's expert paths, kernels/humming_moe.py) and STEP=ncu.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
