@@ -67,6 +67,12 @@ card)  # one call per card: GPU tests of the paths changed since the last device
   ;;
 esac
 case "${STEP:-kernels}" in
+routed)  # after a call that wrote this card's routes (KEEP_ROUTES=1): what layers run, bare and with LoRA r32
+  timeout ${BENCH_S:-200} python3 -m qerl.bench.kernels --record --results-dir $OUT/results --out $OUT --models qwen2.5-7b \
+    --ms ${MS:-1,16,64,128,256,2048} --modes bf16,nvfp4,routed,routed_lora32 > $OUT/bench_stdout.log 2>&1; tail -n 12 $OUT/bench_stdout.log
+  ;;
+esac
+case "${STEP:-kernels}" in
 moe_kernels)  # one Qwen3-30B-A3B MoE layer's experts: qerl's loop / grouped / GEMV against humming's MoE GEMM
   timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_humming_moe_gpu.py 2>&1 | tail -8
   timeout ${BENCH_S:-240} python3 scripts/moe_gemv_speed.py --humming --record --results-dir $OUT/results \

@@ -29,7 +29,7 @@ from ..kernels import routes
 from .record import record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "routed", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
+MODES = ["bf16", "nvfp4", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
          "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
@@ -253,9 +253,10 @@ def _time(sets, mode, x, group, **cfg):
         # "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
         # "humming_lora32_addmm": humming + LoRA with the expand as one addmm per segment (the one-launch kernel's baseline)
         # "humming_lora32_overlap": the same with the shrink on a side stream beside the GEMM (KernelSettings.lora_overlap)
-        with settings.use(humming=mode == "routed", lora_expand_kernel=mode != "humming_lora32_addmm",
+        # "routed_lora32": what layers with LoRA r32 run (the routes table, humming on), the LoRA figure
+        with settings.use(humming=mode in ("routed", "routed_lora32"), lora_expand_kernel=mode != "humming_lora32_addmm",
                           lora_overlap=mode == "humming_lora32_overlap"):
-            base = {"routed": "nvfp4", "humming_lora32_addmm": "humming_lora32",
+            base = {"routed": "nvfp4", "routed_lora32": "nvfp4_lora32", "humming_lora32_addmm": "humming_lora32",
                     "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
             fns = _fns(sets, base, x, group, **cfg)
             return None if fns is None else time_calls(fns)
@@ -375,6 +376,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
         if ("routed", m) in agg:
             rows += [(case, "routed_us", g("routed"), "us", None),
                      (case, "routed_speedup_vs_bf16", bf / g("routed"), "x", ROUTED_TARGETS.get(m) if main_model else None)]
+        if ("routed_lora32", m) in agg and ("routed", m) in agg:
+            rows.append((case, "routed_lora32_overhead", g("routed_lora32") / g("routed") - 1, "",
+                         "<=0.10" if m == 64 and main_model else None))
         if ("dequant", m) in agg:
             rows.append((case, "dequant_us", g("dequant"), "us", None))
         if ("humming", m) in agg:
