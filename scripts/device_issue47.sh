@@ -10,7 +10,8 @@
 # under it and in stream-K, one copy's rollout and GRPO step, GPU tests of humming/storage/lora_shrink/rollout/MoE/AQN):
 # the H200, never started in three sessions: one call
 #   QERL_COMMIT=<hash> STEP=card NO_ROLLOUT=1 TEST_S=200 BENCH_S=360 bash scripts/device_issue47.sh (tests, the table with
-#   every candidate, routes), then KEEP_ROUTES=1 STEP=card NO_KERNELS=1 TEST_S=1 QUANTS=nvfp4,nvfp4_streamk,bf16 (rollout)
+#   every candidate, routes), then KEEP_ROUTES=1 STEP=card NO_KERNELS=1 TEST_S=1 QUANTS=nvfp4,nvfp4_streamk,bf16 (rollout),
+#   then KEEP_ROUTES=1 STEP=routed (the routed path bare and with LoRA r32 under the new table)
 # then, on the same warm machine, KEEP_ROUTES=1 STEP=card NO_KERNELS=1 TESTS="tests/test_moe_gpu.py
 # tests/test_aqn_families.py tests/test_humming_storage_gpu.py" QUANTS=nvfp4_one,nvfp4_one_streamk BATCHES=1,64,256;
 # the one-copy rollout under the stored lists (9fa9c97: humming without split at small M, not yet measured); ncu of
