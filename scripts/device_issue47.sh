@@ -18,7 +18,8 @@
 # humming's repeatable modes on q|k|v (the idle-SM diagnosis is from tile counts); MoE section 3/5; section 4's profile.
 # New candidate (not yet run anywhere): humming_ksplit2/4, a repeatable split-K through humming's grouped GEMM
 # (kernels/humming_ksplit.py; tests/test_humming_ksplit_gpu.py), already a routes backend: --write-routes sends a
-# shape to it where it measures fastest, and the rollout after that call runs it.
+# shape to it where it measures fastest, and the rollout after that call runs it; for one copy (humming_storage) it
+# reads the stored rows as its slices (stored_product; the GPU test checks the layout assumption bit for bit).
 # Also new: bench mode humming_lora32_overlap (KernelSettings.lora_overlap: the shrink on a side stream), STEP=moe_kernels (humming's MoE GEMM against qerl's expert paths, kernels/humming_moe.py) and STEP=ncu.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit

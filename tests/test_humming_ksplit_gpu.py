@@ -9,7 +9,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 humming = pytest.importorskip("humming")
 
 from qerl.formats import get_format  # noqa: E402
-from qerl.kernels.humming_ksplit import KSplitWeight  # noqa: E402
+from qerl.formats.nvfp4_humming import NVFP4Humming  # noqa: E402
+from qerl.kernels import humming_backend  # noqa: E402
+from qerl.kernels.humming_ksplit import KSplitWeight, stored_product  # noqa: E402
 
 
 def _rel(a, b):
@@ -30,3 +32,17 @@ def test_split_k_matches_the_dequantized_reference_and_repeats(n, k, splits, m):
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) < 8e-3
     assert all(torch.equal(y, ks.matmul(x)) for _ in range(6))
+
+
+@pytest.mark.parametrize("n,k,splits", [(4608, 3584, 4), (3584, 18944, 2)])
+@pytest.mark.parametrize("m", [1, 64])
+def test_the_stored_layouts_rows_are_the_slices_humming_makes(n, k, splits, m):
+    """A weight stored in humming's dense layout, its rows viewed as S slices, gives the bits of humming's own
+    grouped transform of the sliced checkpoint (KSplitWeight): no copy is needed for split-K on the one copy."""
+    g = torch.Generator(device="cuda").manual_seed(n + k + splits)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.03
+    t = get_format("nvfp4").quantize(w.to(torch.bfloat16))
+    stored = NVFP4Humming().from_checkpoint(t, (n, k))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = stored_product(x, stored, (n, k), splits, humming_backend._locks(x.device))
+    assert torch.equal(got, KSplitWeight.build(t, (n, k), splits).matmul(x))

@@ -206,7 +206,7 @@ def test_each_routed_humming_mode_calls_humming_with_its_own_configs(monkeypatch
         assert humming_backend.call_configs("humming_nosplit", "L", None)[1] is not None
 
 
-def test_split_k_is_a_backend_for_the_mma_layout_and_never_for_stored_weights(tmp_path):
+def test_split_k_is_a_backend_for_both_layouts_and_own_never_for_stored_weights(tmp_path):
     from qerl.bench.kernels import candidates, write_routes
 
     r = {"nvfp4": 40.0, "humming": 120.0, "humming_nosplit": 110.0, "humming_ksplit4": 20.0, "humming_ksplit2": 30.0}
@@ -217,8 +217,9 @@ def test_split_k_is_a_backend_for_the_mma_layout_and_never_for_stored_weights(tm
     write_routes(path, "card", det, lambda *_: None)
     got = json.loads(path.read_text())["card"]
     assert got["nvfp4"] == [[1, "own"], [None, "humming_ksplit4"]]
-    assert got["nvfp4_stored"] == [[None, "humming_nosplit"]]  # the stored layout cannot serve split-K
+    # the stored layout's lists: own left out, split-K kept (it reads the stored rows as slices)
+    assert got["nvfp4_stored"] == [[None, "humming_ksplit4"]]
     t = routes.parse({"card": got})["card"]
-    assert t.pick(64) == "humming_ksplit4" and t.pick(64, stored=True) == "humming_nosplit"
-    # a hand-written list naming split-K for a stored weight falls to humming in the mode in force
-    assert routes.parse({"c": {"nvfp4": [[None, "humming_ksplit2"]]}})["c"].pick(8, stored=True) == "humming"
+    assert t.pick(64) == "humming_ksplit4" and t.pick(64, stored=True) == "humming_ksplit4"
+    assert routes.parse({"c": {"nvfp4": [[None, "humming_ksplit2"]]}})["c"].pick(8, stored=True) == "humming_ksplit2"
+    assert routes.parse({"c": {"nvfp4": [[None, "own"]]}})["c"].pick(8, stored=True) == "humming"

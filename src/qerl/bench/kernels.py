@@ -424,7 +424,7 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
     table = json.loads(path.read_text()) if path.exists() else {}
 
     def lists(det: dict, sk: dict | None) -> dict:
-        humming_only = lambda t: {m: {k: v for k, v in c.items() if k in routes.HUMMING} for m, c in t.items()}  # noqa: E731
+        humming_only = lambda t: {m: {k: v for k, v in c.items() if k in routes.STORED} for m, c in t.items()}  # noqa: E731
         out = {"nvfp4": routes.from_timings(det), "nvfp4_stored": routes.from_timings(humming_only(det))}
         if sk:
             out |= {"nvfp4_streamk": routes.from_timings(sk), "nvfp4_stored_streamk": routes.from_timings(humming_only(sk))}

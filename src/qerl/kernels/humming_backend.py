@@ -257,11 +257,17 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
     w, s = tensors["weight_packed"], tensors["weight_scale"]
     if w.is_contiguous() and s.is_contiguous():
         lora, pending = start_lora(lora, x2d)
-        config = _layer_config(n, k, w.device)
         # every M runs on humming here; the table's stored lists say in which of its modes
-        cc, tc = call_configs(routes.pick(x2d.shape[0], w.device, shape, stored=True), config, w.device)
-        y = humming_forward(config, inputs=x2d, weight=w, weight_scale=s, weight_scale_2=tensors["weight_scale_2"],
-                            locks=_locks(w.device), compute_config=cc, tuning_config=tc)
+        route = routes.pick(x2d.shape[0], w.device, shape, stored=True)
+        if route in routes.KSPLIT and k % (routes.KSPLIT[route] * 128) == 0:
+            from .humming_ksplit import stored_product
+
+            y = stored_product(x2d, tensors, shape, routes.KSPLIT[route], _locks(w.device))
+        else:
+            config = _layer_config(n, k, w.device)
+            cc, tc = call_configs(route, config, w.device)
+            y = humming_forward(config, inputs=x2d, weight=w, weight_scale=s, weight_scale_2=tensors["weight_scale_2"],
+                                locks=_locks(w.device), compute_config=cc, tuning_config=tc)
         y = end_lora(y, lora, pending, b)
     else:
         if lora is not None and lora.xa is None:

@@ -12,12 +12,13 @@ same names (mma_backend builds the copy where the table sends a weight); not yet
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .dispatch import LoraTerm
 from .humming_backend import CT_CONFIGS, end_lora, nosplit_tuning, start_lora
+from .weight_state import WeightState
 
 GROUPED = {"gemm_type": "grouped_masked"}
 SLICE_ALIGN = 128  # K elements a slice must be a multiple of (humming's K tiles; NVFP4's 16-element groups)
@@ -58,6 +59,68 @@ def combine(partials: torch.Tensor, splits: int, dtype: torch.dtype) -> torch.Te
     return partials.view(splits, sm // splits, n).sum(0, dtype=torch.float32).to(dtype)
 
 
+_LAYOUTS: dict[tuple, torch.Tensor] = {}
+_GROUPED_CONFIGS: dict[tuple, object] = {}
+_SCALE2: WeightState[dict] = WeightState()
+
+
+def _not_capturing(what: str, m: int) -> None:
+    # a tensor filled inside a CUDA graph capture holds its values only on replay: an eager call later reads garbage
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"humming split-K: first call at M = {m} inside a CUDA graph capture ({what}); run one "
+                           "eager call at this M first (the engine's warm-up does)")
+
+
+def layout(splits: int, m: int, device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's per-slice token counts (M each), one tensor per (S, M, device), kept: graphs hold them."""
+    key = (splits, m, device)
+    if key not in _LAYOUTS:
+        _not_capturing("token counts", m)
+        _LAYOUTS[key] = torch.full((splits,), m, dtype=torch.int32, device=device)
+    return _LAYOUTS[key]
+
+
+def grouped_config(n: int, kk: int, splits: int, device: torch.device):
+    """humming's LayerConfig for S NVFP4 experts of [n, kk] (bf16 activations), from a zero template once a shape."""
+    key = (n, kk, splits, device)
+    if key not in _GROUPED_CONFIGS:
+        from humming.layer import HummingLayer
+
+        with torch.device(device):
+            layer = HummingLayer(shape_n=n, shape_k=kk, weight_config=dict(CT_CONFIGS["nvfp4"]), num_experts=splits,
+                                 torch_dtype=torch.bfloat16)
+        layer.load_from_tensors({"weight_packed": torch.zeros(splits, n, kk // 2, dtype=torch.uint8, device=device),
+                                 "weight_scale": torch.ones(splits, n, kk // 16, device=device).to(torch.float8_e4m3fn),
+                                 "weight_global_scale": torch.ones(splits, device=device)})
+        layer.transform()
+        _GROUPED_CONFIGS[key] = layer.humming_config
+    return _GROUPED_CONFIGS[key]
+
+
+def stored_product(x2d: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, int], splits: int,
+                   locks: torch.Tensor) -> torch.Tensor:
+    """x2d @ W.T for a weight STORED in humming's dense layout (formats/nvfp4_humming.py), split over K without a
+    copy: its packed words [K/16, 2N] and scales [K/16, N] are K-major rows of 16, so slice s of K is a row range,
+    and the S ranges viewed as [S, K/16S, ...] are S experts in humming's grouped layout (tests/
+    test_humming_ksplit_gpu.py checks this against humming's own transform of the sliced checkpoint)."""
+    from humming.forward import humming_forward
+
+    n, k = shape
+    kk = slices(k, splits)
+    w, sc = tensors["weight_packed"], tensors["weight_scale"]
+    config = grouped_config(n, kk, splits, w.device)
+    per = _SCALE2.get(tensors["weight_scale_2"], dict)  # dropped with the weight's tensor
+    ws2 = per.get(splits)
+    if ws2 is None:  # humming's per-expert 1/global scale: the tensor's one value, S times
+        _not_capturing("scale", x2d.shape[0])
+        ws2 = per[splits] = tensors["weight_scale_2"].reshape(1).repeat(splits).contiguous()
+    y = humming_forward(config, inputs=regroup(x2d, splits), weight=w.view(splits, -1, w.shape[-1]),
+                        weight_scale=sc.view(splits, -1, sc.shape[-1]), weight_scale_2=ws2,
+                        expert_layout=layout(splits, x2d.shape[0], x2d.device), locks=locks, compute_config=GROUPED,
+                        tuning_config=nosplit_tuning(config, w.device, "grouped_masked"))
+    return combine(y, splits, x2d.dtype)
+
+
 @dataclass
 class KSplitWeight:
     """One frozen NVFP4 weight as S K-slices in humming's grouped layout."""
@@ -66,7 +129,6 @@ class KSplitWeight:
     n: int
     k: int
     splits: int
-    _layouts: dict = field(default_factory=dict)  # M -> the per-slice token counts (kept: graphs hold them)
 
     @classmethod
     def build(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int], splits: int,
@@ -93,13 +155,7 @@ class KSplitWeight:
         return end_lora(self._product(x2d), lora, pending, bias)
 
     def _product(self, x2d: torch.Tensor) -> torch.Tensor:
-        m = x2d.shape[0]
-        layout = self._layouts.get(m)
-        if layout is None:
-            if torch.cuda.is_current_stream_capturing():  # a fill recorded in a graph is not run now: garbage later
-                raise RuntimeError(f"humming split-K: first call at M = {m} inside a CUDA graph capture; run one "
-                                   "eager call at this M first (the engine's warm-up does)")
-            layout = self._layouts[m] = torch.full((self.splits,), m, dtype=torch.int32, device=x2d.device)
-        y = self.layer(regroup(x2d, self.splits), expert_layout=layout, compute_config=GROUPED,
+        y = self.layer(regroup(x2d, self.splits), expert_layout=layout(self.splits, x2d.shape[0], x2d.device),
+                       compute_config=GROUPED,
                        tuning_config=self.tuning(x2d.device))
         return combine(y, self.splits, x2d.dtype)

@@ -21,10 +21,11 @@ TABLE_PATH = Path(__file__).with_name("routes.json")
 # mode KernelSettings.humming_deterministic names (batch-invariant tiles, or its stream-K default); humming_nosplit:
 # its default tiles with stream-K off (bit-repeatable per M; humming_backend.nosplit_tuning)
 # humming_ksplitS: K cut into S slices run as one grouped GEMM and summed in a fixed order (kernels/humming_ksplit.py:
-# bit-repeatable; its own copy of the weight, so not for weights stored in humming's dense layout)
+# bit-repeatable; a copy of an MMA-layout weight, or the stored humming layout's own rows viewed as slices)
 KSPLIT = {"humming_ksplit2": 2, "humming_ksplit4": 4}
 BACKENDS = ("own", "humming", "humming_nosplit", *KSPLIT)
-HUMMING = ("humming", "humming_nosplit")  # the dense humming layout's modes (the stored layout serves these)
+HUMMING = ("humming", "humming_nosplit")  # the dense humming layout's modes
+STORED = (*HUMMING, *KSPLIT)  # what a weight stored in humming's layout can run
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,9 @@ class Table:
         own = self.shapes.get(shape_key(shape), {}) if shape else {}
         buckets = next(src[k] for k in _order(streamk, stored) for src in (own, self.lists) if src.get(k))
         name = next((b.backend for b in buckets if b.m_max is None or m <= b.m_max), buckets[-1].backend)
-        # a stored weight has no copy in qerl's layout nor a grouped one: a list that names either falls to humming
-        # in the mode in force
-        return "humming" if stored and name not in HUMMING else name
+        # a stored weight has no copy in qerl's layout: a list that names own falls to humming in the mode in force
+        # (split-K reads the stored bytes themselves: humming_ksplit.stored_product)
+        return "humming" if stored and name not in STORED else name
 
 
 def shape_key(shape: tuple[int, int]) -> str:
