@@ -221,20 +221,21 @@ def _locks(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _layer_config(n: int, k: int, device: torch.device):
-    """humming's LayerConfig for an [n, k] NVFP4 weight with bf16 activations: it depends on the shape and
-    dtypes only, so it is made once per shape by transforming a zero weight (freed at once) and then
-    serves every stored weight of that shape."""
-    key = (n, k, device)
+def _layer_config(n: int, k: int, device: torch.device, experts: int | None = None):
+    """humming's LayerConfig for an [n, k] NVFP4 weight (or `experts` of them, the grouped GEMMs') with bf16
+    activations: it depends on the shape and dtypes only, so it is made once per shape by transforming a zero
+    weight (freed at once) and then serves every stored weight of that shape."""
+    key = (n, k, device, experts)
     if key not in _CONFIGS:
         from humming.layer import HummingLayer
 
+        lead = () if experts is None else (experts,)
         with torch.device(device):
-            layer = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(CT_CONFIGS["nvfp4"]),
+            layer = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(CT_CONFIGS["nvfp4"]), num_experts=experts,
                                  torch_dtype=torch.bfloat16)
-        layer.load_from_tensors({"weight_packed": torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
-                                 "weight_scale": torch.ones(n, k // 16, device=device).to(torch.float8_e4m3fn),
-                                 "weight_global_scale": torch.ones(1, device=device)})
+        layer.load_from_tensors({"weight_packed": torch.zeros(*lead, n, k // 2, dtype=torch.uint8, device=device),
+                                 "weight_scale": torch.ones(*lead, n, k // 16, device=device).to(torch.float8_e4m3fn),
+                                 "weight_global_scale": torch.ones(*(lead or (1,)), device=device)})
         layer.transform()
         _CONFIGS[key] = layer.humming_config
     return _CONFIGS[key]

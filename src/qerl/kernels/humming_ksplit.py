@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import LoraTerm
-from .humming_backend import CT_CONFIGS, end_lora, nosplit_tuning, start_lora
+from .humming_backend import CT_CONFIGS, _layer_config, end_lora, nosplit_tuning, start_lora
 from .weight_state import WeightState
 
 GROUPED = {"gemm_type": "grouped_masked"}
@@ -60,7 +60,6 @@ def combine(partials: torch.Tensor, splits: int, dtype: torch.dtype) -> torch.Te
 
 
 _LAYOUTS: dict[tuple, torch.Tensor] = {}
-_GROUPED_CONFIGS: dict[tuple, object] = {}
 _SCALE2: WeightState[dict] = WeightState()
 
 
@@ -80,23 +79,6 @@ def layout(splits: int, m: int, device: torch.device) -> torch.Tensor:
     return _LAYOUTS[key]
 
 
-def grouped_config(n: int, kk: int, splits: int, device: torch.device):
-    """humming's LayerConfig for S NVFP4 experts of [n, kk] (bf16 activations), from a zero template once a shape."""
-    key = (n, kk, splits, device)
-    if key not in _GROUPED_CONFIGS:
-        from humming.layer import HummingLayer
-
-        with torch.device(device):
-            layer = HummingLayer(shape_n=n, shape_k=kk, weight_config=dict(CT_CONFIGS["nvfp4"]), num_experts=splits,
-                                 torch_dtype=torch.bfloat16)
-        layer.load_from_tensors({"weight_packed": torch.zeros(splits, n, kk // 2, dtype=torch.uint8, device=device),
-                                 "weight_scale": torch.ones(splits, n, kk // 16, device=device).to(torch.float8_e4m3fn),
-                                 "weight_global_scale": torch.ones(splits, device=device)})
-        layer.transform()
-        _GROUPED_CONFIGS[key] = layer.humming_config
-    return _GROUPED_CONFIGS[key]
-
-
 def stored_product(x2d: torch.Tensor, tensors: dict[str, torch.Tensor], shape: tuple[int, int], splits: int,
                    locks: torch.Tensor) -> torch.Tensor:
     """x2d @ W.T for a weight STORED in humming's dense layout (formats/nvfp4_humming.py), split over K without a
@@ -108,7 +90,7 @@ def stored_product(x2d: torch.Tensor, tensors: dict[str, torch.Tensor], shape: t
     n, k = shape
     kk = slices(k, splits)
     w, sc = tensors["weight_packed"], tensors["weight_scale"]
-    config = grouped_config(n, kk, splits, w.device)
+    config = _layer_config(n, kk, w.device, experts=splits)
     per = _SCALE2.get(tensors["weight_scale_2"], dict)  # dropped with the weight's tensor
     ws2 = per.get(splits)
     if ws2 is None:  # humming's per-expert 1/global scale: the tensor's one value, S times
