@@ -97,6 +97,19 @@ def _begin_running() -> None:
             pass
 
 
+def begin_running() -> None:
+    """For entry points outside `qerl` (the recipes): qerl's Ctrl-C handling from here on, so a Ctrl-C a
+    library turns into another error is still known (`interrupt_received`). Undo with restore_signal_handlers."""
+    install_signal_handlers()
+    _Signals.received = None
+    _begin_running()
+
+
+def interrupt_received() -> bool:
+    """A Ctrl-C (or SIGTERM) reached the process since run() began, whatever error it surfaced as."""
+    return _Signals.received is not None
+
+
 def check_interrupted() -> None:
     """A Ctrl-C that reached the process after run() began but was swallowed on its way (a library's
     `except BaseException`, a finalizer): raised again before the work it should have stopped."""

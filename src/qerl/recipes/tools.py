@@ -277,19 +277,28 @@ def main(argv: list[str] | None = None) -> int:
         sft, rl, task, limit = SMOKE["sft"], SMOKE["rl"], {**SMOKE["task"], "seed": a.task_seed}, SMOKE["eval_limit"]
         if a.output_dir == p.get_default("output_dir"):
             a.output_dir = "runs/tool_recipe_smoke"
-    try:
-        res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft=sft, rl=rl, task=task, eval_limit=limit,
-                  progress=not a.no_progress, evaluation=SMOKE["evaluation"] if a.smoke else None)
-    except (ValueError, OSError) as e:
-        print(f"qerl tool recipe: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # one line, in the shape of `qerl train`'s, and exit status 130
-        from ..cli import after_interrupt
+    from ..cli import after_interrupt, begin_running, interrupt_received, restore_signal_handlers
 
+    def stopped() -> int:  # one line, in the shape of `qerl train`'s, and exit status 130
         after_interrupt()
         print(f"qerl tool recipe: stopped by SIGINT; the recipe does not resume: start again with the same command "
               f"and --overwrite_output_dir (deletes what {a.output_dir} holds)", file=sys.stderr, flush=True)
         return 130
+
+    begin_running()
+    try:
+        res = run(a.seed, a.output_dir, overwrite=a.overwrite_output_dir, sft=sft, rl=rl, task=task, eval_limit=limit,
+                  progress=not a.no_progress, evaluation=SMOKE["evaluation"] if a.smoke else None)
+    except (ValueError, OSError) as e:
+        if interrupt_received():  # a Ctrl-C inside torch's tensor read surfaces as a TypeError, then a read error
+            return stopped()
+        print(f"qerl tool recipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return stopped()
+    finally:
+        if not interrupt_received():  # after one, a second Ctrl-C during cleanup ends at once (after_interrupt)
+            restore_signal_handlers()
     print(res.table())
     if a.record:
         from ..bench.record import device_name
