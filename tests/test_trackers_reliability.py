@@ -214,12 +214,31 @@ def test_qerl_train_with_an_unreachable_wandb_server_is_one_line_and_trains_noth
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")  # wandb's own setting, read by wandb when set
     monkeypatch.delenv("WANDB_MODE", raising=False)
     out = tmp_path / "run"
+    t0 = time.perf_counter()
     rc = main([str(a) for a in train_args(model, out, "--report_to", "wandb")])
+    took = time.perf_counter() - t0
     err = capsys.readouterr().err
+    # 90 s (wandb's default) when another wandb run in this process had read the environment first
+    assert took < 45, f"waited {took:.0f} s: WANDB_INIT_TIMEOUT=3 not honoured"
     assert rc == 2 and "Traceback" not in err and "CommError" not in err
     (line,) = [x for x in err.splitlines() if "error" in x]
     assert line.startswith("qerl train: error: report_to wandb:") and "WANDB_MODE=offline" in line
     assert not list(out.glob("checkpoint-*")) and not (out / "adapter").exists()
+
+
+@pytest.mark.parametrize("text,expected", [("", 15.0), ("3", 3.0), (" 2.5 ", 2.5), ("0", None), ("-1", None),
+                                           ("nan", None), ("soon", None)])
+def test_wandb_init_timeout_is_read_at_each_run(monkeypatch, text, expected):
+    from qerl.train.trackers import WANDB_INIT_TIMEOUT, wandb_init_timeout
+
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", text)
+    if expected is None:
+        with pytest.raises(ValueError, match="WANDB_INIT_TIMEOUT"):
+            wandb_init_timeout()
+    else:
+        assert wandb_init_timeout() == expected
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT")
+    assert wandb_init_timeout() == WANDB_INIT_TIMEOUT
 
 
 # ---- item 13: "none" beside a tracker -------------------------------------------------------------------------

@@ -73,13 +73,28 @@ class TensorBoard:
 WANDB_INIT_TIMEOUT = 15.0  # seconds wandb.init waits for its server (wandb's own default, 90, then ~100 s in all)
 
 
+def wandb_init_timeout() -> float:
+    """WANDB_INIT_TIMEOUT where the user set it, else 15 s. Read here at each run: wandb reads its environment
+    once a process (its setup singleton), so a second run in one process (a notebook, a study) kept the first
+    run's timeout and waited wandb's 90 s default."""
+    text = os.environ.get("WANDB_INIT_TIMEOUT", "").strip()
+    if not text:
+        return WANDB_INIT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"report_to wandb: WANDB_INIT_TIMEOUT={text!r} is not a positive number of seconds")
+    return value
+
+
 class Wandb:
     def __init__(self, out: Path, config: dict, name: str, resume_step: int | None = None):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        # WANDB_INIT_TIMEOUT, when set, is wandb's to read
-        settings = None if os.environ.get("WANDB_INIT_TIMEOUT") else wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT)
+        settings = wandb.Settings(init_timeout=wandb_init_timeout())
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, config=config,
                                   # WANDB_DIR, where the user set it, as transformers' WandbCallback honours it
