@@ -1,7 +1,7 @@
 """The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA.
 
 One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.ROUTE_MIN_M..MAX_M tokens where
-it is available (sm_90a, and KernelSettings.wgmma, on once validated on the device); else `w4_mma` (mma.sync,
+it is available (sm_90a, and KernelSettings.wgmma, on by default); else `w4_mma` (mma.sync,
 decode in registers, bias and LoRA expand in its epilogue) up to w4_mma.MAX_M; larger M and
 grad_input: dequantize the same bytes once + cuBLAS. Per weight
 it keeps 2^7/gs on the device and 1/gs as a host float (weak cache on the packed tensor),

@@ -36,14 +36,14 @@ class KernelSettings:
     humming_deterministic: bool = True
     """humming-kernels with batch-invariant tiles: every call repeats bit for bit (seeded rollouts repeat, CUDA
     graphs equal eager steps). False: humming's own default, stream-K, whose split-K partial sums land in a varying
-    order (other bits each call; scripts/humming_determinism.py) but which is 2.0-2.6x faster at M 1-256: H100, 7B
+    order (other bits each call; benchmarks/kernels.md) but which is 2.0-2.6x faster at M 1-256: H100, 7B
     layer set, 108.8 / 140.2 / 230.6 µs at M 64 / 128 / 256 against 238.6 / 298.6 / 462.0 batch-invariant and qerl's
     own 157.4 / 208.7 / 321.2 (bench kernels, 2026-12-07). Each has its own routes table (kernels/routes.py)."""
     humming_storage: bool = False
     """Load NVFP4 weights in humming-kernels' layout (formats/nvfp4_humming.py) where humming runs: one copy,
     read by humming at every M and dequantized from for the backward, instead of qerl's MMA layout plus a
-    humming copy for the M buckets it serves. Read when a model loads (kernels.storage_format). Off until its
-    GPU tests and the rollout/memory comparison ran on the device (tests/test_humming_storage_gpu.py). With
+    humming copy for the M buckets it serves. Read when a model loads (kernels.storage_format). Off by default:
+    a memory option (one copy instead of two: 14.08 against 16.17 GiB in the H100 7B GRPO step), not a speed path. With
     batch-invariant humming (`humming_deterministic`) it is slower than qerl's own kernels at every M (H100: the
     7B rollout at batch 1 ran 121 against 262 tok/s): pair it with humming_deterministic=False."""
     lora_expand_kernel: bool = True
@@ -52,7 +52,7 @@ class KernelSettings:
     lora_overlap: bool = False
     """Beside humming (dense, split-K or stored), a layer's LoRA shrink runs on a side stream while the base GEMM
     runs, joined before the expand (kernels/lora_shrink.begin/finish): the same kernels and bits, the shrink's
-    launches hidden. A candidate (bench kernels mode humming_lora32_overlap), off until measured."""
+    launches hidden. A candidate (bench kernels mode humming_lora32_overlap), off: not yet measured on a GPU."""
     lora_shrink_split: bool = True
     """A LoRA shrink that is not fused into the base kernel runs as one split-K Triton launch where the measured
     table routes its M (kernels/lora_shrink.py `split_routes`, M 2-64 now; False: the one-row-a-program decode
@@ -70,7 +70,7 @@ class KernelSettings:
     """MoE forwards on CUDA (`kernels` on) take QuantExperts' grouped path: tokens sorted by expert, the hit
     experts dequantized a chunk at a time in one launch (kernels/moe_dequant.py), one torch._grouped_mm per
     projection (False: transformers' loop, one dequantize and matmul per hit expert). H100, one Qwen3-30B-A3B
-    expert layer at 2048 tokens: 4.7 ms against the loop's 94.8 (scripts/moe_gemv_speed.py, 2026-12-06).
+    expert layer at 2048 tokens: 4.7 ms against the loop's 94.8 (`qerl bench moe`, 2026-12-06).
     A module's own `grouped` (True/False) overrides this."""
     moe_gemv: bool = True
     """No-grad MoE forwards of few tokens (CUDA, T <= moe_gemv.MAX_TOKENS, `kernels` on) run each expert

@@ -17,8 +17,8 @@ cp.async (no staging copy, no permute pass), and each chunk's 4 wgmmas run while
 decodes. Decode: 9 integer ops + 4 bf16x2 multiplies a word of 8 weights, ~1.6 thread-instructions
 a weight, once per CTA.
 
-`KernelSettings.wgmma` stays False until tests/test_w4_wgmma_gpu.py passes on the device, so the
-measured paths keep serving every M until then.
+On by default (`KernelSettings.wgmma`) for w4_wgmma.ROUTE_MIN_M..MAX_M tokens: tests/test_w4_wgmma_gpu.py
+passed on an H100 and an H200, and it beat mma.sync from M 64 (benchmarks/kernels.md).
 """
 
 from __future__ import annotations

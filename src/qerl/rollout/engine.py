@@ -113,8 +113,8 @@ class _Call:
     bar: object = None
 
 
-# MoE decode from CUDA graphs by default: the expert LoRA runs in graph-safe kernels (kernels/moe_lora.py);
-# the capture failed before in torch._grouped_mm (a host copy), issue 47.
+# MoE decode from CUDA graphs by default: the expert LoRA runs in graph-safe kernels (kernels/moe_lora.py), and
+# tests/test_moe_gpu.py's graph tests pass on an H100 (graphs give eager's bits).
 MOE_GRAPHS_DEFAULT = True
 
 
@@ -148,7 +148,6 @@ class Engine:
         self.runner = ModelRunner(self.view, self.n_slots, max_len, kv_cache_dtype=kv_cache_dtype,
                                   # an MoE's decode is capturable only where the grouped GEMV runs it (the loop
                                   # and the grouped path read the routing on the host): graphs bounded by it
-                                  # (MOE_GRAPHS_DEFAULT: on once tests/test_moe_gpu.py's graph tests pass)
                                   cuda_graphs=(cuda and (MOE_GRAPHS_DEFAULT or not moe)) if cuda_graphs is None
                                   else cuda_graphs,
                                   graph_max_batch=gemv_max_tokens(kernel_settings) if moe else None,
