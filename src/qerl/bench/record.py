@@ -44,14 +44,9 @@ def _git(*args: str) -> str | None:
 
 def commit() -> str:
     """The commit a bench runs at, read off the tree it runs, never given by hand:
+    - the stamp `write_stamp` left (a copy carried to the device machine), only while the tree's digest matches it;
     - a git checkout: HEAD, with `+src-<digest>` when src/ differs from HEAD (uncommitted code ran);
-    - a copy without .git (the device machine): the commit of the stamp `write_stamp` left, only if the
-      tree's digest still matches it; else `src-<digest>`, the exact source that ran."""
-    if (ROOT / ".git").exists():
-        head = _git("rev-parse", "--short", "HEAD")
-        if head:
-            dirty = _git("status", "--porcelain", "--", "src")
-            return f"{head}+src-{source_digest()}" if dirty else head
+    - else `src-<digest>`, the exact source that ran."""
     digest = source_digest()
     stamp = ROOT / STAMP
     if stamp.is_file():
@@ -61,6 +56,10 @@ def commit() -> str:
                 return s["commit"]
         except ValueError:
             pass
+    if (ROOT / ".git").exists():
+        head = _git("rev-parse", "--short", "HEAD")
+        if head:
+            return f"{head}+src-{digest}" if _git("status", "--porcelain", "--", "src") else head
     return f"src-{digest}"
 
 
