@@ -106,17 +106,20 @@ def test_every_function_receives_what_trl_passes_it_and_scores_the_same():
 
 
 def test_async_functions_are_awaited_together():
-    async def slow_a(completions, **_):
-        await asyncio.sleep(0.5)
-        return [1.0] * len(completions)
+    spans = {}
 
-    async def slow_b(completions, **_):
-        await asyncio.sleep(0.5)
-        return [2.0] * len(completions)
+    def timed(name, value):
+        async def f(completions, **_):
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.2)
+            spans[name] = (t0, time.perf_counter())
+            return [value] * len(completions)
+        f.__name__ = name
+        return f
 
-    t0 = time.perf_counter()
-    sc = score([slow_a, slow_b], None, COMPLETIONS, {"prompts": PROMPTS * 2})
-    assert time.perf_counter() - t0 < 0.9  # concurrently (0.5 s), not one after the other (1.0 s)
+    sc = score([timed("slow_a", 1.0), timed("slow_b", 2.0)], None, COMPLETIONS, {"prompts": PROMPTS * 2})
+    (a0, a1), (b0, b1) = spans["slow_a"], spans["slow_b"]
+    assert a0 < b1 and b0 < a1, spans  # concurrently: each started before the other ended
     assert sc.total == [3.0] * 4 and sc.errors == 0
 
 

@@ -41,10 +41,14 @@ def gain_interval(rows: list[dict]) -> tuple[float, float]:
     return m - t * se, m + t * se
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), for rows whose figure depends on it; the platform where unknown."""
+    """The CPU's model name (CPUINFO's first "model name"), for rows whose figure depends on it; the platform
+    where unknown (no such file, or no such line: ARM kernels name no model there)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in CPUINFO.read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
