@@ -13,8 +13,9 @@ humming = pytest.importorskip("humming")
 
 from qerl.formats import NVFP4  # noqa: E402
 from qerl.formats.nvfp4_humming import NVFP4Humming  # noqa: E402
-from qerl.kernels import dispatch, humming_backend, lora_shrink, settings  # noqa: E402
+from qerl.kernels import dispatch, humming_backend, lora_shrink, routes, settings  # noqa: E402
 from qerl.kernels.humming_backend import HummingWeight  # noqa: E402
+from qerl.kernels.humming_ksplit import KSplitWeight  # noqa: E402
 from qerl.model import qwen25_config, quantized_layers, random_policy  # noqa: E402
 from qerl.rollout import Engine, SamplingParams  # noqa: E402
 
@@ -35,7 +36,12 @@ def test_stored_tensors_give_humming_layer_bits_at_every_m(n, k):
         h["weight_scale"].view(torch.uint8), ref.layer.weight_scale.view(torch.uint8))
     for m in (1, 5, 16, 64, 256, 2048):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(humming_backend.stored_matmul(x, fmt, h, (n, k)), ref.matmul(x)), m
+        # the mode the stored path runs at this M (routes.json's stored lists: 3584x18944 is humming_nosplit up to
+        # M 64 on the H100), which HummingWeight runs the same way; a split-K route through KSplitWeight
+        mode = routes.pick(m, x.device, (n, k), stored=True)
+        want = (KSplitWeight.build({a: t.clone() for a, t in ct.items()}, (n, k), routes.KSPLIT[mode]).matmul(x)
+                if mode in routes.KSPLIT else ref.matmul(x, backend=mode))
+        assert torch.equal(humming_backend.stored_matmul(x, fmt, h, (n, k)), want), (m, mode)
 
 
 def test_lora_bias_and_the_backward_from_the_stored_bytes():
