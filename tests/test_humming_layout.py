@@ -213,6 +213,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl.formats import humming_layout as hl
+hl._build()  # the kernel is defined at first use
 sig = {"w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
        "FMT": "constexpr", "BLOCK_R": "constexpr", "PERMUTE": "constexpr"}
 try:

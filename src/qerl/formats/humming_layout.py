@@ -49,8 +49,6 @@ not injective), and the formats' dequantize divides by gs itself; it is 4 bytes 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .e2m1 import pack_codes, unpack_codes
 
@@ -166,72 +164,86 @@ def from_humming(fmt_name: str, h: dict[str, torch.Tensor], shape: tuple[int, in
 # 3. Dequantize straight from humming's layout (Triton; TRITON_INTERPRET=1 on the CPU)
 # ---------------------------------------------------------------------------------------------------
 
-_TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # E8M0 code 0: 2^-127, which the bit shift cannot make
 BLOCK_R = 16  # k-tiles of 16 a program: a [64, 256] output tile from 16 rows x 512 B of words
+_built = False  # _build() ran
 
 
-@triton.jit
-def _e2m1_f32(c):
-    """uint32 codes 0..15 -> fp32 (qerl.kernels.w4_decode's bit arithmetic, repeated so formats/ does not
-    import kernels/)."""
-    mag = c & 7
-    bits = (mag << 22) + (126 << 23)
-    bits = tl.where(mag == 1, 0x3F000000, bits)
-    bits = tl.where(mag == 0, 0, bits)
-    bits = bits | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _build():
+    """Define the dequantize kernel, once, at first use: importing this module needs no Triton (the CPU
+    install has none, and its torch functions above are all the CPU uses)."""
+    # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
+    # its module's globals alone.
+    global _built, triton, tl, _e2m1_f32, _dequant_humming_kernel, _TWO_POW_M127
+    if _built:
+        return
+    import triton
+    import triton.language as tl
 
+    _TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # E8M0 code 0: 2^-127, which the bit shift cannot make
 
-@triton.jit
-def _dequant_humming_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
-                            PERMUTE: tl.constexpr):
-    """One program: channels [64*bx, 64*bx + 64) x k [16*R0, 16*R0 + 16*BLOCK_R). Output tile [64, BK]."""
-    G: tl.constexpr = 16 if FMT == 0 else 32
-    BK: tl.constexpr = 16 * BLOCK_R
-    bx = tl.program_id(0)
-    r0 = tl.program_id(1) * BLOCK_R
-    n_l = tl.arange(0, 64)
-    k_l = tl.arange(0, BK)
-    k_ok = (r0 * 16 + k_l) < K
-    if PERMUTE:
-        # Words of the tile as they lie: BLOCK_R rows of 128 consecutive int32 (512 B each, coalesced),
-        # split into nibbles and reordered to [n, k] in registers/shared memory by tl.permute.
-        rr = tl.arange(0, BLOCK_R)
-        cc = tl.arange(0, 128)
-        words = tl.load(w_ptr + (r0 + rr)[:, None].to(tl.int64) * (2 * N) + bx * 128 + cc[None, :],
-                        mask=((r0 + rr) < K // 16)[:, None], other=0).to(tl.uint32)
-        nib = (words[:, :, None] >> (4 * tl.arange(0, 8)).to(tl.uint32)[None, None, :]) & 15
-        vals = _e2m1_f32(nib).reshape(BLOCK_R, 8, 4, 4, 2, 2, 2)  # (r, l_hi, l_lo, J, p2, p1, p0)
-        vals = tl.permute(vals, (3, 5, 1, 0, 6, 2, 4)).reshape(64, BK)  # (J, p1, l_hi | r, p0, l_lo, p2)
-    else:
-        # Each output element gathers its word (L1 serves the 8 reads of a word; DRAM reads it once).
-        J = n_l // 16
-        p1 = (n_l // 8) % 2
-        l_hi = n_l % 8
-        R = r0 + k_l // 16
-        p0 = (k_l // 8) % 2
-        l_lo = (k_l % 8) // 2
-        p2 = k_l % 2
-        row_part = bx * 128 + 16 * l_hi + J
-        col_part = R.to(tl.int64) * (2 * N) + 4 * l_lo
-        words = tl.load(w_ptr + col_part[None, :] + row_part[:, None], mask=k_ok[None, :], other=0)
-        shift = (8 * p1)[:, None] + (16 * p2 + 4 * p0)[None, :]
-        vals = _e2m1_f32((words.to(tl.uint32) >> shift.to(tl.uint32)) & 15)
-    # Scales: humming's [K/G, N] with an 8x8 transpose inside each 64 channels (transform.py
-    # transform_humming_weight_scale): channel 64*bx + n_l sits at column 64*bx + 8*(n_l % 8) + n_l // 8.
-    gg = r0 * 16 // G + tl.arange(0, BK // G)
-    s = tl.load(s_ptr + gg[None, :].to(tl.int64) * N + (bx * 64 + 8 * (n_l % 8) + n_l // 8)[:, None],
-                mask=(gg < K // G)[None, :], other=0)
-    if FMT == 0:
-        # qerl.formats.nvfp4 dequantize: scale / gs in fp32 (IEEE, as torch divides), then the product.
-        sc = tl.math.div_rn(s.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.load(gs_ptr))
-    else:
-        b = s.to(tl.uint32)
-        sc = tl.where(b == 0, _TWO_POW_M127, (b << 23).to(tl.float32, bitcast=True))
-    w = (vals.reshape(64, BK // G, G) * sc[:, :, None]).reshape(64, BK)
-    n_g = (bx * 64 + n_l).to(tl.int64)
-    tl.store(out_ptr + n_g[:, None] * K + (r0 * 16 + k_l)[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=k_ok[None, :])
+    @triton.jit
+    def _e2m1_f32(c):
+        """uint32 codes 0..15 -> fp32 (qerl.kernels.w4_decode's bit arithmetic, repeated so formats/ does not
+        import kernels/)."""
+        mag = c & 7
+        bits = (mag << 22) + (126 << 23)
+        bits = tl.where(mag == 1, 0x3F000000, bits)
+        bits = tl.where(mag == 0, 0, bits)
+        bits = bits | ((c & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dequant_humming_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
+                                PERMUTE: tl.constexpr):
+        """One program: channels [64*bx, 64*bx + 64) x k [16*R0, 16*R0 + 16*BLOCK_R). Output tile [64, BK]."""
+        G: tl.constexpr = 16 if FMT == 0 else 32
+        BK: tl.constexpr = 16 * BLOCK_R
+        bx = tl.program_id(0)
+        r0 = tl.program_id(1) * BLOCK_R
+        n_l = tl.arange(0, 64)
+        k_l = tl.arange(0, BK)
+        k_ok = (r0 * 16 + k_l) < K
+        if PERMUTE:
+            # Words of the tile as they lie: BLOCK_R rows of 128 consecutive int32 (512 B each, coalesced),
+            # split into nibbles and reordered to [n, k] in registers/shared memory by tl.permute.
+            rr = tl.arange(0, BLOCK_R)
+            cc = tl.arange(0, 128)
+            words = tl.load(w_ptr + (r0 + rr)[:, None].to(tl.int64) * (2 * N) + bx * 128 + cc[None, :],
+                            mask=((r0 + rr) < K // 16)[:, None], other=0).to(tl.uint32)
+            nib = (words[:, :, None] >> (4 * tl.arange(0, 8)).to(tl.uint32)[None, None, :]) & 15
+            vals = _e2m1_f32(nib).reshape(BLOCK_R, 8, 4, 4, 2, 2, 2)  # (r, l_hi, l_lo, J, p2, p1, p0)
+            vals = tl.permute(vals, (3, 5, 1, 0, 6, 2, 4)).reshape(64, BK)  # (J, p1, l_hi | r, p0, l_lo, p2)
+        else:
+            # Each output element gathers its word (L1 serves the 8 reads of a word; DRAM reads it once).
+            J = n_l // 16
+            p1 = (n_l // 8) % 2
+            l_hi = n_l % 8
+            R = r0 + k_l // 16
+            p0 = (k_l // 8) % 2
+            l_lo = (k_l % 8) // 2
+            p2 = k_l % 2
+            row_part = bx * 128 + 16 * l_hi + J
+            col_part = R.to(tl.int64) * (2 * N) + 4 * l_lo
+            words = tl.load(w_ptr + col_part[None, :] + row_part[:, None], mask=k_ok[None, :], other=0)
+            shift = (8 * p1)[:, None] + (16 * p2 + 4 * p0)[None, :]
+            vals = _e2m1_f32((words.to(tl.uint32) >> shift.to(tl.uint32)) & 15)
+        # Scales: humming's [K/G, N] with an 8x8 transpose inside each 64 channels (transform.py
+        # transform_humming_weight_scale): channel 64*bx + n_l sits at column 64*bx + 8*(n_l % 8) + n_l // 8.
+        gg = r0 * 16 // G + tl.arange(0, BK // G)
+        s = tl.load(s_ptr + gg[None, :].to(tl.int64) * N + (bx * 64 + 8 * (n_l % 8) + n_l // 8)[:, None],
+                    mask=(gg < K // G)[None, :], other=0)
+        if FMT == 0:
+            # qerl.formats.nvfp4 dequantize: scale / gs in fp32 (IEEE, as torch divides), then the product.
+            sc = tl.math.div_rn(s.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.load(gs_ptr))
+        else:
+            b = s.to(tl.uint32)
+            sc = tl.where(b == 0, _TWO_POW_M127, (b << 23).to(tl.float32, bitcast=True))
+        w = (vals.reshape(64, BK // G, G) * sc[:, :, None]).reshape(64, BK)
+        n_g = (bx * 64 + n_l).to(tl.int64)
+        tl.store(out_ptr + n_g[:, None] * K + (r0 * 16 + k_l)[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=k_ok[None, :])
+
+    _built = True
 
 
 def dequantize_bf16(fmt_name: str, h: dict[str, torch.Tensor], shape: tuple[int, int],
@@ -257,7 +269,8 @@ def dequantize_bf16(fmt_name: str, h: dict[str, torch.Tensor], shape: tuple[int,
         gs = w  # unused
     if out is None:
         out = torch.empty(n, k, device=w.device, dtype=dtype)
-    grid = (n // 64, triton.cdiv(k // 16, BLOCK_R))
+    grid = (n // 64, -(-(k // 16) // BLOCK_R))
+    _build()
     _dequant_humming_kernel[grid](w.contiguous(), s.contiguous().view(torch.uint8), gs, out, n, k,
                                   FMT=0 if fmt_name == "nvfp4" else 1, BLOCK_R=BLOCK_R, PERMUTE=permute,
                                   num_warps=4)

@@ -71,8 +71,10 @@ class NVFP4Humming(NVFP4):
         return self.from_checkpoint(super().quantize(w, global_scale), tuple(w.shape))
 
     def dequantize(self, t, shape, dtype=torch.bfloat16):
+        from ..kernels.triton_backend import triton_runs  # (kernels/ imports formats/: not at the top)
+
         w = t["weight_packed"]
-        if w.is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if w.is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_runs(w.device):
             # straight from the stored bytes, bit-equal to NVFP4's dequantize of the checkpoint bytes
             h = {"weight": w, "weight_scale": t["weight_scale"], "weight_global_scale": t["weight_global_scale"]}
             return humming_layout.dequantize_bf16("nvfp4", h, shape, dtype)

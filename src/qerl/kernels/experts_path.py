@@ -38,7 +38,7 @@ def experts_path(x: torch.Tensor, fmt, grouped: bool | None = None) -> str:
     settings in force; grouped: the module's override of the grouped/loop choice (None: the settings)."""
     ks = settings.current()
     if gemv_on(ks) and not torch.is_grad_enabled():  # the GEMV kernel has no backward
-        from . import moe_gemv  # imports triton: only where the GEMV is on
+        from . import moe_gemv
 
         if moe_gemv.supports(x, fmt):
             return GEMV
@@ -49,8 +49,8 @@ def experts_path(x: torch.Tensor, fmt, grouped: bool | None = None) -> str:
 
 def fast_dequant(device: torch.device, fmt) -> bool:
     """Whether the hit experts are dequantized in one launch (kernels/moe_dequant.py) rather than one by one."""
-    if not (device.type == "cuda" and settings.current().kernels and triton_backend.HAVE_TRITON):
+    if not (device.type == "cuda" and settings.current().kernels and triton_backend.triton_runs(device)):
         return False
-    from . import moe_dequant  # imports triton
+    from . import moe_dequant
 
     return fmt.name in moe_dequant.FMT_IDS

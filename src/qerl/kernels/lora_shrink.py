@@ -17,6 +17,7 @@ from . import settings
 from .dispatch import LoraTerm
 from .m_thresholds import (LORA_SHRINK_MAX_M, LORA_SHRINK_SPLIT_MAX_M, LORA_SHRINK_SPLIT_ROUTE_MAX_M,
                            LORA_SHRINK_SPLIT_ROUTE_MIN_M)
+from .triton_backend import triton_runs
 
 MAX_M = LORA_SHRINK_MAX_M  # kernels/m_thresholds.py
 BLOCK_K = 1024
@@ -51,7 +52,7 @@ def supports(x: torch.Tensor, a: torch.Tensor) -> bool:
     K (5.2 vs 6.7-7.0 µs; 6.6 vs 6.9 at K = 18944), or up to 16 tokens at K <= 4096 (6.6-6.7 vs 6.9-7.4
     at 8 tokens). At 8 tokens and K = 18944 (down) one program per row is too little parallelism:
     23.7 vs 7.1 µs, so cuBLAS keeps it."""
-    ok_dev = x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+    ok_dev = (x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")) and triton_runs(x.device)
     if not (ok_dev and x.dim() == 2 and a.dim() == 2 and a.stride(-1) == 1 and x.stride(-1) == 1
             and x.dtype == a.dtype):
         return False
@@ -124,7 +125,7 @@ def _build_split():
 
 
 def split_supports(x: torch.Tensor, a: torch.Tensor) -> bool:
-    ok_dev = x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+    ok_dev = (x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")) and triton_runs(x.device)
     return (ok_dev and x.dim() == 2 and a.dim() == 2 and a.stride(-1) == 1 and x.stride(-1) == 1
             and x.dtype == a.dtype and x.shape[0] <= SPLIT_MAX_M and x.shape[1] == a.shape[1])
 

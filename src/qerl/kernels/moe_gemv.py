@@ -40,11 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from . import w4_decode
 from .m_thresholds import MOE_GEMV_MAX_TOKENS
-from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
+from .w4_decode import GROUP, cdiv, next_pow2
 from .w4_decode_consts import ASM_SHIFT
 from .weight_state import WeightState
 
@@ -54,6 +53,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
 _STATE: WeightState[tuple] = WeightState()
+_built = False  # _build_kernel() ran
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
@@ -122,61 +122,76 @@ def _build(fmt, tensors):
     return fid, packed, scale, None, torch.full((packed.shape[0],), 2.0**shift, device=packed.device), shift
 
 
-@triton.jit
-def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
-                         slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
-                         FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
-                         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    G: tl.constexpr = 16 if FMT == 0 else 32
-    slot = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    e = tl.load(slot_expert_ptr + slot).to(tl.int64)
-    start = tl.load(slot_start_ptr + slot)
-    count = tl.load(slot_count_ptr + slot)
-    rows_n = offs_n.to(tl.int64)
-    q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
-    s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
-    offs_kh = tl.arange(0, BLOCK_K // 2)
-    offs_kg = tl.arange(0, BLOCK_K // G)
-    offs_k = tl.arange(0, BLOCK_K)
-    for m0 in range(0, count, BLOCK_M):  # one pass in decode (count <= T <= BLOCK_M); none for a padding slot
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count
-        pair = start + offs_m
-        if GATHER:  # x row of each pair (gate_up reads the token's hidden state)
-            xr = tl.load(rows_ptr + pair, mask=m_mask, other=0).to(tl.int64)
-        else:  # x already in pair order (down reads the gated gate_up output)
-            xr = pair.to(tl.int64)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kh = k0 // 2 + offs_kh
-            p = tl.load(q_rows + kh[None, :], mask=n_mask[:, None] & (kh[None, :] < K // 2), other=0,
-                        eviction_policy="evict_first")
-            kg = k0 // G + offs_kg
-            s = tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G), other=0,
-                        eviction_policy="evict_first")
-            if ASM:  # GPU bf16: PTX decode, even and odd k in two dots (as w4_matmul's fused kernel)
-                w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
-                ke = k0 + 2 * offs_kh
-                xmask = m_mask[:, None] & (ke[None, :] < K)
-                xe = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
-                xo = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
-                acc += tl.dot(w_even, tl.trans(xe))
-                acc += tl.dot(w_odd, tl.trans(xo))
-            else:
-                w = decode_tile(p, s, s_ptr, FMT, BF16, BLOCK_N, BLOCK_K)  # (lut unused for FP4)
-                kk = k0 + offs_k
-                x = tl.load(x_ptr + xr[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
-                            other=0)
-                if BF16:
-                    acc += tl.dot(w, tl.trans(x.to(w.dtype)))
-                else:  # fp32 weights (fp16/fp32 activations): full fp32 products, as cuBLAS's default (no TF32)
-                    acc += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision="ieee")
-        if HAS_FAC:
-            acc = acc * tl.load(fac_ptr + e)
-        ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
-        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+def _build_kernel():
+    """Define the @triton.jit kernel, once, at first use: importing this module needs no Triton
+    (the CPU install has none)."""
+    # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
+    # its module's globals alone.
+    global _built, triton, tl, decode_tile, decode_even_odd_asm, _grouped_gemv_kernel
+    if _built:
+        return
+    import triton
+    import triton.language as tl
+    w4_decode._build()
+    decode_tile, decode_even_odd_asm = w4_decode.decode_tile, w4_decode.decode_even_odd_asm
+
+    @triton.jit
+    def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
+                             slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
+                             FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
+                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        G: tl.constexpr = 16 if FMT == 0 else 32
+        slot = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+        start = tl.load(slot_start_ptr + slot)
+        count = tl.load(slot_count_ptr + slot)
+        rows_n = offs_n.to(tl.int64)
+        q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
+        s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
+        offs_kh = tl.arange(0, BLOCK_K // 2)
+        offs_kg = tl.arange(0, BLOCK_K // G)
+        offs_k = tl.arange(0, BLOCK_K)
+        for m0 in range(0, count, BLOCK_M):  # one pass in decode (count <= T <= BLOCK_M); none for a padding slot
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            pair = start + offs_m
+            if GATHER:  # x row of each pair (gate_up reads the token's hidden state)
+                xr = tl.load(rows_ptr + pair, mask=m_mask, other=0).to(tl.int64)
+            else:  # x already in pair order (down reads the gated gate_up output)
+                xr = pair.to(tl.int64)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kh = k0 // 2 + offs_kh
+                p = tl.load(q_rows + kh[None, :], mask=n_mask[:, None] & (kh[None, :] < K // 2), other=0,
+                            eviction_policy="evict_first")
+                kg = k0 // G + offs_kg
+                s = tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G), other=0,
+                            eviction_policy="evict_first")
+                if ASM:  # GPU bf16: PTX decode, even and odd k in two dots (as w4_matmul's fused kernel)
+                    w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
+                    ke = k0 + 2 * offs_kh
+                    xmask = m_mask[:, None] & (ke[None, :] < K)
+                    xe = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
+                    xo = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
+                    acc += tl.dot(w_even, tl.trans(xe))
+                    acc += tl.dot(w_odd, tl.trans(xo))
+                else:
+                    w = decode_tile(p, s, s_ptr, FMT, BF16, BLOCK_N, BLOCK_K)  # (lut unused for FP4)
+                    kk = k0 + offs_k
+                    x = tl.load(x_ptr + xr[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                                other=0)
+                    if BF16:
+                        acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+                    else:  # fp32 weights (fp16/fp32 activations): full fp32 products, as cuBLAS's default (no TF32)
+                        acc += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision="ieee")
+            if HAS_FAC:
+                acc = acc * tl.load(fac_ptr + e)
+            ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
+            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+    _built = True
 
 
 def _use_asm(x: torch.Tensor) -> bool:
@@ -205,9 +220,10 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
     y = out if out is not None else torch.empty(pairs, n, device=x.device, dtype=x.dtype)
     asm = _use_asm(x)
     factor = fac_asm if asm else fac
-    grid = (routing.slot_expert.numel(), triton.cdiv(n, BLOCK_N))
-    block_k = min(BLOCK_K, max(g, triton.next_power_of_2(k)))
-    block_m = min(BLOCK_M, max(16, triton.next_power_of_2(routing.tokens)))  # 16: tl.dot's least N
+    grid = (routing.slot_expert.numel(), cdiv(n, BLOCK_N))
+    block_k = min(BLOCK_K, max(g, next_pow2(k)))
+    block_m = min(BLOCK_M, max(16, next_pow2(routing.tokens)))  # 16: tl.dot's least N
+    _build_kernel()
     _grouped_gemv_kernel[grid](
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,

@@ -28,78 +28,93 @@ capture test (tests/test_moe_lora_kernel_gpu.py) and the block sizes are not yet
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton_backend import triton_runs
+from .w4_decode import cdiv, next_pow2
 
 BLOCK_R, BLOCK_K = 8, 256  # shrink: adapter rows x inputs a step
 BLOCK_N = 64               # expand: outputs a program
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
+_built = False  # _build() ran
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
+    return (x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")) and triton_runs(x.device)
 
 
-@triton.jit
-def _round(v, DT: tl.constexpr):
-    """fp32 v rounded to DT (to nearest even), kept in fp32. bf16 by integer ops (NaN payloads aside): the
-    GPU's cvt rounds so, Triton's interpreter truncates, and the CPU tests should see the GPU's rounding."""
-    if DT == tl.bfloat16:
-        u = v.to(tl.uint32, bitcast=True)
-        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-        out = u.to(tl.float32, bitcast=True)
-    else:
-        out = v.to(DT).to(tl.float32)
-    return out
+def _build():
+    """Define the @triton.jit kernels, once, at first use: importing this module needs no Triton
+    (the CPU install has none)."""
+    # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
+    # its module's globals alone.
+    global _built, triton, tl, _round, _shrink_kernel, _expand_kernel
+    if _built:
+        return
+    import triton
+    import triton.language as tl
 
+    @triton.jit
+    def _round(v, DT: tl.constexpr):
+        """fp32 v rounded to DT (to nearest even), kept in fp32. bf16 by integer ops (NaN payloads aside): the
+        GPU's cvt rounds so, Triton's interpreter truncates, and the CPU tests should see the GPU's rounding."""
+        if DT == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            out = u.to(tl.float32, bitcast=True)
+        else:
+            out = v.to(DT).to(tl.float32)
+        return out
 
-@triton.jit
-def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, stride_ae, stride_ar, stride_sm,
-                   GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    e = tl.load(expert_ptr + p).to(tl.int64)
-    if GATHER:  # gate_up reads the token's hidden state
-        xr = tl.load(rows_ptr + p).to(tl.int64)
-    else:  # down reads the gated gate_up output, already in pair order
-        xr = p.to(tl.int64)
-    a_rows = a_ptr + e * stride_ae + offs_r.to(tl.int64)[:, None] * stride_ar
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        # x cast to the adapter dtype first, as the loop's x.to(a.dtype)
-        x = _round(tl.load(x_ptr + xr * stride_xm + kk, mask=k_mask, other=0).to(tl.float32), a_ptr.dtype.element_ty)
-        a = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
-    # The loop's shrink output is in the adapter dtype: round to it, keep fp32 storage.
-    s = _round(acc, a_ptr.dtype.element_ty)
-    tl.store(s_ptr + p.to(tl.int64) * stride_sm + offs_r, s, mask=r_mask)
+    @triton.jit
+    def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, stride_ae, stride_ar, stride_sm,
+                       GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        p = tl.program_id(0)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        e = tl.load(expert_ptr + p).to(tl.int64)
+        if GATHER:  # gate_up reads the token's hidden state
+            xr = tl.load(rows_ptr + p).to(tl.int64)
+        else:  # down reads the gated gate_up output, already in pair order
+            xr = p.to(tl.int64)
+        a_rows = a_ptr + e * stride_ae + offs_r.to(tl.int64)[:, None] * stride_ar
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            # x cast to the adapter dtype first, as the loop's x.to(a.dtype)
+            x = _round(tl.load(x_ptr + xr * stride_xm + kk, mask=k_mask, other=0).to(tl.float32),
+                       a_ptr.dtype.element_ty)
+            a = tl.load(a_rows + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
+            acc += tl.sum(a * x[None, :], axis=1)
+        # The loop's shrink output is in the adapter dtype: round to it, keep fp32 storage.
+        s = _round(acc, a_ptr.dtype.element_ty)
+        tl.store(s_ptr + p.to(tl.int64) * stride_sm + offs_r, s, mask=r_mask)
 
+    @triton.jit
+    def _expand_kernel(s_ptr, expert_ptr, b_ptr, y_ptr, N, R, scaling, stride_sm, stride_be, stride_bn, stride_br,
+                       stride_ym, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        p = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e = tl.load(expert_ptr + p).to(tl.int64)
+        b_rows = b_ptr + e * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rr = r0 + tl.arange(0, BLOCK_R)
+            r_mask = rr < R
+            s = tl.load(s_ptr + p.to(tl.int64) * stride_sm + rr, mask=r_mask, other=0)
+            b = tl.load(b_rows + rr[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :],
+                        other=0).to(tl.float32)
+            acc += tl.sum(b * s[None, :], axis=1)
+        # As the loop: expand output in the adapter dtype, .to(y dtype), * scaling (fp32 math, y-dtype result), y + it.
+        ydt = y_ptr.dtype.element_ty
+        d = _round(_round(_round(acc, b_ptr.dtype.element_ty), ydt) * scaling, ydt)
+        y_ptrs = y_ptr + p.to(tl.int64) * stride_ym + offs_n
+        y = tl.load(y_ptrs, mask=n_mask, other=0).to(tl.float32)
+        tl.store(y_ptrs, _round(y + d, ydt).to(ydt), mask=n_mask)  # the last .to is exact
 
-@triton.jit
-def _expand_kernel(s_ptr, expert_ptr, b_ptr, y_ptr, N, R, scaling, stride_sm, stride_be, stride_bn, stride_br,
-                   stride_ym, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    p = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    e = tl.load(expert_ptr + p).to(tl.int64)
-    b_rows = b_ptr + e * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        r_mask = rr < R
-        s = tl.load(s_ptr + p.to(tl.int64) * stride_sm + rr, mask=r_mask, other=0)
-        b = tl.load(b_rows + rr[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0).to(tl.float32)
-        acc += tl.sum(b * s[None, :], axis=1)
-    # As the loop: expand output in the adapter dtype, .to(y dtype), * scaling (fp32 math, y-dtype result), y + it.
-    ydt = y_ptr.dtype.element_ty
-    d = _round(_round(_round(acc, b_ptr.dtype.element_ty), ydt) * scaling, ydt)
-    y_ptrs = y_ptr + p.to(tl.int64) * stride_ym + offs_n
-    y = tl.load(y_ptrs, mask=n_mask, other=0).to(tl.float32)
-    tl.store(y_ptrs, _round(y + d, ydt).to(ydt), mask=n_mask)  # the last .to is exact
+    _built = True
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert: torch.Tensor, a: torch.Tensor,
@@ -125,14 +140,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert
         raise ValueError("y is added into in place: its rows must be contiguous")
     a = a if a.stride(-1) == 1 else a.contiguous()
     s = torch.empty(pairs, r, device=y.device, dtype=torch.float32)
-    block_r = min(BLOCK_R, triton.next_power_of_2(r))
-    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(k)))
-    _shrink_kernel[(pairs, triton.cdiv(r, block_r))](
+    block_r = min(BLOCK_R, next_pow2(r))
+    block_k = min(BLOCK_K, max(16, next_pow2(k)))
+    _build()
+    _shrink_kernel[(pairs, cdiv(r, block_r))](
         x, rows if rows is not None else expert, expert, a, s, r, k, x.stride(0), a.stride(0), a.stride(1),
         s.stride(0), GATHER=rows is not None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-    _expand_kernel[(pairs, triton.cdiv(n, BLOCK_N))](
+    _expand_kernel[(pairs, cdiv(n, BLOCK_N))](
         s, expert, b, y, n, r, float(scaling), s.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_R=min(32, triton.next_power_of_2(r)), num_warps=4)
+        BLOCK_N=BLOCK_N, BLOCK_R=min(32, next_pow2(r)), num_warps=4)
     return y
 
 

@@ -10,6 +10,7 @@ with the host after the first.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -25,12 +26,24 @@ FUSED_MAX_M = TRITON_FUSED_MAX_M
 # Debug aid for the kernels' own CPU tests: send CPU tensors to the Triton interpreter (far slower
 # than the torch path it would replace). Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+HAVE_TRITON = importlib.util.find_spec("triton") is not None  # optional: the CPU install has none
 _STATE: WeightState[tuple] = WeightState()
+_SAID_NO_TRITON = False
+
+
+def triton_runs(device: torch.device) -> bool:
+    """Whether Triton is installed. Every Triton kernel's `supports` asks, so that a CUDA machine without it
+    takes the torch paths (dequantize + cuBLAS, cuBLAS LoRA, SDPA) instead of failing; said once a process."""
+    global _SAID_NO_TRITON
+    if not HAVE_TRITON and device.type == "cuda" and not _SAID_NO_TRITON:
+        _SAID_NO_TRITON = True
+        warnings.warn("qerl: triton is not installed; its CUDA kernels are off and their torch fallbacks run "
+                      "(slower): pip install triton", stacklevel=3)
+    return HAVE_TRITON
 
 
 def supports(x: torch.Tensor, fmt) -> bool:
-    if not HAVE_TRITON or fmt.layout != "standard" or fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not triton_runs(x.device) or fmt.layout != "standard" or fmt.name not in FMT_IDS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     return x.is_cuda or (RUN_ON_CPU_INTERPRETER and x.device.type == "cpu")
 

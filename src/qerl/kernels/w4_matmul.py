@@ -18,114 +18,128 @@ Two paths, chosen per call by the number of rows M of x (tokens):
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from . import settings
-from .w4_decode import GROUP, decode_even_odd_asm, decode_tile
+from . import settings, w4_decode
+from .w4_decode import GROUP, next_pow2
+from .w4_decode import cdiv as _cdiv
 
-
-def _cdiv(a, b):
-    return -(-a // b)
+_built = False  # _build() ran
 
 
-@triton.jit
-def _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
-              HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    if HAS_GS:
-        acc = acc * tl.load(gsinv_ptr)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[:, None]
-    if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        b = tl.load(lb_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
-        a = tl.load(xa_ptr + offs_m[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & m_mask[None, :], other=0)
-        acc += tl.dot(b, a.to(b.dtype)) * scaling
-    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+def _build():
+    """Define the @triton.jit kernels, once, at first use: importing this module needs no Triton
+    (the CPU install has none)."""
+    # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
+    # its module's globals alone.
+    global _built, triton, tl, decode_tile, decode_even_odd_asm
+    global _epilogue, _fused_kernel, _splitk_reduce_kernel, _dequant_kernel
+    if _built:
+        return
+    import triton
+    import triton.language as tl
+    w4_decode._build()
+    decode_tile, decode_even_odd_asm = w4_decode.decode_tile, w4_decode.decode_even_odd_asm
 
+    @triton.jit
+    def _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                  HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        if HAS_GS:
+            acc = acc * tl.load(gsinv_ptr)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[:, None]
+        if HAS_LORA:
+            offs_r = tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            b = tl.load(lb_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+            a = tl.load(xa_ptr + offs_m[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & m_mask[None, :], other=0)
+            acc += tl.dot(b, a.to(b.dtype)) * scaling
+        ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
-@triton.jit
-def _fused_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, ws_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr,
-                  M, N, K, stride_xm, stride_ym, k_split, scaling, R, MX_SHIFT,
-                  FMT: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr, ASM: tl.constexpr,
-                  HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 64)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_kh = tl.arange(0, BLOCK_K // 2)
-    offs_kg = tl.arange(0, BLOCK_K // G)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    rows = offs_n.to(tl.int64)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kh = k0 // 2 + offs_kh
-        p = tl.load(q_ptr + rows[:, None] * (K // 2) + kh[None, :],
-                    mask=n_mask[:, None] & (kh[None, :] < k_hi // 2), other=0, eviction_policy="evict_first")
-        kg = k0 // G + offs_kg
-        s = tl.load(s_ptr + rows[:, None] * (K // G) + kg[None, :],
-                    mask=n_mask[:, None] & (kg[None, :] < k_hi // G), other=0, eviction_policy="evict_first")
-        if ASM:  # GPU: PTX decode, even and odd k in two dots (no interleave shuffle)
-            w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
-            ke = k0 + 2 * offs_kh
-            xmask = m_mask[:, None] & (ke[None, :] < k_hi)
-            xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
-            xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
-            acc += tl.dot(w_even, tl.trans(xe))
-            acc += tl.dot(w_odd, tl.trans(xo))
+    @triton.jit
+    def _fused_kernel(x_ptr, q_ptr, s_ptr, lut_ptr, ws_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr,
+                      M, N, K, stride_xm, stride_ym, k_split, scaling, R, MX_SHIFT,
+                      FMT: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr, ASM: tl.constexpr,
+                      HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 64)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_kh = tl.arange(0, BLOCK_K // 2)
+        offs_kg = tl.arange(0, BLOCK_K // G)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        rows = offs_n.to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kh = k0 // 2 + offs_kh
+            p = tl.load(q_ptr + rows[:, None] * (K // 2) + kh[None, :],
+                        mask=n_mask[:, None] & (kh[None, :] < k_hi // 2), other=0, eviction_policy="evict_first")
+            kg = k0 // G + offs_kg
+            s = tl.load(s_ptr + rows[:, None] * (K // G) + kg[None, :],
+                        mask=n_mask[:, None] & (kg[None, :] < k_hi // G), other=0, eviction_policy="evict_first")
+            if ASM:  # GPU: PTX decode, even and odd k in two dots (no interleave shuffle)
+                w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
+                ke = k0 + 2 * offs_kh
+                xmask = m_mask[:, None] & (ke[None, :] < k_hi)
+                xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
+                xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
+                acc += tl.dot(w_even, tl.trans(xe))
+                acc += tl.dot(w_odd, tl.trans(xo))
+            else:
+                w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
+                kk = k0 + offs_k
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                            mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0)
+                acc += tl.dot(w, tl.trans(x.to(w.dtype)))
+        if not USE_WS:
+            _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
+                      HAS_GS, HAS_BIAS, HAS_LORA, BLOCK_R)
         else:
-            w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
-            kk = k0 + offs_k
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < k_hi), other=0)
-            acc += tl.dot(w, tl.trans(x.to(w.dtype)))
-    if not USE_WS:
+            ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
+            tl.store(ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+    @triton.jit
+    def _splitk_reduce_kernel(ws_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, M, N, stride_ym, scaling, R, SPLIT_K,
+                              HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in range(SPLIT_K):  # fixed order: the same bits every run
+            acc += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask, other=0)
         _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
                   HAS_GS, HAS_BIAS, HAS_LORA, BLOCK_R)
-    else:
-        ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
 
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, lut_ptr, w_ptr, N, K, FMT: tl.constexpr, BF16: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 64)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rows = offs_n.to(tl.int64)
+        n_mask = offs_n < N
+        kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kg = k0 // G + tl.arange(0, BLOCK_K // G)
+        p = tl.load(q_ptr + rows[:, None] * (K // 2) + kh[None, :], mask=n_mask[:, None] & (kh[None, :] < K // 2),
+                    other=0)
+        s = tl.load(s_ptr + rows[:, None] * (K // G) + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G),
+                    other=0)
+        w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        tl.store(w_ptr + rows[:, None] * K + kk[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & (kk[None, :] < K))
 
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, y_ptr, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, M, N, stride_ym, scaling, R, SPLIT_K,
-                          HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for s in range(SPLIT_K):  # fixed order: the same bits every run
-        acc += tl.load(ws_ptr + s * M * N + offs_m[None, :] * N + offs_n[:, None], mask=mask, other=0)
-    _epilogue(acc, offs_n, offs_m, N, M, y_ptr, stride_ym, gsinv_ptr, bias_ptr, xa_ptr, lb_ptr, scaling, R,
-              HAS_GS, HAS_BIAS, HAS_LORA, BLOCK_R)
-
-
-@triton.jit
-def _dequant_kernel(q_ptr, s_ptr, lut_ptr, w_ptr, N, K, FMT: tl.constexpr, BF16: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    rows = offs_n.to(tl.int64)
-    n_mask = offs_n < N
-    kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    kg = k0 // G + tl.arange(0, BLOCK_K // G)
-    p = tl.load(q_ptr + rows[:, None] * (K // 2) + kh[None, :], mask=n_mask[:, None] & (kh[None, :] < K // 2), other=0)
-    s = tl.load(s_ptr + rows[:, None] * (K // G) + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G), other=0)
-    w = decode_tile(p, s, lut_ptr, FMT, BF16, BLOCK_N, BLOCK_K)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + rows[:, None] * K + kk[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (kk[None, :] < K))
+    _built = True
 
 
 # ---- launchers ---------------------------------------------------------------------------
@@ -148,7 +162,7 @@ TILES = {4: (64, 128, 4, 3, 4), 16: (128, 128, 8, 3, 4), 32: (128, 128, 8, 3, 4)
 
 def make_config(M, N, K, fmt_id, device, block_n, block_k, num_warps, num_stages, waves):
     """Split K until the grid has about `waves` programs per SM (each split at least one K tile)."""
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    block_m = min(64, max(16, next_pow2(M)))
     block_k = max(block_k, GROUP[fmt_id])
     k_steps = _cdiv(K, block_k)
     tiles = _cdiv(N, block_n) * _cdiv(M, block_m)
@@ -176,7 +190,7 @@ def lora_args(lora, M):
         return None, None, 0.0, 0, 16
     xa, lb, scaling = lora
     R = lb.shape[1]
-    return xa.reshape(M, -1).contiguous(), lb.contiguous(), scaling, R, max(16, triton.next_power_of_2(R))
+    return xa.reshape(M, -1).contiguous(), lb.contiguous(), scaling, R, max(16, next_pow2(R))
 
 
 def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=None, config=None, out=None,
@@ -202,6 +216,7 @@ def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=Non
     ptrs = (gs_inv if gs_inv is not None else dummy, bias if bias is not None else dummy,
             xa if xa is not None else dummy, lb if lb is not None else dummy)
     grid = (_cdiv(N, cfg["BLOCK_N"]), split, _cdiv(M, cfg["BLOCK_M"]))
+    _build()
     _fused_kernel[grid](x2d, packed, scale, lut if lut is not None else dummy, ws, y, *ptrs,
                         M, N, K, x2d.stride(0), y.stride(0), k_split, float(scaling), R, mx_shift,
                         FMT=fmt_id, BF16=bf16, USE_WS=split > 1, ASM=on_asm, **flags, **cfg)
@@ -215,8 +230,9 @@ def fused_matmul(x2d, fmt_id, packed, scale, lut, gs_inv, N, bias=None, lora=Non
 def dequantize(fmt_id, packed, scale, lut, N, K, dtype, out=None, block_n=32, block_k=256, num_warps=4):
     """bf16/fp16/fp32 [N, K] weights without the NVFP4 1/global-scale."""
     w = out if out is not None else torch.empty(N, K, device=packed.device, dtype=dtype)
-    block_k = min(block_k, max(GROUP[fmt_id], triton.next_power_of_2(K)))
+    block_k = min(block_k, max(GROUP[fmt_id], next_pow2(K)))
     grid = (_cdiv(N, block_n), _cdiv(K, block_k))
+    _build()
     _dequant_kernel[grid](packed, scale, lut if lut is not None else packed, w, N, K, FMT=fmt_id,
                           BF16=dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return w

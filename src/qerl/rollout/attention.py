@@ -15,12 +15,10 @@ per slot and layer: ~1 FLOP/byte at r = 7, far below the ridge, so the target is
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # (keys per inner tile, pipeline stages) for bf16 / FP8 caches
 TILES = {False: (64, 2), True: (128, 3)}  # H200 sweep (scripts/profile_decode.py, 06ea5f6)
@@ -120,7 +118,9 @@ def n_splits(n_slots: int, n_kv: int, n_keys: int, sms: int) -> int:
 
 
 def supports(q: torch.Tensor, head_dim: int) -> bool:
-    if not HAVE_TRITON or head_dim & (head_dim - 1) or head_dim < 16:
+    from ..kernels.triton_backend import triton_runs  # says once where CUDA lacks Triton (then SDPA's path runs)
+
+    if head_dim & (head_dim - 1) or head_dim < 16 or not triton_runs(q.device):
         return False
     return q.is_cuda or (RUN_ON_CPU_INTERPRETER and q.device.type == "cpu")
 
