@@ -1,5 +1,5 @@
-"""One MoE expert layer's time against tokens, as benchmarks/results/moe.jsonl records it (the latest run of
-each case): transformers' loop, the grouped path and the decode GEMV, log-log, one panel a model shape.
+"""One MoE expert layer's time against tokens, as `qerl bench moe` records it in benchmarks/results/moe.jsonl (the
+latest run of each case): transformers' loop, the grouped path and the decode GEMV, log-log, one panel a model shape.
 
     python scripts/plot_moe.py [--results benchmarks/results/moe.jsonl] [--out benchmarks/moe_expert_layer.png]
 """
@@ -39,7 +39,7 @@ for ax, (shape, ms) in zip(axes[0], sorted(series.items())):
     ax.set(xscale="log", yscale="log", xlabel="tokens in the call", ylabel="ms a layer call", title=shape)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-fig.suptitle(f"One MoE expert layer on the {rows[-1]['device']} (scripts/moe_gemv_speed.py)")
+fig.suptitle(f"One MoE expert layer on the {rows[-1]['device']} (qerl bench moe)")
 fig.tight_layout()
 fig.savefig(a.out, dpi=110)
 print(a.out)

@@ -1,11 +1,13 @@
-"""Decode attention alone, and where a decode step's time goes, by kernel kind (issue 20).
+"""Where a 7B decode step's time goes, by kernel kind; decode attention and the LoRA shrink alone (GPU).
 
 1. Decode attention (7B geometry: 28 query heads, 4 KV heads, d 128) at batch 1-256 and 256-8k
    keys: the split-KV kernel (bf16 and FP8 K/V) against the torch grouped path, as time and as a
-   fraction of copy bandwidth on the K/V bytes.
-2. A 7B NVFP4 + LoRA r32 decode step at batch 1 and 64, fused attention off and on: ms per step
-   in CUDA graphs, then a profiler pass over eager steps: kernels per step and µs per kind.
-Usage: python3 scripts/profile_decode.py [--layers N] [--skip-attention] [--skip-step]
+   fraction of copy bandwidth on the K/V bytes, and a tile sweep (--skip-attention: not run).
+2. --shrink: the LoRA shrink of the 7B's projections at M 1-256: cuBLAS, the one-row decode kernel, split-K.
+3. A 7B decode step (LoRA r32; --quants nvfp4,bf16) at --batches 1,64: ms per step in CUDA graphs, then a
+   profiler pass over eager steps: kernels per step and µs per kind (--skip-step: not run).
+Writes profile_decode.log and .json under --out. On the device: STEP=profile bash scripts/device.sh.
+Usage: python3 scripts/profile_decode.py [--layers N] [--skip-attention] [--skip-step] [--shrink] [--quants Q]
 """
 import argparse
 import collections

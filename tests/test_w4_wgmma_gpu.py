@@ -1,10 +1,10 @@
 """The wgmma kernel (kernels/w4_wgmma.cu) on an H200, against a float64 dequantize-then-matmul.
 
-Run on the device before turning KernelSettings.wgmma on by default (scripts/device_wgmma.sh): every M from 1 to 300
-on the 7B groups, the 14B/32B/72B group shapes and N that leave a CTA's rows partly empty, outputs
-poisoned with NaN before each run; two runs give identical bits; LoRA with 1 and 3 segments equals
-base + the unfused expand; a CUDA graph replays it; routed through mma_backend it matches the mma.sync
-path within bf16 noise.
+Run on the device (`STEP=tests bash scripts/device.sh`): every M from 1 to 300 on the 7B groups, the 14B/32B/72B
+group shapes and N that leave a CTA's rows partly empty, outputs poisoned with NaN before each run; two runs give
+identical bits; LoRA with 1 and 3 segments equals base + the unfused expand; a CUDA graph replays it; routed
+through mma_backend it matches the mma.sync path within bf16 noise; every tile TUNING uses compiles, on this
+card's NVRTC, to no local memory and at least the CTAs per SM its plan assumes.
 """
 
 import pytest
@@ -128,3 +128,32 @@ def test_routed_through_the_backend_it_agrees_with_mma_sync(m):
     factor, _ = mma_backend._prepare(t)
     small = w4_mma.matmul(x, t["weight_packed"], t["weight_scale"], factor, n)
     assert _rel(routed, small.double()) < 1e-2 and _rel(routed, _ref(t, (n, k), x)) < 1e-2
+
+
+def test_every_tile_compiles_without_local_memory_at_the_planned_occupancy():
+    """NVRTC's ptxas on the device may allocate otherwise than the nvcc wheel CI checks with (BN 256 sits at 254 of
+    255 registers there): the driver's own numbers decide. Local bytes (spills or an indexed register array) must be
+    0 and the occupancy API must allow the `ctas_per_sm` the plan assumes at the tile's shared memory."""
+    import ctypes
+
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    dev = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bad = []
+    for bn, tune in sorted(w4_wgmma.TUNING.items()):
+        for lora, fuse in ((False, False), (True, False), (True, True)):
+            if fuse and bn > w4_wgmma.FUSE_SHRINK_MAX_BN:
+                continue
+            cfg = w4_wgmma.plan(bn, 4608, 3584, sms, bn=bn)
+            fn = w4_wgmma._kernel(cfg, False, lora, dev, fuse)
+            regs, local, per_sm = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+            assert lib.cuFuncGetAttribute(ctypes.byref(regs), 4, fn.func) == 0  # CU_FUNC_ATTRIBUTE_NUM_REGS
+            assert lib.cuFuncGetAttribute(ctypes.byref(local), 3, fn.func) == 0  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+            assert lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn.func, cfg.threads,
+                                                                   cfg.smem_bytes()) == 0
+            line = (f"BN {bn} wg {cfg.wg} pw {cfg.pw} stages {cfg.stages} lora {lora} fuse {fuse}: {regs.value} regs, "
+                    f"{local.value} B local, {per_sm.value} CTAs/SM (plan {tune.get('ctas_per_sm', 1)})")
+            print(line)
+            if local.value or per_sm.value < tune.get("ctas_per_sm", 1):
+                bad.append(line)
+    assert not bad, "\n".join(bad)

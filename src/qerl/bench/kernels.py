@@ -9,6 +9,12 @@ torch's int4 tinygemm (group 128), and LoRA r32 on every group (one shrink per g
 the expand in the epilogue). Every timing is a CUDA-graph replay of calls rotating over
 weight sets larger than the L2; median of several replays. The copy bandwidth is measured in
 the same run; effective bandwidth = the fewest bytes a kernel must move / its time.
+
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight ... \
+        python -m qerl.bench.kernels --ncu --models qwen2.5-7b --groups qkv,down --ms 1,64,256 --modes humming,nvfp4
+
+--ncu times nothing: it launches each mode once per group and M (after a warm-up call, so JIT and configs stay
+outside) inside an NVTX range "profile", printing the ranges' order first, for Nsight Compute.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 from ..formats import get_format
 from ..formats.nvfp4_mma import NVFP4Mma
 from ..kernels import routes
-from .record import record, tee_log
+from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
@@ -100,9 +106,9 @@ def nvfp4_bytes(m, n, k) -> int:
 class Sets:
     """Rotating weight sets of one group shape: bf16, NVFP4 (MMA layout and standard), int4 tinygemm."""
 
-    def __init__(self, n, k, seed, tinygemm=True):
+    def __init__(self, n, k, seed, tinygemm=True, count=None):
         self.n, self.k = n, k
-        self.count = max(2, min(32, -(-ROTATE_BYTES // (n * k * 2))))
+        self.count = count or max(2, min(32, -(-ROTATE_BYTES // (n * k * 2))))
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.bf16, self.mma, self.std, self.int4 = [], [], [], []
         nv, mma = get_format("nvfp4"), NVFP4Mma()
@@ -246,23 +252,60 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
     raise ValueError(mode)
 
 
-def _time(sets, mode, x, group, **cfg):
+def _mode_settings(mode: str):
+    """(the KernelSettings scope a mode runs in, the _fns mode it calls).
+    "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
+    "humming_lora32_addmm": humming + LoRA with the expand as one addmm per segment (the one-launch kernel's baseline)
+    "humming_lora32_overlap": the same with the shrink on a side stream beside the GEMM (KernelSettings.lora_overlap)
+    "routed_lora32": what layers with LoRA r32 run (the routes table, humming on)"""
     from ..kernels import settings
 
+    scope = settings.use(humming=mode in ("routed", "routed_lora32"), lora_expand_kernel=mode != "humming_lora32_addmm",
+                         lora_overlap=mode == "humming_lora32_overlap")
+    base = {"routed": "nvfp4", "routed_lora32": "nvfp4_lora32", "humming_lora32_addmm": "humming_lora32",
+            "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
+    return scope, base
+
+
+def _time(sets, mode, x, group, **cfg):
     try:
-        # "nvfp4" is qerl's own routed path (humming off); "routed" what layers run: the card's routes table.
-        # "humming_lora32_addmm": humming + LoRA with the expand as one addmm per segment (the one-launch kernel's baseline)
-        # "humming_lora32_overlap": the same with the shrink on a side stream beside the GEMM (KernelSettings.lora_overlap)
-        # "routed_lora32": what layers with LoRA r32 run (the routes table, humming on), the issue's LoRA figure
-        with settings.use(humming=mode in ("routed", "routed_lora32"), lora_expand_kernel=mode != "humming_lora32_addmm",
-                          lora_overlap=mode == "humming_lora32_overlap"):
-            base = {"routed": "nvfp4", "routed_lora32": "nvfp4_lora32", "humming_lora32_addmm": "humming_lora32",
-                    "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
+        scope, base = _mode_settings(mode)
+        with scope:
             fns = _fns(sets, base, x, group, **cfg)
             return None if fns is None else time_calls(fns)
     except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
         print(f"  {mode} M={x.shape[0]} {sets.n}x{sets.k}: {type(e).__name__}: {str(e)[:200]}")
         return None
+
+
+def launch_for_ncu(models: list[str], groups: list[str] | None, ms: list[int], modes: list[str]) -> None:
+    """Each mode once per group and M, inside an NVTX range "profile" (ncu --nvtx --nvtx-include "profile/"), after a
+    warm-up call outside it; one weight set a shape. The ranges' order is printed as they run."""
+    for model in models:
+        for group, (n, k) in LAYER_SETS[model].items():
+            if groups and group not in groups:
+                continue
+            sets = Sets(n, k, seed=n + k, tinygemm="tinygemm" in modes, count=1)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for mode in modes:
+                    scope, base = _mode_settings(mode)
+                    try:
+                        with scope:
+                            fns = _fns(sets, base, x, group)
+                            if fns is None:
+                                continue
+                            fns[0]()  # JIT, configs, workspaces
+                            torch.cuda.synchronize()
+                            print(f"range: {model} {group} {n}x{k} M={m} {mode}", flush=True)
+                            torch.cuda.nvtx.range_push("profile")
+                            fns[0]()
+                            torch.cuda.nvtx.range_pop()
+                            torch.cuda.synchronize()
+                    except Exception as e:  # a path this torch/GPU lacks: reported, not fatal
+                        print(f"  {mode} M={m} {n}x{k}: {type(e).__name__}: {str(e)[:200]}")
+            del sets
+            torch.cuda.empty_cache()
 
 
 def sweep(log) -> dict:
@@ -418,8 +461,6 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
     humming batch-invariant and humming without split (both bit-repeatable), and, where humming's stream-K default
     was timed too, a list with it in batch-invariant's place; each again without qerl's own path for weights stored
     in humming's layout; for the layer set and for each weight shape."""
-    import os
-
     path = path or routes.TABLE_PATH
     table = json.loads(path.read_text()) if path.exists() else {}
 
@@ -430,7 +471,7 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
             out |= {"nvfp4_streamk": routes.from_timings(sk), "nvfp4_stored_streamk": routes.from_timings(humming_only(sk))}
         return {k: v for k, v in out.items() if v}  # a list nothing was timed for is left out (humming absent)
 
-    source = source or (f"python -m qerl.bench.kernels --write-routes at {os.environ.get('QERL_COMMIT', 'unknown')}, "
+    source = source or (f"python -m qerl.bench.kernels --write-routes at {commit()}, "
                         f"{time.strftime('%Y-%m-%d')}")
     table[card] = {"source": source, **lists(timings, streamk_timings)}
     if shape_timings:
@@ -517,7 +558,15 @@ def main(argv=None):
                     help="write the routes table from a saved run's bench_kernels.json (no GPU needed); --command "
                          "says which run it was, for the table's source")
     ap.add_argument("--device", default=None, help="with --from-log: the device the run was on")
+    ap.add_argument("--ncu", action="store_true", help="launch each mode once per group and M in an NVTX range "
+                    "\"profile\" for Nsight Compute, instead of timing")
+    ap.add_argument("--groups", default=None,
+                    help="with --ncu: groups of the layer set (qkv,o,gate_up,down; default all)")
     a = ap.parse_args(argv)
+    if a.ncu:
+        launch_for_ncu(a.models.split(","), a.groups.split(",") if a.groups else None,
+                       [int(v) for v in a.ms.split(",")], [m for m in a.modes.split(",") if m])
+        return
     if a.from_log:
         bw, per_model = from_log(Path(a.from_log))
         kw = {"results_dir": Path(a.results_dir)} if a.results_dir else {}

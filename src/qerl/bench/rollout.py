@@ -7,6 +7,14 @@ Random weights at the model's real shapes, LoRA rank 32 on every linear, prompts
 and the fraction of the decode roofline (weight + KV bytes per step over the copy
 bandwidth measured in the same run). Hugging Face baselines (batch 1 and 8): bf16 +
 PEFT LoRA (what TRL does without vLLM) and a static cache, compiled, without LoRA.
+
+    python -m qerl.bench.rollout --multiturn [--batches 8,64 --new-tokens 512]
+
+instead times multi-turn rollouts (NVFP4 + LoRA r32, a character tokenizer of vocabulary 160 so stop strings are
+scanned on real decoded text): `single` (no turn handler), `idle` (a handler whose call marker never appears: the
+text scan alone) and `active` (a handler stopping on a character random text hits every ~160 tokens, answering
+with 16 tokens in the same slot, up to 4 turns a sample). Model tokens/s; targets idle >= 0.95x single, active
+>= 0.8x single at batch 64.
 """
 
 from __future__ import annotations
@@ -152,6 +160,64 @@ def _hf_case(cfg, batches, prompt_len, new, peft: bool, log):
     return out
 
 
+class _Turns:
+    """A tool-turn handler answering every stop with the same tokens (no state: calls may run on worker threads)."""
+    concurrent = True
+
+    def __init__(self, stop: str, reply: list[int], max_turns: int = 4):
+        self.stop, self.reply, self.max_turns = [stop], reply, max_turns
+
+    def respond(self, prompt_index, sample_index, token_ids, text):
+        return list(self.reply)
+
+
+def multiturn(model: str, layers, batches: list[int], prompt_len: int, new: int, log, rec, repeats: int = 2) -> dict:
+    """Model tokens/s of single-turn, idle and active multi-turn rollouts per batch (the module's docstring)."""
+    from .synthetic import char_tokenizer
+
+    tok = char_tokenizer()
+    cfg = qwen25_config(model, layers)
+    cfg.vocab_size, cfg.eos_token_id = 160, 1
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run of the tiny shape
+    pol = random_policy(cfg, "nvfp4", lora_rank=32, device=dev, progress=False)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    eng = Engine(pol.model, tok, max_len=prompt_len + new + 1, max_slots=max(batches),
+                 kv_cache_gb=None if dev == "cuda" else 1.0)
+    p = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, seed=0)
+    eng.warmup(batches, p)
+    reply = tok("[tool output: 42]", add_special_tokens=False)["input_ids"][:16]
+    g = torch.Generator().manual_seed(0)
+    res = {}
+    for b in batches:
+        prompts = torch.randint(3, 98, (b, prompt_len), generator=g).tolist()  # printable characters
+        v = res[b] = {}
+        for mode in ("single", "idle", "active"):
+            best, info = 0.0, ""
+            for _ in range(repeats):
+                h = None if mode == "single" else _Turns("</tool_call>" if mode == "idle" else "@", reply)
+                sync()
+                t0 = time.perf_counter()
+                outs = eng.generate(prompts, params=p, turns=h)
+                sync()
+                dt = time.perf_counter() - t0
+                model_tokens = sum(sum(c.model_token_mask()) for c in outs)
+                if model_tokens / dt > best:
+                    turns = sum(len(c.tool_spans) for c in outs)
+                    best = model_tokens / dt
+                    info = f"{turns / b:.2f} tool turns/sample, {model_tokens} model tokens, {dt:.2f} s"
+            v[mode] = best
+            log(f"batch {b:3d} {mode:6s}: {best:8.1f} model tok/s  ({info})")
+        case = f"{model} nvfp4 multi-turn batch {b} prompt {prompt_len} new {new}"
+        for mode in ("single", "idle", "active"):
+            rec(case, f"{mode}_model_tokens_per_s", v[mode], "tok/s")
+        rec(case, "idle_over_single", v["idle"] / v["single"], "x", ">=0.95")
+        rec(case, "active_over_single", v["active"] / v["single"], "x", ">=0.8" if b == 64 else None)
+    log("batch  idle/single  active/single")
+    for b, v in res.items():
+        log(f"{b:5d}  {v['idle'] / v['single']:11.3f}  {v['active'] / v['single']:13.3f}")
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -164,6 +230,8 @@ def main(argv=None):
     ap.add_argument("--ratio-targets", default=None, help='targets of NVFP4/bf16 per batch, e.g. "8:>=2.5"')
     ap.add_argument("--kv-compare", default=None, metavar="BATCH:NEW",
                     help="instead: FP8 vs bf16 KV cache at this batch and length (e.g. 64:4096)")
+    ap.add_argument("--multiturn", action="store_true",
+                    help="instead: multi-turn rollouts (single, idle and active tool turns) at --batches")
     ap.add_argument("--fused-attention", choices=("auto", "on", "off"), default="auto",
                     help="the fused rotary+KV write and split-KV attention (off: the torch decode path)")
     ap.add_argument("--quants", default="nvfp4,bf16",
@@ -184,10 +252,14 @@ def main(argv=None):
     rdir = Path(a.results_dir) if a.results_dir else RESULTS
     cmd = " ".join([CMD] + list(argv if argv is not None else sys.argv[1:]))  # the exact command, in each row
     rec = (lambda *x, **k: record("rollout", *x, command=cmd, results_dir=rdir, **k)) if a.record else (lambda *x, **k: None)
+    batches = [int(b) for b in a.batches.split(",")]
+    if a.multiturn:
+        res = multiturn(a.model, a.layers, batches, a.prompt_len, a.new_tokens, log, rec)
+        (out / "bench_rollout_multiturn.json").write_text(json.dumps(res, indent=1))
+        return
     bw = copy_bandwidth()
     log(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
     cfg = qwen25_config(a.model, a.layers)
-    batches = [int(b) for b in a.batches.split(",")]
     ratio_targets = dict(RATIO_TARGETS)  # at 7B; --ratio-targets replaces them
     if a.ratio_targets:
         ratio_targets = {int(k): t for k, t in (x.split(":", 1) for x in a.ratio_targets.split(","))}

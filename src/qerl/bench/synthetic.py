@@ -10,6 +10,8 @@ Random weights almost never sample EOS, so every completion runs to the length l
 case. `varied_length` gives each sample its own limit instead (uniform on 5-75 % of the limit,
 mean 40 %), which the engine honours (SamplingParams.sample_max_new_tokens) and TRL's generate
 is made to honour (trl_step.EndAtLimits): completions that end at varied lengths, as a real run's do.
+`char_tokenizer` is one character a token (vocabulary 160): random ids decode to text that stop strings
+can be found in (the multi-turn rollout bench).
 """
 
 from __future__ import annotations
@@ -30,6 +32,21 @@ def synthetic_tokenizer(vocab_size: int):
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, eos_token=EOS, unk_token=PAD,
                                    padding_side="left")
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over ids 0-98 (<pad>, <eos>, <unk>, printable ASCII, newline), for a
+    model of vocabulary 160: random ids decode to real text, so stop strings are scanned as in a real run."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, "<unk>": 2}
+    for ch in [chr(c) for c in range(32, 127)] + ["\n"]:
+        vocab[ch] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=PAD, eos_token=EOS, unk_token="<unk>")
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[dict]:

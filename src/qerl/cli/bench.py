@@ -1,12 +1,12 @@
-"""qerl bench NAME [ARGS...]: run one of the benchmarks (kernels, rollout, memory)."""
+"""qerl bench NAME [ARGS...]: run one of the benchmarks (src/qerl/bench/NAME.py)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-HELP = "run a benchmark: kernels | rollout | memory | default_run | step | trl_step | scaling (pass --help after the name for its options)"
-NAMES = ("kernels", "rollout", "memory", "default_run", "step", "trl_step", "scaling")
+NAMES = ("kernels", "rollout", "memory", "default_run", "step", "trl_step", "scaling", "moe", "overlap", "cpu_rollout")
+HELP = f"run a benchmark: {' | '.join(NAMES)} (pass --help after the name for its options)"
 
 
 def add_arguments(p):

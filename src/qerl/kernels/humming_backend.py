@@ -83,9 +83,9 @@ def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
 
 
 # humming's default config splits K across CTAs (stream-K) at M 1-256 and its partial sums land in a varying order:
-# on an H100 every call gave other bits (up to 0.125 on a 4608x3584 weight; scripts/humming_determinism.py), so
+# on an H100 every call gave other bits (up to 0.125 on a 4608x3584 weight; benchmarks/kernels.md), so
 # seeded rollouts did not repeat and graphs disagreed with eager steps (tests/test_rollout_gpu.py: 4 failures).
-# Batch-invariant tiles (no stream-K) repeat bit for bit, at +5-13 % at M 16-2048 in that script's eager timing.
+# Batch-invariant tiles (no stream-K) repeat bit for bit, at +5-13 % at M 16-2048 in an eager timing.
 COMPUTE = {"use_batch_invariant": True}
 
 

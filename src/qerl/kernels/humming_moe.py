@@ -6,7 +6,7 @@ expert's run padded to the kernel's block of rows with an out-of-range id, one e
 torch: it reads the block count on the host, so this path is a bench candidate, not a graph-capturable one). The
 gate_up GEMM reads each token's row once per slot (top_k), the GLU runs in torch, the down GEMM reads the GLU rows,
 and the k outputs of a token are weighted and summed in fp32. Measured against QuantExperts' GEMV and grouped paths by
-scripts/moe_gemv_speed.py --humming; not yet run on a GPU.
+`qerl bench moe --humming`; not yet run on a GPU.
 """
 
 from __future__ import annotations

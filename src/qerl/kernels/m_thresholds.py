@@ -18,7 +18,7 @@ LORA_SHRINK_SPLIT_MAX_M = 256  # the split-K LoRA shrink's tiles reach this M (k
 # --shrink; the run's log was not kept, the figures are the session's notes): at M 1 the one-row kernel ran
 # 3.1-4.3 µs a projection against split-K's 4.8-6.6; at M 16 split-K 5.0-6.7 against cuBLAS's 7.2-7.6, at M 64
 # (down) 10.5 against 37.6; at M 128-256 cuBLAS 7.5-8.3 against split-K's 8-11 for q|k|v and down. To re-measure
-# at the next GPU session (STEP=profile SHRINK=1 in scripts/device_issue47.sh).
+# at the next GPU session (STEP=profile SHRINK=1 bash scripts/device.sh).
 LORA_SHRINK_SPLIT_ROUTE_MIN_M = 2
 LORA_SHRINK_SPLIT_ROUTE_MAX_M = 64
 

