@@ -101,12 +101,30 @@ def test_a_bad_shared_value_is_one_line_from_both_clis(which, name, text, cli):
     assert f"'{name}'" in lines[0] or f"--{name}" in lines[0], lines[0]
 
 
+# (field, a value at the edge of its range, the nearest value past that edge)
+EDGES = [
+    ("save_total_limit", 1, 0), ("seed", 0, -1), ("seed", 2**32 - 1, 2**32), ("warmup_steps", 0, -1),
+    ("max_grad_norm", 0.0, -1e-9), ("weight_decay", 0.0, -1e-9), ("adam_beta1", 0.0, -1e-9),
+    ("adam_beta2", 1 - 1e-9, 1.0), ("learning_rate", 1.0, 1.0 + 2**-52), ("learning_rate", 1e-12, 0.0),
+    ("logging_steps", 0, -1), ("lora_dropout", 0.0, -1e-9), ("lora_dropout", 1 - 1e-9, 1.0),
+    ("logprob_chunk_size", 1, 0), ("lora_r", 1, 0), ("ddp_timeout", 1, 0), ("save_steps", 1, 0),
+    ("device", "cuda:1", "cuda:x"), ("ddp_backend", "gloo", "mpi"),
+]
+
+
 @pytest.mark.parametrize("which", CONFIGS)
-def test_the_defaults_and_the_edges_of_the_ranges_are_accepted(which):
+@pytest.mark.parametrize(("name", "edge", "past"), EDGES)
+def test_the_edges_of_the_ranges_are_accepted_and_one_step_past_them_refused(which, name, edge, past):
     cls = CONFIGS[which]
-    cls(save_total_limit=1, seed=0, warmup_steps=0, max_grad_norm=0.0, weight_decay=0.0, adam_beta1=0.0,
-        learning_rate=1.0, logging_steps=0, lora_dropout=0.0, logprob_chunk_size=None, ddp_backend="gloo")
-    cls(seed=2**32 - 1, device="cuda:1", save_total_limit=None)
+    assert getattr(cls(**{name: edge}), name) == edge  # accepted, and kept as given
+    with pytest.raises(ValueError, match=rf"field '{name}'"):
+        cls(**{name: past})
+
+
+@pytest.mark.parametrize("which", CONFIGS)
+def test_the_nullable_fields_take_null(which):
+    cfg = CONFIGS[which](logprob_chunk_size=None, save_total_limit=None, ddp_backend=None, run_name=None)
+    assert (cfg.logprob_chunk_size, cfg.save_total_limit, cfg.ddp_backend, cfg.run_name) == (None,) * 4
 
 
 def test_sft_max_steps_minus_one_takes_the_epochs_and_refuses_infinite_ones():
@@ -194,10 +212,19 @@ def test_out_of_range_values_name_their_field(cli, tmp_path, flags, field, no_mo
     assert len(err.strip().splitlines()) == 1
 
 
-def test_every_default_and_the_default_run_are_in_range():
-    from qerl.rl import GRPOConfig
-    from qerl.rl.default_run import default_run_config
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_every_default_and_the_default_run_are_in_range(monkeypatch, tmp_path, fast_bf16):
+    """Each is accepted as built and again as its run's config.yaml reads back (both validate), field for field;
+    the default run's are the settings its dicts name, on both CPU branches and the GPU."""
+    from qerl.rl import default_run
 
-    GRPOConfig()
-    default_run_config("cpu")
-    default_run_config("cuda")
+    monkeypatch.setattr(default_run, "cpu_has_fast_bf16", lambda: fast_bf16)
+    made = {"grpo": GRPOConfig(), "sft": SFTConfig(), "cpu": default_run.default_run_config("cpu"),
+            "cuda": default_run.default_run_config("cuda")}
+    for name, cfg in made.items():
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(cfg.to_yaml())
+        assert type(cfg).from_yaml(p) == cfg, name
+    cpu = default_run.CPU if fast_bf16 else dict(default_run.CPU, dtype="float32", max_steps=default_run.STEPS_FP32)
+    for cfg, want in ((made["cpu"], cpu), (made["cuda"], default_run.GPU)):
+        assert {k: getattr(cfg, k) for k in want} == want
