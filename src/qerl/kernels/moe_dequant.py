@@ -2,7 +2,7 @@
 
 QuantExperts' grouped path (prefill and update: many tokens an expert) dequantizes a chunk of hit
 experts and multiplies with one torch._grouped_mm. The format's torch dequantize takes ~10 ops with
-fp32 temporaries per expert: measured on an H100 (scripts/moe_gemv_speed.py, 2026-12-06), a Qwen3-30B-A3B
+fp32 temporaries per expert: measured on an H100 (qerl bench moe, 2026-12-06), a Qwen3-30B-A3B
 layer of 128 experts took 35 ms that way, ~275 µs an expert whose 4-bit bytes are 2.65 MB. This kernel
 reads each expert's codes and scales once and writes its weights once: per expert 2.65 MB read + 9.4 MB
 written, ~3.6 µs at 3.35 TB/s (H100), so the layer's 128 experts ~0.5 ms.
