@@ -47,8 +47,6 @@ KERNEL_MODES=(
   humming_lora32          # humming with LoRA r32
   humming_lora32_overlap  # the same, the LoRA shrink on a side stream (KernelSettings.lora_overlap)
   wgmma                   # qerl's wgmma kernel alone (its ordered last-CTA split-K)
-  wgmma_splitk            # the same kernel, workspace split-K summed in split order by a second kernel
-  wgmma_splitk_2cta       # the same, S chosen for two CTAs an SM
   wgmma_lora32            # wgmma with LoRA r32 (the shrink by cuBLAS first)
   wgmma_lora32_fused      # wgmma with the LoRA shrink inside its launch
 )

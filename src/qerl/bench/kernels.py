@@ -35,8 +35,7 @@ from ..kernels import routes
 from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "wgmma_splitk",
-         "wgmma_splitk_2cta", "dequant",
+MODES = ["bf16", "nvfp4", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
          "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
@@ -223,16 +222,6 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
                                                                            2.0, starts)
                 return w4_wgmma.matmul(x, t["weight_packed"], t["weight_scale"], f, n, lora=lo, config=c)
             out.append(call)
-        return out
-    if mode in ("wgmma_splitk", "wgmma_splitk_2cta"):
-        # the wgmma kernel's workspace split-K (S partials summed in split order by a second kernel, no atomics), S
-        # from choose_splits for one or two CTAs an SM (a candidate; "wgmma" is its last-CTA ordered split)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        s = w4_wgmma.choose_splits(x.shape[0], n, k, sms, ctas_per_sm=2 if mode.endswith("2cta") else 1)
-        out = []
-        for t in sets.mma:
-            f, _ = mma_backend._prepare(t)
-            out.append(lambda t=t, f=f: w4_wgmma.matmul(x, t["weight_packed"], t["weight_scale"], f, n, splits=s))
         return out
     if mode == "dequant":  # dequantize the MMA-layout bytes + cuBLAS (the large-M path)
         out = []
@@ -440,7 +429,7 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_streamk", m) in agg:
             rows.append((case, "humming_streamk_us", g("humming_streamk"), "us", None))
-        for mode in ("humming_nosplit", "humming_ksplit2", "humming_ksplit4", "wgmma_splitk", "wgmma_splitk_2cta"):
+        for mode in ("humming_nosplit", "humming_ksplit2", "humming_ksplit4"):
             if (mode, m) in agg:
                 rows += [(case, f"{mode}_us", g(mode), "us", None),
                          (case, f"{mode}_speedup_vs_bf16", bf / g(mode), "x", None)]

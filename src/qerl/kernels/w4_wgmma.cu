@@ -22,11 +22,7 @@
 // decode the chunk into one of two A register sets, issue the chunk's 4 wgmmas back to back and keep one
 // chunk's group in flight (wgmma.wait_group 1) while the next chunk decodes.
 // Split K: CTAs along z keep partial sums apart; the last to arrive adds them in split order
-// (deterministic: no float atomics, no reduce kernel; an integer ticket a tile picks the CTA that adds, from
-// counters per stream). SPLITK_WS = 1 instead: split z takes K slice z (slice_begin), writes its fp32 tile to
-// the workspace and exits (no atomics, no counters); w4_wgmma_reduce, a second launch, adds the S partials
-// in split order and runs a copy of the epilogue, so with the same slices both give the same bits.
-// Epilogue: x 2^7/gs, + bias, + LoRA expand (an
+// (deterministic: no float atomics, no reduce kernel). Epilogue: x 2^7/gs, + bias, + LoRA expand (an
 // mma.sync per 16 of rank on the accumulator fragments: per warp, wgmma's D layout is mma.sync's C
 // layout for each 8 tokens), round to bf16 once.
 //
@@ -35,13 +31,9 @@
 // Compile-time: WG (consumer warpgroups), PW (producer warps), BN (tokens a CTA, a multiple of 8, <= 256),
 // ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, LORA_R (the rank),
 // FUSE_SHRINK;
-// MT = BN / 8 and WARPS = 4 WG + PW for the shared shrink_cta; SPLITK_WS (0 when not given; never with FUSE_SHRINK).
+// MT = BN / 8 and WARPS = 4 WG + PW for the shared shrink_cta.
 
 #include "w4_wgmma_index.cuh"
-
-#ifndef SPLITK_WS
-#define SPLITK_WS 0
-#endif
 
 #define THREADS (CTHREADS + PTHREADS)
 
@@ -133,13 +125,8 @@ __device__ __forceinline__ void matmul_cta(
   const int KCH = K >> 6, NT = N >> 4;
   const int rt0 = bx * WG * 4;  // the CTA's first row tile; consumer warp wi owns row tile rt0 + wi
   const int tok0 = by * BN;
-#if SPLITK_WS
-  const int c_begin = slice_begin(split, S, KCH);
-  const int nch = slice_count(split, S, KCH);
-#else
   const int c_begin = chunk_begin(split, chunks_per_split);
   const int nch = chunk_count(split, chunks_per_split, KCH);
-#endif
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < ST; s++) {
@@ -193,14 +180,6 @@ __device__ __forceinline__ void matmul_cta(
   wgmma_wait<0>();
 
   const int ntile = by * gx + bx;
-#if SPLITK_WS
-  if (S > 1) {  // this split's partial tile into the workspace; w4_wgmma_reduce adds them and runs the epilogue
-    float* mine = part + part_index(split, ntile, gx * gy, tid, 0);
-#pragma unroll
-    for (int i = 0; i < NACC; i += 4) st_f32x4((f32x4*)(mine + i), acc + i);
-    return;
-  }
-#else
   if (S > 1) {
     // Partial sums [split][tile][thread][NACC], float4 per store; the last CTA of the tile adds them.
     float* mine = part + part_index(split, ntile, gx * gy, tid, 0);
@@ -228,7 +207,6 @@ __device__ __forceinline__ void matmul_cta(
       }
     }
   }
-#endif
 
   // Epilogue. acc[4j + e]: row 16 wi + g (+8 for e >= 2) of the CTA, token 8j + 2q + (e & 1) (acc_row, acc_tok).
   if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
@@ -329,83 +307,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB) w4_wgmma_matmul(
     sync[2] = 0;
   }
 }
-
-#if SPLITK_WS
-// The second launch of a workspace split: one CTA a tile (gx x gy), a thread per consumer thread of the matmul,
-// which adds that thread's S partials in split order (0 + p0 + p1 + ...: the last-CTA path's order) and runs
-// matmul_cta's epilogue, copied here line for line (not shared through a function: that moved ptxas's schedule
-// of the S = 1 kernel; tests/test_w4_wgmma_splitk_gpu.py checks both paths give the same bits). No atomics; the
-// workspace is the launcher's, one a call (torch's caching allocator, on the current stream).
-extern "C" __global__ void __launch_bounds__(CTHREADS, 1) w4_wgmma_reduce(
-    const float* __restrict__ part, u16* __restrict__ y, const float* __restrict__ out_factor,
-    const u16* __restrict__ bias, const u16* __restrict__ xa, const u16* __restrict__ lb, double lora_scaling,
-    int seg1, int seg2, int M, int N, int ldy, int ldxa, int gx, int gy, int splits) {
-  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5, bx = blockIdx.x, by = blockIdx.y;
-  const int NT = N >> 4;
-  const int rt0 = bx * WG * 4, tok0 = by * BN;
-  const int ntile = by * gx + bx;
-  float acc[NACC];
-#pragma unroll
-  for (int i = 0; i < NACC; i++) acc[i] = 0.f;
-  for (int s = 0; s < splits; s++) {  // split order: the same bits every run
-    const float* p = part + part_index(s, ntile, gx * gy, tid, 0);
-#pragma unroll
-    for (int i = 0; i < NACC; i += 4) {
-      float v[4];
-      ld_f32x4_l2((const f32x4*)(p + i), v);
-      acc[i] += v[0]; acc[i + 1] += v[1]; acc[i + 2] += v[2]; acc[i + 3] += v[3];
-    }
-  }
-  // matmul_cta's epilogue from here
-  const int rt = rt0 + wi, g = lane >> 2, q = lane & 3;
-  if (rt >= NT) return;
-  const int row0 = rt * 16 + g, row1 = row0 + 8;
-  const float f = *out_factor;
-  float b0 = 0.f, b1 = 0.f;
-  if (HAS_BIAS) {
-    b0 = bf16_to_f32(bias[row0]);
-    b1 = bf16_to_f32(bias[row1]);
-  }
-  const int seg = (rt * 16 >= seg1) + (rt * 16 >= seg2);
-  constexpr int LK = (LORA_R + 15) / 16;  // the expand's k-steps (rank compiled in: the loops unroll)
-  u32 lbf[LK > 0 ? LK : 1][4];  // scaling * B[rows, :] as mma.sync A fragments, loaded once for every token
-  if (HAS_LORA) {
-#pragma unroll
-    for (int kk = 0; kk < LK; kk++) {
-      const int ka = 16 * kk + 2 * q, kb = ka + 8;
-      lbf[kk][0] = ka < LORA_R ? ld_u32(lb + (u64)row0 * LORA_R + ka) : 0u;
-      lbf[kk][1] = ka < LORA_R ? ld_u32(lb + (u64)row1 * LORA_R + ka) : 0u;
-      lbf[kk][2] = kb < LORA_R ? ld_u32(lb + (u64)row0 * LORA_R + kb) : 0u;
-      lbf[kk][3] = kb < LORA_R ? ld_u32(lb + (u64)row1 * LORA_R + kb) : 0u;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < BN / 8; j++) {
-    const int t0 = tok0 + 8 * j + 2 * q;
-    if (tok0 + 8 * j >= M) continue;
-    float o[4] = {acc[4 * j] * f + b0, acc[4 * j + 1] * f + b0, acc[4 * j + 2] * f + b1, acc[4 * j + 3] * f + b1};
-    if (HAS_LORA) {  // scaling * B[rows] @ xa[tokens, segment]^T: B's rows are mma.sync's A here
-      const u16* xr = xa + (u64)imin(tok0 + 8 * j + g, M - 1) * ldxa + seg * LORA_R;
-      float l[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int kk = 0; kk < LK; kk++) {
-        const int ka = 16 * kk + 2 * q, kb = ka + 8;
-        // xa written by this launch's shrink CTAs: read from L2, not a stale L1 line
-        const u32 x0 = ka < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
-        const u32 x1 = kb < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
-        mma_bf16(l, lbf[kk][0], lbf[kk][1], lbf[kk][2], lbf[kk][3], x0, x1);
-      }
-      const float sc = (float)lora_scaling;
-      o[0] += l[0] * sc; o[1] += l[1] * sc; o[2] += l[2] * sc; o[3] += l[3] * sc;
-    }
-    if (t0 < M) {
-      y[(u64)t0 * ldy + row0] = f32_to_bf16(o[0]);
-      y[(u64)t0 * ldy + row1] = f32_to_bf16(o[2]);
-    }
-    if (t0 + 1 < M) {
-      y[(u64)(t0 + 1) * ldy + row0] = f32_to_bf16(o[1]);
-      y[(u64)(t0 + 1) * ldy + row1] = f32_to_bf16(o[3]);
-    }
-  }
-}
-#endif

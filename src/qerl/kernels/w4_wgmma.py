@@ -36,7 +36,6 @@ from .m_thresholds import W4_WGMMA_MAX_M, W4_WGMMA_MIN_M, W4_WGMMA_ROUTE_MIN_M
 log = logging.getLogger(__name__)
 
 FILE, NAME = "w4_wgmma.cu", "w4_wgmma_matmul"
-REDUCE = "w4_wgmma_reduce"  # the second launch of a workspace split (SPLITK_WS)
 INDEX = "w4_wgmma_index.cuh"  # the address arithmetic, also compiled for the host by the CPU tests
 MIN_M, MAX_M = W4_WGMMA_MIN_M, W4_WGMMA_MAX_M  # tokens this kernel takes (kernels/m_thresholds.py)
 _COUNTERS = 1 << 14
@@ -75,7 +74,6 @@ class WgmmaConfig:
     chunks_per_split: int
     pw: int = 1
     ctas_per_sm: int = 1
-    ws: bool = False  # splits > 1 through a workspace and w4_wgmma_reduce (slice_begin), not the last CTA's ticket
 
     @property
     def threads(self) -> int:
@@ -95,21 +93,10 @@ class WgmmaConfig:
     def defines(self, has_bias: bool, has_lora: bool, fuse_shrink: bool = False, rank: int = 32) -> dict:
         """rank: the LoRA rank, compiled in so that the expand's B fragments load once a CTA and its loops
         unroll (a runtime rank left every load of the epilogue on one dependent chain: +37 % at M = 64)."""
-        d = dict(WG=self.wg, PW=self.pw, BN=self.bn, ST=self.stages, MINB=self.ctas_per_sm,
-                 HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink), MT=self.bn // 8,
-                 LORA_R=rank if has_lora else 0,
-                 WARPS=4 * self.wg + self.pw)
-        if self.ws:  # only then: every other launch compiles today's source, defines and all
-            if fuse_shrink:
-                raise ValueError("a workspace split takes xa given (the shrink first), not the in-launch shrink")
-            d["SPLITK_WS"] = 1
-        return d
-
-    def part_floats(self, M: int, N: int) -> int:
-        """The fp32 workspace of a split launch: [splits][tile][consumer thread][bn / 2] (part_floats of the index
-        header), tiles whole (rows past N and tokens past M included)."""
-        gx, gy, gz = self.grid(M, N)
-        return gz * gx * gy * 128 * self.wg * (self.bn // 2)
+        return dict(WG=self.wg, PW=self.pw, BN=self.bn, ST=self.stages, MINB=self.ctas_per_sm,
+                    HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink), MT=self.bn // 8,
+                    LORA_R=rank if has_lora else 0,
+                    WARPS=4 * self.wg + self.pw)
 
     def grid(self, M: int, N: int) -> tuple[int, int, int]:
         return (math.ceil(N / (64 * self.wg)), math.ceil(M / self.bn), self.splits)
@@ -130,38 +117,6 @@ def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, **override) -
     splits = max(1, min(sms * cps_sm // blocks, kch // min_chunks))
     cps = math.ceil(kch / splits)
     cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], math.ceil(kch / cps), cps, tune.get("pw", 1), cps_sm)
-    if (cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256
-            or (bn * 8) % (32 * cfg.pw)):
-        raise ValueError(f"invalid wgmma launch {cfg}: {cfg.smem_bytes()} bytes of shared memory")
-    return cfg
-
-
-SPLIT_MIN_CHUNKS = 4  # a workspace split keeps at least this many 64-input chunks a slice (choose_splits)
-
-
-def choose_splits(M: int, N: int, K: int, sm_count: int, *, min_chunks: int = SPLIT_MIN_CHUNKS,
-                  ctas_per_sm: int = 1) -> int:
-    """The K splits of a workspace launch (matmul(..., splits=S)), a function of (M's token tile, N, K, the card)
-    only, so fixed per shape: the smallest S with tiles x S >= sm_count x ctas_per_sm (one wave), capped at
-    K / 64 / min_chunks so that each slice keeps >= min_chunks chunks; 1 when the tiles alone fill the card.
-    tiles = ceil(N / 64) x ceil(M / bn) (TUNING's one warpgroup: 64 weight rows a CTA)."""
-    bn = token_tile(M)
-    tiles = math.ceil(N / (64 * TUNING[bn]["wg"])) * math.ceil(M / bn)
-    want = math.ceil(sm_count * ctas_per_sm / tiles)
-    return max(1, min(want, (K // 64) // min_chunks))
-
-
-def plan_splits(M: int, N: int, K: int, splits: int, **override) -> WgmmaConfig:
-    """The launch of M tokens at exactly `splits` K splits: 1 is today's unsplit launch (the same source, defines
-    and bits as `plan` where it does not split); S > 1 writes S partial tiles to a workspace, slice z taking chunks
-    [floor(z kch / S), floor((z + 1) kch / S)), and w4_wgmma_reduce adds them in split order."""
-    bn = override.pop("bn", None) or token_tile(M)
-    tune = {**TUNING[bn], **override}
-    kch = K // 64
-    if not 1 <= splits <= kch:
-        raise ValueError(f"splits must be 1..{kch} (K / 64) for K = {K}, got {splits}")
-    cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], splits, math.ceil(kch / splits), tune.get("pw", 1),
-                      tune.get("ctas_per_sm", 1), ws=splits > 1)
     if (cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256
             or (bn * 8) % (32 * cfg.pw)):
         raise ValueError(f"invalid wgmma launch {cfg}: {cfg.smem_bytes()} bytes of shared memory")
@@ -245,34 +200,11 @@ class Args:
     sync_base: int
 
 
-@dataclass
-class ReduceArgs:
-    """w4_wgmma_reduce's parameters, in its order (SPLITK_WS launches)."""
-
-    part: torch.Tensor
-    y: torch.Tensor
-    out_factor: torch.Tensor
-    bias: torch.Tensor
-    xa: torch.Tensor
-    lb: torch.Tensor
-    lora_scaling: float
-    seg1: int
-    seg2: int
-    M: int
-    N: int
-    ldy: int
-    ldxa: int
-    gx: int
-    gy: int
-    splits: int
-
-
 def _check_arity() -> None:
-    for name, cls in ((NAME, Args), (REDUCE, ReduceArgs)):
-        want = nvrtc.parameters(FILE, name)
-        have = [f.name for f in fields(cls)]
-        if want != have:
-            raise RuntimeError(f"{FILE}: {name} takes {want}, the launcher passes {have}")
+    want = nvrtc.parameters(FILE, NAME)
+    have = [f.name for f in fields(Args)]
+    if want != have:
+        raise RuntimeError(f"{FILE}: {NAME} takes {want}, the launcher passes {have}")
 
 
 _AVAILABLE: dict = {}
@@ -307,28 +239,17 @@ def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrin
     return fn
 
 
-def _reduce_kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, rank: int = 32):
-    return nvrtc.kernel(FILE, REDUCE, cfg.defines(has_bias, has_lora, False, rank), device, generated(cfg))
-
-
 def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_factor: torch.Tensor, N: int,
            bias: torch.Tensor | None = None, lora=None, config: WgmmaConfig | None = None,
-           out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x2d [M, K] bf16 -> [M, N] bf16 = x @ W^T (* out_factor = 2^7/gs) + bias + LoRA.
 
     packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm (bf16, even rank, <= 3 segments on
     16-row boundaries: w4_mma.lora_fusable) with xa given, or with `a` (the stacked A, [S*r, K]) and no xa:
-    then extra CTAs of the same launch compute the shrink first and the epilogues wait for it.
-    splits: K splits through a workspace (plan_splits; choose_splits picks one for a shape): 1 is the unsplit
-    launch; S > 1 two launches (S partial tiles, then w4_wgmma_reduce adds them in split order, + bias and the
-    LoRA expand, a shrink first if xa is not given), no atomics or counters. None: `plan` (or `config`)."""
+    then extra CTAs of the same launch compute the shrink first and the epilogues wait for it."""
     M, K = x2d.shape
     dev = x2d.device
-    if config is None and splits is not None:
-        config = plan_splits(M, N, K, splits)
     cfg = config or plan(M, N, K, torch.cuda.get_device_properties(dev).multi_processor_count)
-    if cfg.ws and cfg.splits > 1:
-        return _matmul_ws(cfg, x2d, packed, scale, out_factor, N, bias, lora, out)
     if x2d.stride(-1) != 1 or x2d.data_ptr() % 16 or x2d.stride(0) % 8:
         x2d = x2d.contiguous()
     y = out if out is not None else torch.empty(M, N, device=dev, dtype=torch.bfloat16)
@@ -369,43 +290,4 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     grid = (shrink_ctas + tiles * gz, 1, 1) if fuse_shrink else (gx, gy, gz)
     kern(grid=grid, block=(cfg.threads, 1, 1), args=[getattr(args, f.name) for f in fields(Args)],
          shared_mem=cfg.smem_bytes())
-    return y
-
-
-def _matmul_ws(cfg: WgmmaConfig, x2d, packed, scale, out_factor, N: int, bias, lora, out) -> torch.Tensor:
-    """A workspace split: cfg.splits CTAs along K each write their partial tile, then one reduce CTA a tile."""
-    M, K = x2d.shape
-    dev = x2d.device
-    if x2d.stride(-1) != 1 or x2d.data_ptr() % 16 or x2d.stride(0) % 8:
-        x2d = x2d.contiguous()
-    y = out if out is not None else torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-    gx, gy, gz = cfg.grid(M, N)
-    # Per call from torch's caching allocator on the current stream: two streams never share one, and a graph
-    # keeps the one of its capture (its private pool).
-    part = torch.empty(cfg.part_floats(M, N), device=dev, dtype=torch.float32)
-    if lora is not None and lora.xa is None:
-        lora = lora.shrunk(x2d)  # the shrink as its own GEMM first (no in-launch shrink: it needs tickets)
-    if lora is not None:
-        lb = lora.b.contiguous()
-        xa = lora.xa.reshape(M, -1)
-        if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
-            xa = xa.contiguous()
-        segs = list(lora.seg_starts) + [N] * (2 - len(lora.seg_starts))
-        rank = lb.shape[1]
-        lora_part = dict(xa=xa, lb=lb, lora_scaling=float(lora.scaling), seg1=segs[0], seg2=segs[1], ldxa=xa.stride(0))
-    else:
-        rank = 0
-        lora_part = dict(xa=x2d, lb=x2d, lora_scaling=0.0, seg1=N, seg2=N, ldxa=0)
-    # The split launch has no epilogue: one compile serves every bias / LoRA; its counters are never touched.
-    args = Args(wq=packed, wsc=scale, x=x2d, y=y, part=part, counters=part, out_factor=out_factor, bias=x2d,
-                xa=x2d, lb=x2d, lora_scaling=0.0, rank=0, seg1=N, seg2=N, M=M, N=N, K=K, ldx=x2d.stride(0),
-                ldy=y.stride(0), ldxa=0, chunks_per_split=cfg.chunks_per_split, lora_a=x2d, shrink_ctas=0, gx=gx, gy=gy,
-                splits=gz, sync_base=0)
-    kern = _kernel(cfg, False, False, dev)
-    kern(grid=(gx, gy, gz), block=(cfg.threads, 1, 1), args=[getattr(args, f.name) for f in fields(Args)],
-         shared_mem=cfg.smem_bytes())
-    rargs = ReduceArgs(part=part, y=y, out_factor=out_factor, bias=bias if bias is not None else x2d, M=M, N=N,
-                       ldy=y.stride(0), gx=gx, gy=gy, splits=gz, **lora_part)
-    red = _reduce_kernel(cfg, bias is not None, lora is not None, dev, rank)
-    red(grid=(gx, gy, 1), block=(128 * cfg.wg, 1, 1), args=[getattr(rargs, f.name) for f in fields(ReduceArgs)])
     return y

@@ -71,15 +71,6 @@ QI int chunk_count(int z, int cps, int kch) {
 QI long long part_index(int z, int tile, int ntiles, int ct, int i) {
   return (((long long)z * ntiles + tile) * CTHREADS + ct) * NACC + i;
 }
-// The workspace of a launch: S splits x ntiles tiles x (64 WG rows x BN tokens) floats (rows past N and tokens
-// past M included: a whole tile's accumulators, zeros there), i.e. [S][tile][consumer thread][NACC].
-QI long long part_floats(int S, int ntiles) { return (long long)S * ntiles * CTHREADS * NACC; }
-
-// Split K through a workspace (SPLITK_WS, w4_wgmma.cu): split z of S takes chunks [slice_begin(z), slice_begin(z+1))
-// with slice_begin(z) = floor(z * kch / S): contiguous, in split order, covering each chunk once, sizes
-// floor(kch / S) or that + 1, none empty when S <= kch (the launcher refuses S > kch). z = S gives kch.
-QI int slice_begin(int z, int S, int kch) { return (int)((long long)z * kch / S); }
-QI int slice_count(int z, int S, int kch) { return slice_begin(z + 1, S, kch) - slice_begin(z, S, kch); }
 
 // A fused-shrink launch hands out roles by ticket: the first `shrink_ctas` tickets shrink, then tile
 // m = ticket - shrink_ctas runs (bx, by, z) = (m % gx, (m / gx) % gy, m / (gx * gy)).
