@@ -113,6 +113,27 @@ def nosplit_tuning(layer_config, device: torch.device, gemm_type: str = "dense")
     return _NOSPLIT[key]
 
 
+_ORDERED: dict[tuple, str] = {}
+
+
+def ordered_tuning(layer_config, device: torch.device) -> str:
+    """humming's default heuristics for this layer config with stream-K's partial sums added in a fixed order
+    (kernels/humming_ordered.py: TMA stores off, a grid on which no tile has more than 3 slices), as the JSON
+    string humming's forward takes, once per (config, device)."""
+    from humming.tune import get_heuristics_config
+
+    from .humming_ordered import ordered_entries
+
+    key = (layer_config.to_str(), device.index)
+    if key not in _ORDERED:
+        entries = get_heuristics_config(layer_config, None, gemm_type="dense", device=device)
+        major, minor = torch.cuda.get_device_capability(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _ORDERED[key] = json.dumps(ordered_entries(entries, (layer_config.shape_n, layer_config.shape_k), sms,
+                                                   10 * major + minor))
+    return _ORDERED[key]
+
+
 def compute_config() -> dict | None:
     """Batch-invariant tiles (COMPUTE) under KernelSettings.humming_deterministic, else humming's default
     (stream-K: faster at M 1-256, not bit-repeatable)."""
@@ -123,6 +144,8 @@ def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict
     """(compute_config, tuning_config) for a humming call the routes table sent to `backend`."""
     if backend == "humming_nosplit":
         return None, nosplit_tuning(layer_config, device)
+    if backend == "humming_ordered":
+        return None, ordered_tuning(layer_config, device)
     return compute_config(), None
 
 
@@ -159,8 +182,18 @@ class HummingWeight:
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16, in the routed humming mode."""
         lora, pending = start_lora(lora, x2d)
         cc, tc = call_configs(backend, self.layer.humming_config, x2d.device)
-        y = self.layer(x2d, compute_config=cc, tuning_config=tc)
-        return end_lora(y, lora, pending, bias)
+        return end_lora(self.run(x2d, cc, tc), lora, pending, bias)
+
+    def run(self, x2d: torch.Tensor, compute_config=None, tuning_config=None) -> torch.Tensor:
+        """humming's forward of this weight with the current stream's lock buffer (`_locks`): the layer's own buffer
+        is one for every stream, and two streams splitting K at once would wait on each other's locks."""
+        from humming.forward import humming_forward
+
+        lay = self.layer
+        return humming_forward(lay.humming_config, inputs=x2d, weight=lay.weight,
+                               weight_scale=getattr(lay, "weight_scale", None),
+                               weight_scale_2=getattr(lay, "weight_scale_2", None), locks=_locks(x2d.device),
+                               compute_config=compute_config, tuning_config=tuning_config)
 
 
 def start_lora(lora: LoraTerm | None, x2d: torch.Tensor):
