@@ -2,9 +2,9 @@
 
 Run on the device (`STEP=tests bash scripts/device.sh`): every M from 1 to 300 on the 7B groups, the 14B/32B/72B
 group shapes and N that leave a CTA's rows partly empty, outputs poisoned with NaN before each run; two runs give
-identical bits; LoRA with 1 and 3 segments equals base + the unfused expand; a CUDA graph replays it; routed
-through mma_backend it matches the mma.sync path within bf16 noise; every tile TUNING uses compiles, on this
-card's NVRTC, to no local memory and at least the CTAs per SM its plan assumes.
+identical bits; LoRA with 1 and 3 segments (xa given, or shrunk by the launcher) equals base + the unfused expand;
+a CUDA graph replays it; routed through mma_backend it matches the mma.sync path within bf16 noise; every tile
+TUNING uses compiles, on this card's NVRTC, to no local memory and at least the CTAs per SM its plan assumes.
 """
 
 import pytest
@@ -84,18 +84,18 @@ def test_runs_are_bitwise_deterministic_with_split_k(m):
     assert torch.equal(_run(t, (n, k), x), _run(t, (n, k), x))
 
 
-@pytest.mark.parametrize("in_launch", [False, True])
+@pytest.mark.parametrize("xa_given", [True, False])
 @pytest.mark.parametrize("segs", [1, 3])
 @pytest.mark.parametrize("m", [9, 64, 200])
-def test_lora_expand_in_the_epilogue(segs, m, in_launch):
+def test_lora_expand_in_the_epilogue(segs, m, xa_given):
     n, k, r = 4608, 3584, 32
     t = _quant(n, k, 5)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(segs * r, k, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(n, r, device="cuda", dtype=torch.bfloat16) * 0.02
     starts = (3584, 4096)[: segs - 1]
-    lora = dispatch.LoraTerm(None, b, 2.0, starts, a=a)  # in_launch: the kernel's own shrink CTAs (bn <= 128)
-    y = _run(t, (n, k), x, lora=lora if in_launch else lora.shrunk(x))
+    lora = dispatch.LoraTerm(None, b, 2.0, starts, a=a)  # without xa: matmul shrinks first (lora.shrunk)
+    y = _run(t, (n, k), x, lora=lora.shrunk(x) if xa_given else lora)
     ref_lora = dispatch.LoraTerm(x.double() @ a.double().T, b.double(), 2.0, starts)
     ref = _ref(t, (n, k), x) + dispatch.lora_expand(ref_lora, torch.float64)
     assert _rel(y, ref) < 1e-2
@@ -141,17 +141,15 @@ def test_every_tile_compiles_without_local_memory_at_the_planned_occupancy():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bad = []
     for bn, tune in sorted(w4_wgmma.TUNING.items()):
-        for lora, fuse in ((False, False), (True, False), (True, True)):
-            if fuse and bn > w4_wgmma.FUSE_SHRINK_MAX_BN:
-                continue
+        for lora in (False, True):
             cfg = w4_wgmma.plan(bn, 4608, 3584, sms, bn=bn)
-            fn = w4_wgmma._kernel(cfg, False, lora, dev, fuse)
+            fn = w4_wgmma._kernel(cfg, False, lora, dev)
             regs, local, per_sm = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
             assert lib.cuFuncGetAttribute(ctypes.byref(regs), 4, fn.func) == 0  # CU_FUNC_ATTRIBUTE_NUM_REGS
             assert lib.cuFuncGetAttribute(ctypes.byref(local), 3, fn.func) == 0  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
             assert lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(per_sm), fn.func, cfg.threads,
                                                                    cfg.smem_bytes()) == 0
-            line = (f"BN {bn} wg {cfg.wg} pw {cfg.pw} stages {cfg.stages} lora {lora} fuse {fuse}: {regs.value} regs, "
+            line = (f"BN {bn} wg {cfg.wg} pw {cfg.pw} stages {cfg.stages} lora {lora}: {regs.value} regs, "
                     f"{local.value} B local, {per_sm.value} CTAs/SM (plan {tune.get('ctas_per_sm', 1)})")
             print(line)
             if local.value or per_sm.value < tune.get("ctas_per_sm", 1):

@@ -51,8 +51,7 @@ def _lib(cfg: w4_wgmma.WgmmaConfig, tmp: Path):
     src += [f'extern "C" int f_{f}({args(n)}) {{ return {f}({call(n)}); }}\n' for f, n in _INT_FNS.items()]
     src += [f'extern "C" long long f_{f}({args(n)}) {{ return {f}({call(n)}); }}\n' for f, n in _LL_FNS.items()]
     src += [f'extern "C" int c_{c}(void) {{ return {c}; }}\n' for c in _CONSTS]
-    src += ['extern "C" void f_tile_of(int m, int gx, int gy, int* r) { tile_of(m, gx, gy, r, r + 1, r + 2); }\n',
-            'extern "C" u32 f_pick_r0(u32 v, u32 odd) { return pick_r0(v, odd); }\n',
+    src += ['extern "C" u32 f_pick_r0(u32 v, u32 odd) { return pick_r0(v, odd); }\n',
             'extern "C" u32 f_pick_r1(u32 v, u32 odd) { return pick_r1(v, odd); }\n']
     name = "_".join(map(str, key))
     (tmp / f"{name}.cpp").write_text("".join(src))
@@ -77,12 +76,6 @@ class K:
     def __getattr__(self, name):
         if name in _CONSTS:
             return getattr(self.lib, f"c_{name}")()
-        if name == "tile_of":
-            def tile_of(m, gx, gy):
-                r = (ctypes.c_int * 3)()
-                self.lib.f_tile_of(m, gx, gy, r)
-                return tuple(r)
-            return tile_of
         return getattr(self.lib, f"f_{name}")
 
 
@@ -275,7 +268,7 @@ def test_ring_protocol_never_overwrites_or_deadlocks(tmp):
                     cons[m] += 1
 
 
-def test_splits_partials_and_tiles_are_bijections(tmp):
+def test_splits_and_partials_are_bijections(tmp):
     k = K(CFGS[2], tmp)
     for kch in (1, 7, 56, 296):
         for cps in (1, 3, 19, kch):
@@ -287,8 +280,6 @@ def test_splits_partials_and_tiles_are_bijections(tmp):
            for i in range(0, k.NACC, 4)}
     assert len(idx) == z * ntiles * k.CTHREADS * k.NACC // 4 and max(idx) < z * ntiles * k.CTHREADS * k.NACC
     assert all(i % 4 == 0 for i in idx)  # float4 stores stay aligned
-    for gx, gy, gz in ((36, 1, 3), (5, 2, 4), (1, 1, 1)):
-        assert sorted(k.tile_of(m, gx, gy) for m in range(gx * gy * gz)) == sorted(itertools.product(range(gx), range(gy), range(gz)))
 
 
 def test_accumulator_map_is_the_ptx_d_layout(tmp):

@@ -2,9 +2,9 @@
 
 Its address arithmetic and weight gather are compiled for the host and checked, with a whole launch
 emulated through them, in tests/test_w4_wgmma_index.py; the kernel itself runs in tests/test_w4_wgmma_gpu.py
-(an H100/H200). Here: every plan fits shared memory and covers K, fused-shrink tickets cover every tile,
-and where nvcc is installed ptxas builds every tile for sm_90a with no spills and no wgmma serialization,
-and the SASS holds register-sourced HGMMAs.
+(an H100/H200). Here: every plan fits shared memory and covers K, and where nvcc is installed ptxas
+builds every tile for sm_90a with no spills and no wgmma serialization, and the SASS holds
+register-sourced HGMMAs.
 """
 
 import re
@@ -27,13 +27,6 @@ def test_plans_fit_shared_memory_and_cover_k():
             assert gx * 64 * cfg.wg >= n and gy * cfg.bn >= m
 
 
-def test_fused_shrink_roles_cover_every_tile_once():
-    """Tickets past the shrink CTAs map to (bx, by, split) as the kernel computes them: each exactly once."""
-    for gx, gy, gz in ((36, 1, 3), (5, 2, 4), (1, 1, 1)):
-        seen = {(m % gx, (m // gx) % gy, m // (gx * gy)) for m in range(gx * gy * gz)}
-        assert seen == {(x, y, z) for x in range(gx) for y in range(gy) for z in range(gz)}
-
-
 def test_launcher_passes_the_kernels_parameters_in_order():
     w4_wgmma._check_arity()  # raises if Args and the kernel's signature differ
     assert nvrtc.parameters("w4_wgmma.cu", "w4_wgmma_matmul")[0] == "wq"
@@ -43,13 +36,10 @@ needs_nvcc = pytest.mark.skipif(not nvrtc.nvcc_available(), reason="nvcc not ins
 
 
 @needs_nvcc
-@pytest.mark.parametrize("fuse_shrink", [False, True])
 @pytest.mark.parametrize("bn", sorted(w4_wgmma.TUNING))
-def test_ptxas_builds_every_tile_without_spills_or_serialized_wgmma(bn, fuse_shrink):
-    if fuse_shrink and bn > w4_wgmma.FUSE_SHRINK_MAX_BN:
-        pytest.skip("the launcher shrinks separately past FUSE_SHRINK_MAX_BN")
+def test_ptxas_builds_every_tile_without_spills_or_serialized_wgmma(bn):
     cfg = w4_wgmma.plan(bn, 4608, 3584, 132)
-    rep = nvrtc.ptxas_report(w4_wgmma.FILE, cfg.defines(True, True, fuse_shrink), generated=w4_wgmma.generated(cfg))
+    rep = nvrtc.ptxas_report(w4_wgmma.FILE, cfg.defines(True, True), generated=w4_wgmma.generated(cfg))
     r = rep[w4_wgmma.NAME]
     assert r.spill_stores == 0 and r.spill_loads == 0, r
     assert r.advisories == [], r.advisories

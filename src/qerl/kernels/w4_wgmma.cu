@@ -26,12 +26,10 @@
 // mma.sync per 16 of rank on the accumulator fragments: per warp, wgmma's D layout is mma.sync's C
 // layout for each 8 tokens), round to bf16 once.
 //
-// LoRA shrink: given (xa), or inside the launch (FUSE_SHRINK: extra CTAs compute xa first, by ticket).
+// LoRA shrink: given (xa, computed before the launch: w4_wgmma.matmul).
 //
 // Compile-time: WG (consumer warpgroups), PW (producer warps), BN (tokens a CTA, a multiple of 8, <= 256),
-// ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, LORA_R (the rank),
-// FUSE_SHRINK;
-// MT = BN / 8 and WARPS = 4 WG + PW for the shared shrink_cta.
+// ST (stages, >= 2), MINB (CTAs per SM the registers are capped for), HAS_BIAS, HAS_LORA, LORA_R (the rank).
 
 #include "w4_wgmma_index.cuh"
 
@@ -115,7 +113,7 @@ __device__ __forceinline__ void matmul_cta(
     u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
     const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
-    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, const int* xa_ready, int shrink_ctas) {
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split) {
   extern __shared__ unsigned char smem[];
   __shared__ __align__(8) u64 bar_mem[2 * ST];  // full[ST], empty[ST]
   __shared__ int is_last;
@@ -209,12 +207,6 @@ __device__ __forceinline__ void matmul_cta(
   }
 
   // Epilogue. acc[4j + e]: row 16 wi + g (+8 for e >= 2) of the CTA, token 8j + 2q + (e & 1) (acc_row, acc_tok).
-  if (FUSE_SHRINK) {  // the shrink CTAs took the first tickets, so they run and never wait: no deadlock
-    if (tid == 0)
-      while (ld_acquire(xa_ready) < shrink_ctas) {
-      }
-    consumers_sync();
-  }
   const int rt = rt0 + wi, g = lane >> 2, q = lane & 3;
   if (rt >= NT) return;
   const int row0 = rt * 16 + g, row1 = row0 + 8;
@@ -248,9 +240,8 @@ __device__ __forceinline__ void matmul_cta(
 #pragma unroll
       for (int kk = 0; kk < LK; kk++) {
         const int ka = 16 * kk + 2 * q, kb = ka + 8;
-        // xa written by this launch's shrink CTAs: read from L2, not a stale L1 line
-        const u32 x0 = ka < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + ka) : ld_u32(xr + ka)) : 0u;
-        const u32 x1 = kb < LORA_R ? (FUSE_SHRINK ? ld_u32_l2(xr + kb) : ld_u32(xr + kb)) : 0u;
+        const u32 x0 = ka < LORA_R ? ld_u32(xr + ka) : 0u;
+        const u32 x1 = kb < LORA_R ? ld_u32(xr + kb) : 0u;
         mma_bf16(l, lbf[kk][0], lbf[kk][1], lbf[kk][2], lbf[kk][3], x0, x1);
       }
       const float sc = (float)lora_scaling;
@@ -270,40 +261,9 @@ __device__ __forceinline__ void matmul_cta(
 extern "C" __global__ void __launch_bounds__(THREADS, MINB) w4_wgmma_matmul(
     const u32x4* __restrict__ wq, const u16* __restrict__ wsc, const u16* __restrict__ x,
     u16* __restrict__ y, float* __restrict__ part, int* __restrict__ counters,
-    const float* __restrict__ out_factor, const u16* __restrict__ bias, u16* __restrict__ xa,
+    const float* __restrict__ out_factor, const u16* __restrict__ bias, const u16* __restrict__ xa,
     const u16* __restrict__ lb, double lora_scaling, int rank, int seg1, int seg2,
-    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split,
-    const u16* __restrict__ lora_a, int shrink_ctas, int gx, int gy, int splits, int sync_base) {
-  if (!FUSE_SHRINK) {
-    matmul_cta(blockIdx.x, blockIdx.y, blockIdx.z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa,
-               lb, lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, counters, 0);
-    return;
-  }
-  // Roles by ticket, in the order CTAs start: tickets 0..shrink_ctas-1 compute xa = x @ lora_a^T (16 rows
-  // of lora_a each), the rest the matmul tiles, whose epilogues wait for xa. A CTA that waits started
-  // after every shrink CTA, which therefore runs: no deadlock at any occupancy.
-  // sync: [ticket, xa ready, finished] counters at sync_base; the last CTA to finish resets them.
-  int* sync = counters + sync_base;
-  __shared__ int role;
-  if (threadIdx.x == 0) role = atomicAdd(&sync[0], 1);
-  __syncthreads();
-  const int t = role;
-  if (t >= (int)gridDim.x) __trap();  // a ticket past the grid: another launch shares these counters
-  if (t < shrink_ctas) {
-    shrink_cta(t, x, lora_a, xa, ldxa, M, K, ldx);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(&sync[1], 1);
-  } else {
-    int bx, by, z;
-    tile_of(t - shrink_ctas, gx, gy, &bx, &by, &z);
-    matmul_cta(bx, by, z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa, lb, lora_scaling,
-               rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split, &sync[1], shrink_ctas);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(&sync[2], 1) == gridDim.x - 1) {
-    sync[0] = 0;  // the last CTA to finish: every other one is done with the counters
-    sync[1] = 0;
-    sync[2] = 0;
-  }
+    int M, int N, int K, int ldx, int ldy, int ldxa, int chunks_per_split, int gx, int gy, int splits) {
+  matmul_cta(blockIdx.x, blockIdx.y, blockIdx.z, splits, gx, gy, wq, wsc, x, y, part, counters, out_factor, bias, xa,
+             lb, lora_scaling, rank, seg1, seg2, M, N, K, ldx, ldy, ldxa, chunks_per_split);
 }

@@ -48,7 +48,7 @@ _COUNTERS = 1 << 14
 # with more CTAs per SM beat two warpgroups.
 TUNING: dict[int, dict] = {
     16: dict(wg=1, pw=4, stages=8, ctas_per_sm=2),
-    32: dict(wg=1, pw=4, stages=8, ctas_per_sm=2),  # 128.9 µs; 3 a SM (127.0) spills with the fused shrink
+    32: dict(wg=1, pw=4, stages=8, ctas_per_sm=2),  # 128.9 µs; 3 a SM 127.0, spilled with the retired fused shrink
     64: dict(wg=1, pw=2, stages=6, ctas_per_sm=2),
     128: dict(wg=1, pw=4, stages=4, ctas_per_sm=2),
     # One warpgroup: 128 accumulators a thread need the whole 255 registers (two warpgroups spill).
@@ -57,9 +57,6 @@ TUNING: dict[int, dict] = {
 # Layers route M >= ROUTE_MIN_M (and <= MAX_M) here, below it to mma.sync (the measurement: m_thresholds.py)
 ROUTE_MIN_M = W4_WGMMA_ROUTE_MIN_M
 SMEM_LIMIT = 227 * 1024
-# Token tiles up to which the LoRA shrink may run inside the launch (past it the shrink path's 128
-# accumulators push the kernel over 255 registers: ptxas spills).
-FUSE_SHRINK_MAX_BN = 128
 
 
 @dataclass(frozen=True)
@@ -87,14 +84,15 @@ class WgmmaConfig:
         return self.stages * self.stage_bytes() + 1024
 
     def static_bytes(self) -> int:
-        """Static shared memory besides: the mbarriers and flags, and a fused shrink's reduction buffer."""
-        return 16 * self.stages + 16 + self.bn * 64
+        """Static shared memory besides: the mbarriers and flags (ptxas -v: 16 * stages + 16 bytes)."""
+        return 16 * self.stages + 16
 
-    def defines(self, has_bias: bool, has_lora: bool, fuse_shrink: bool = False, rank: int = 32) -> dict:
+    def defines(self, has_bias: bool, has_lora: bool, rank: int = 32) -> dict:
         """rank: the LoRA rank, compiled in so that the expand's B fragments load once a CTA and its loops
-        unroll (a runtime rank left every load of the epilogue on one dependent chain: +37 % at M = 64)."""
+        unroll (a runtime rank left every load of the epilogue on one dependent chain: +37 % at M = 64).
+        MT and WARPS only let w4_common.cuh's shrink_cta (the mma.sync kernel's) compile; this kernel never calls it."""
         return dict(WG=self.wg, PW=self.pw, BN=self.bn, ST=self.stages, MINB=self.ctas_per_sm,
-                    HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora), FUSE_SHRINK=int(fuse_shrink), MT=self.bn // 8,
+                    HAS_BIAS=int(has_bias), HAS_LORA=int(has_lora), MT=self.bn // 8,
                     LORA_R=rank if has_lora else 0,
                     WARPS=4 * self.wg + self.pw)
 
@@ -192,12 +190,9 @@ class Args:
     ldy: int
     ldxa: int
     chunks_per_split: int
-    lora_a: torch.Tensor
-    shrink_ctas: int
     gx: int
     gy: int
     splits: int
-    sync_base: int
 
 
 def _check_arity() -> None:
@@ -231,8 +226,8 @@ def available(device: torch.device) -> bool:
 _SMEM_SET: dict = {}
 
 
-def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, fuse_shrink: bool = False, rank: int = 32):
-    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora, fuse_shrink, rank), device, generated(cfg))
+def _kernel(cfg: WgmmaConfig, has_bias: bool, has_lora: bool, device, rank: int = 32):
+    fn = nvrtc.kernel(FILE, NAME, cfg.defines(has_bias, has_lora, rank), device, generated(cfg))
     if _SMEM_SET.get(id(fn), 0) < cfg.smem_bytes():  # a driver call: once per function, not per launch
         fn.set_shared_memory_config(cfg.smem_bytes())
         _SMEM_SET[id(fn)] = cfg.smem_bytes()
@@ -245,8 +240,8 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
     """x2d [M, K] bf16 -> [M, N] bf16 = x @ W^T (* out_factor = 2^7/gs) + bias + LoRA.
 
     packed/scale: NVFP4 in the MMA layout. lora: a dispatch.LoraTerm (bf16, even rank, <= 3 segments on
-    16-row boundaries: w4_mma.lora_fusable) with xa given, or with `a` (the stacked A, [S*r, K]) and no xa:
-    then extra CTAs of the same launch compute the shrink first and the epilogues wait for it."""
+    16-row boundaries: w4_mma.lora_fusable) with xa given; a term without xa gets its shrink as its own GEMM
+    first (lora.shrunk). The epilogue adds the expand."""
     M, K = x2d.shape
     dev = x2d.device
     cfg = config or plan(M, N, K, torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -259,35 +254,23 @@ def matmul(x2d: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_fac
         raise ValueError(f"M = {M}, N = {N} needs {tiles} tiles; the counters hold {_COUNTERS}")
     part = (torch.empty(gz * tiles * 128 * cfg.wg * (cfg.bn // 2), device=dev, dtype=torch.float32)
             if gz > 1 else out_factor)
-    if lora is not None and lora.xa is None and cfg.bn > FUSE_SHRINK_MAX_BN:
-        lora = lora.shrunk(x2d)  # the shrink as its own GEMM first
-    fuse_shrink = lora is not None and lora.xa is None
-    shrink_ctas = 0
     if lora is not None:
+        lora = lora.shrunk(x2d)  # xa given, or the shrink as its own GEMM first
         lb = lora.b.contiguous()
-        if fuse_shrink:  # the launch computes xa = x @ a.T into this buffer first
-            if M > cfg.bn:
-                raise ValueError(f"an in-launch shrink takes M <= {cfg.bn} tokens (one token tile), got {M}")
-            if not (lora.a.is_contiguous() and lora.a.shape[1] == K):
-                raise ValueError(f"the stacked LoRA A must be contiguous [S*r, {K}], got {tuple(lora.a.shape)}")
-            xa = torch.empty(M, lora.a.shape[0], device=dev, dtype=torch.bfloat16)
-            shrink_ctas = math.ceil(lora.a.shape[0] / 16)
-        else:
-            xa = lora.xa.reshape(M, -1)
-            if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
-                xa = xa.contiguous()
+        xa = lora.xa.reshape(M, -1)
+        if xa.stride(-1) != 1 or xa.data_ptr() % 4 or xa.stride(0) % 2:
+            xa = xa.contiguous()
         segs = list(lora.seg_starts) + [N] * (2 - len(lora.seg_starts))
         lora_part = dict(xa=xa, lb=lb, lora_scaling=float(lora.scaling), rank=lb.shape[1], seg1=segs[0], seg2=segs[1],
-                         ldxa=xa.stride(0), lora_a=lora.a if fuse_shrink else x2d)
+                         ldxa=xa.stride(0))
     else:
-        lora_part = dict(xa=x2d, lb=x2d, lora_scaling=0.0, rank=0, seg1=N, seg2=N, ldxa=0, lora_a=x2d)
+        lora_part = dict(xa=x2d, lb=x2d, lora_scaling=0.0, rank=0, seg1=N, seg2=N, ldxa=0)
     buf = counters.split_counters(dev)
     args = Args(wq=packed, wsc=scale, x=x2d, y=y, part=part, counters=buf, out_factor=out_factor,
                 bias=bias if bias is not None else x2d, M=M, N=N, K=K, ldx=x2d.stride(0), ldy=y.stride(0),
-                chunks_per_split=cfg.chunks_per_split, shrink_ctas=shrink_ctas, gx=gx, gy=gy, splits=gz,
-                sync_base=counters.SIZE - 4, **lora_part)
-    kern = _kernel(cfg, bias is not None, lora is not None, dev, fuse_shrink, lora_part["rank"])
-    grid = (shrink_ctas + tiles * gz, 1, 1) if fuse_shrink else (gx, gy, gz)
+                chunks_per_split=cfg.chunks_per_split, gx=gx, gy=gy, splits=gz, **lora_part)
+    kern = _kernel(cfg, bias is not None, lora is not None, dev, lora_part["rank"])
+    grid = (gx, gy, gz)
     kern(grid=grid, block=(cfg.threads, 1, 1), args=[getattr(args, f.name) for f in fields(Args)],
          shared_mem=cfg.smem_bytes())
     return y

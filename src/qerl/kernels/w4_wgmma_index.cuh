@@ -72,14 +72,6 @@ QI long long part_index(int z, int tile, int ntiles, int ct, int i) {
   return (((long long)z * ntiles + tile) * CTHREADS + ct) * NACC + i;
 }
 
-// A fused-shrink launch hands out roles by ticket: the first `shrink_ctas` tickets shrink, then tile
-// m = ticket - shrink_ctas runs (bx, by, z) = (m % gx, (m / gx) % gy, m / (gx * gy)).
-QI void tile_of(int m, int gx, int gy, int* bx, int* by, int* z) {
-  *bx = m % gx;
-  *by = (m / gx) % gy;
-  *z = m / (gx * gy);
-}
-
 // Accumulator i of consumer thread (warp wi of the consumer warpgroups, lane g*4+q): row and token in the CTA.
 // wgmma's D layout: per warp, mma.sync's C layout for each 8 tokens: acc[4j + e] is row 16 wi + g + 8 (e >= 2),
 // token 8 j + 2 q + (e & 1).
