@@ -37,18 +37,20 @@ python3 -c "from qerl.bench.record import commit; print('rows name commit', comm
 # The kernels step's modes (python -m qerl.bench.kernels --help), one a line: add a candidate here.
 KERNEL_MODES=(
   bf16                    # cuBLAS on the bf16 weights: the baseline
-  nvfp4                   # qerl's own kernels (mma.sync, wgmma or dequantize + cuBLAS by M)
+  nvfp4                   # qerl's own kernels by routes.DEFAULT (mma.sync, wgmma, dequantize + cuBLAS by M)
   nvfp4_lora32            # the same with LoRA r32 on every member
-  humming                 # humming-kernels, batch-invariant tiles (bit-repeatable)
-  humming_streamk         # humming's default, stream-K (other bits each call)
-  humming_nosplit         # humming's default tiles without split (bit-repeatable)
-  humming_ksplit2         # split-K through humming's grouped GEMM, 2 K-slices (bit-repeatable)
+  mma                     # route kernel mma: qerl's mma.sync alone (M <= 64)
+  wgmma                   # route kernel wgmma: qerl's wgmma alone (M 9-256; its ordered last-CTA split-K)
+  dequant                 # route kernel dequant_cublas: dequantize + cuBLAS
+  humming                 # route kernel humming_bi: humming-kernels, batch-invariant tiles
+  humming_nosplit         # route kernel humming_ns: humming's default tiles without split
+  humming_ordered         # route kernel humming_ordered: stream-K, partial sums in a fixed order
+  humming_streamk         # route kernel humming_sk: humming's default stream-K (other bits each call)
+  humming_ksplit2         # route kernel humming_ksplit2: split-K through humming's grouped GEMM, 2 K-slices
   humming_ksplit4         # the same, 4 K-slices
-  humming_lora32          # humming with LoRA r32
+  humming_lora32          # humming (ordered) with LoRA r32, the shrink first
   humming_lora32_overlap  # the same, the LoRA shrink on a side stream (KernelSettings.lora_overlap)
-  wgmma                   # qerl's wgmma kernel alone (its ordered last-CTA split-K)
-  wgmma_lora32            # wgmma with LoRA r32 (the shrink by cuBLAS first)
-  wgmma_lora32_fused      # wgmma with the LoRA shrink inside its launch
+  wgmma_lora32            # wgmma with LoRA r32
 )
 S7="--shape qwen2.5-7b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 2048"
 

@@ -64,15 +64,15 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
     assert _rel(y, x.double() @ ref_w.T + bias.double() + 2.0 * lo) < 8e-3
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("backend", ["own", "humming", "humming_nosplit", "humming_ksplit4"])
-def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, deterministic, monkeypatch):
-    """mma_backend.matmul on MMA-layout bytes, with a table that sends this shape to `backend` at every M: humming's
-    routes give HummingWeight's result in that mode on the same weight (bit for bit where the mode repeats), qerl's
-    own route gives its own kernels'; a shape humming cannot tile stays on qerl's. Which kernels ran is counted (spies
-    on humming's and qerl's entry points), not inferred from outputs: two unsplit kernels may well agree."""
+@pytest.mark.parametrize("backend", ["mma", "wgmma", "dequant_cublas", "humming_bi", "humming_ns", "humming_ordered",
+                                     "humming_sk", "humming_ksplit4"])
+def test_the_routed_mma_backend_runs_the_kernel_its_table_names(backend, monkeypatch):
+    """mma_backend.matmul on MMA-layout bytes, with a table that sends this shape to `backend` at every M: the kernel
+    that runs is the one named (or, where it cannot take this M, the one mma_backend.runnable says serves it),
+    counted by spies on each kernel's entry point, not inferred from outputs; humming's names give HummingWeight's
+    result in that mode on the same weight, bit for bit where the mode repeats."""
     n, k = 4608, 3584
-    ran = {"humming": 0, "own": 0}
+    ran = {"humming": 0, "mma": 0, "wgmma": 0, "dequant_cublas": 0}
 
     def spy(kind, fn):
         def counted(*a, **kw):
@@ -81,37 +81,36 @@ def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, determ
         return counted
     monkeypatch.setattr(HummingWeight, "matmul", spy("humming", HummingWeight.matmul))
     monkeypatch.setattr(KSplitWeight, "matmul", spy("humming", KSplitWeight.matmul))
-    for mod, name in ((w4_wgmma, "matmul"), (w4_mma, "matmul"), (w4_mma, "dequant_matmul")):
-        monkeypatch.setattr(mod, name, spy("own", getattr(mod, name)))
-    obj = {"any": {"nvfp4": [[None, "own"]], "nvfp4_streamk": [[None, "own"]],
-                   "shapes": {routes.shape_key((n, k)): {"nvfp4": [[None, backend]], "nvfp4_streamk": [[None, backend]]}}}}
+    for kind, mod, name in (("wgmma", w4_wgmma, "matmul"), ("mma", w4_mma, "matmul"),
+                            ("dequant_cublas", w4_mma, "dequant_matmul")):
+        monkeypatch.setattr(mod, name, spy(kind, getattr(mod, name)))
+    streamk = backend == "humming_sk"  # only the stream-K list may name it
+    lists = {"nvfp4_streamk": [[None, backend]]} if streamk else {"nvfp4": [[None, backend]]}
+    obj = {"any": {"nvfp4": [[None, "mma"]], "shapes": {routes.shape_key((n, k)): {"nvfp4": [[None, "mma"]], **lists}}}}
     monkeypatch.setattr(routes, "_tables", lambda: routes.parse(obj))
     monkeypatch.setattr(routes.torch.cuda, "get_device_name", lambda device=None: "any")
     routes.table_for.cache_clear()
     try:
-        with settings.use(humming_deterministic=deterministic):
+        with settings.use(humming_deterministic=not streamk):
             std = _weights("nvfp4", n, k, seed=3)
             mma = NVFP4Mma().from_checkpoint(std, (n, k))
             hw = HummingWeight.build("nvfp4", std, (n, k))
             ks = KSplitWeight.build(std, (n, k), routes.KSPLIT[backend]) if backend in routes.KSPLIT else None
-            for m in (1, 16, 64, 256):
+            for m in (1, 16, 64, 256, 300):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 assert routes.pick(m, x.device, (n, k)) == backend
+                served = mma_backend.runnable(backend, m, x.device)
                 before = dict(ran)
                 y = mma_backend.matmul(x, NVFP4Mma(), mma, (n, k))
-                own_ran, humming_ran = ran["own"] - before["own"], ran["humming"] - before["humming"]
-                if backend == "own":
-                    assert own_ran >= 1 and humming_ran == 0, (m, ran, before)
-                else:
-                    assert humming_ran >= 1 and own_ran == 0, (m, ran, before)
+                counted = {kind: ran[kind] - before[kind] for kind in ran}
+                kind = "humming" if served in routes.STORED else served
+                assert counted[kind] >= 1 and sum(counted.values()) == counted[kind], (m, served, counted)
                 ref = x.double() @ NVFP4Mma().dequantize(mma, (n, k), torch.float64).T
                 assert _rel(y, ref) < 8e-3
-                if backend == "own":
-                    with settings.use(humming=False):
-                        assert torch.equal(y, mma_backend.matmul(x, NVFP4Mma(), mma, (n, k)))
+                if kind != "humming":
                     continue
                 theirs = ks.matmul(x) if backend in routes.KSPLIT else hw.matmul(x, backend=backend)
-                if deterministic or backend != "humming":
+                if not streamk:
                     assert torch.equal(y, theirs), m  # the same kernel on the same bytes
                 else:  # stream-K: two runs differ by bf16 output roundings (H100: 0.0044 relative at M = 64)
                     assert _rel(y, theirs) < 1e-2, m
@@ -120,11 +119,11 @@ def test_the_routed_mma_backend_runs_the_backend_its_table_names(backend, determ
         routes.table_for.cache_clear()
 
 
-@pytest.mark.parametrize("backend", ["humming", "humming_nosplit"])
+@pytest.mark.parametrize("backend", ["humming_bi", "humming_ns", "humming_ordered"])
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_the_same_input_gives_the_same_bits(m, backend):
     """Seeded rollouts repeat and graphs equal eager steps only if each GEMM does (humming's stream-K did not):
-    both of its deterministic modes the routes may pick, batch-invariant tiles and no split."""
+    each of its modes a repeatable list may name."""
     n, k = 4608, 3584
     hw = HummingWeight.build("nvfp4", _weights("nvfp4", n, k, seed=3), (n, k))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -35,7 +35,7 @@ from ..kernels import routes
 from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
+MODES = ["bf16", "nvfp4", "mma", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
          "humming", "humming_streamk", "humming_nosplit", "humming_ordered", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
@@ -175,6 +175,12 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
         return [lambda w=w: torch.matmul(x, w.t()) for w in sets.bf16]
     if mode == "nvfp4":
         return [lambda t=t: mma_backend.matmul(x, mma, t, shape) for t in sets.mma]
+    if mode == "mma":  # the mma.sync kernel alone (M <= w4_mma.MAX_M)
+        out = []
+        for t in sets.mma:
+            f, _ = mma_backend._prepare(t)
+            out.append(lambda t=t, f=f: w4_mma.matmul(x, t["weight_packed"], t["weight_scale"], f, n))
+        return out
     if mode == "nvfp4_cfg":  # the kernel at an explicit launch shape (the sweep)
         c = w4_mma.plan(x.shape[0], n, k, torch.cuda.get_device_properties(0).multi_processor_count, **cfg)
         out = []
@@ -194,16 +200,6 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             lora = dispatch.LoraTerm(xa, sets.lora_b, 2.0, starts, a=a)
             return mma_backend.matmul(x, mma, t, shape, lora=lora)
         return [lambda t=t: call(t) for t in sets.mma]
-    if mode == "wgmma_lora32_fused":  # the shrink inside the wgmma launch (its own CTAs, by ticket)
-        segs, r = SEGMENTS.get(group, 1), 32
-        starts = tuple(int(v) for v in torch.linspace(0, n, segs + 1)[1:-1].div(16).floor().mul(16).tolist())
-        a = sets.lora_a[: segs * r]
-        out = []
-        for t in sets.mma:
-            f, _ = mma_backend._prepare(t)
-            out.append(lambda t=t, f=f: w4_wgmma.matmul(x, t["weight_packed"], t["weight_scale"], f, n,
-                                                         lora=dispatch.LoraTerm(None, sets.lora_b, 2.0, starts, a=a)))
-        return out
     if mode in ("wgmma", "wgmma_cfg", "wgmma_lora32"):
         # The wgmma kernel called directly (whether or not KernelSettings.wgmma routes layers to it yet).
         c = (w4_wgmma.plan(x.shape[0], n, k, torch.cuda.get_device_properties(0).multi_processor_count, **cfg)
@@ -246,15 +242,15 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
         tunings = [ordered_tuning(h.layer.humming_config, x.device) for h in sets.humming]
         return [lambda h=h, tu=tu: h.run(x, tuning_config=tu) for h, tu in zip(sets.humming, tunings)]
     if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_lora32"):
-        if mode == "humming":
-            return [lambda h=h: h.matmul(x) for h in sets.humming]
+        if mode == "humming":  # batch-invariant tiles
+            return [lambda h=h: h.matmul(x, backend="humming_bi") for h in sets.humming]
         if mode == "humming_streamk":  # humming's own default config (stream-K: not bit-repeatable), for comparison
-            return [lambda h=h: h.layer(x) for h in sets.humming]
+            return [lambda h=h: h.run(x) for h in sets.humming]
         if mode == "humming_nosplit":  # its default tiles with stream-K off (bit-repeatable: a candidate mode)
             from ..kernels.humming_backend import nosplit_tuning
 
             tunings = [nosplit_tuning(h.layer.humming_config, x.device) for h in sets.humming]
-            return [lambda h=h, tu=tu: h.layer(x, tuning_config=tu) for h, tu in zip(sets.humming, tunings)]
+            return [lambda h=h, tu=tu: h.run(x, tuning_config=tu) for h, tu in zip(sets.humming, tunings)]
         a, starts = _lora32(sets, group)
         return [lambda h=h: h.matmul(x, lora=dispatch.LoraTerm(None, sets.lora_b, 2.0, starts, a=a)) for h in sets.humming]
     if mode == "triton":
@@ -275,7 +271,7 @@ def _mode_settings(mode: str):
     from ..kernels import settings
 
     scope = settings.use(humming=mode in ("routed", "routed_lora32"), lora_expand_kernel=mode != "humming_lora32_addmm",
-                         lora_overlap=mode == "humming_lora32_overlap")
+                         lora_overlap=mode not in ("humming_lora32", "humming_lora32_addmm"))
     base = {"routed": "nvfp4", "routed_lora32": "nvfp4_lora32", "humming_lora32_addmm": "humming_lora32",
             "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
     return scope, base
@@ -425,8 +421,6 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
         if ("wgmma", m) in agg:
             rows += [(case, "wgmma_us", g("wgmma"), "us", None),
                      (case, "wgmma_speedup_vs_bf16", bf / g("wgmma"), "x", sp_t)]
-        if ("wgmma_lora32_fused", m) in agg:
-            rows.append((case, "wgmma_lora32_fused_overhead", g("wgmma_lora32_fused") / g("wgmma") - 1, "", None))
         if ("wgmma_lora32", m) in agg:
             rows.append((case, "wgmma_lora32_overhead", g("wgmma_lora32") / g("wgmma") - 1, "",
                          ("<=0.10" if m <= 16 else "<=0.05")))
@@ -447,35 +441,43 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
             if (mode, m) in agg:
                 rows += [(case, f"{mode}_us", g(mode), "us", None),
                          (case, f"{mode}_speedup_vs_bf16", bf / g(mode), "x", None)]
+        # humming's LoRA modes run its ordered stream-K (HummingWeight.matmul's default): the overhead is against it
         if ("humming_lora32", m) in agg:
-            rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming") - 1, "", "<=0.10"))
+            rows.append((case, "humming_lora32_overhead", g("humming_lora32") / g("humming_ordered") - 1, "", "<=0.10"))
         if ("humming_lora32_addmm", m) in agg:
-            rows.append((case, "humming_lora32_addmm_overhead", g("humming_lora32_addmm") / g("humming") - 1, "", None))
+            rows.append((case, "humming_lora32_addmm_overhead", g("humming_lora32_addmm") / g("humming_ordered") - 1, "",
+                         None))
         if ("humming_lora32_overlap", m) in agg:
-            rows.append((case, "humming_lora32_overlap_overhead", g("humming_lora32_overlap") / g("humming") - 1, "",
-                         "<=0.10" if m == 64 else None))
+            rows.append((case, "humming_lora32_overlap_overhead", g("humming_lora32_overlap") / g("humming_ordered") - 1,
+                         "", "<=0.10" if m == 64 else None))
         if ("nvfp4_lora32_cublas_shrink", m) in agg:
             rows.append((case, "lora32_overhead_cublas_shrink", g("nvfp4_lora32_cublas_shrink") / q - 1, "", None))
     return rows, final
 
 
+# The bench mode that times each kernel the routes table may name (kernels/routes.py BACKENDS)
+KERNEL_OF_MODE = {"mma": "mma", "wgmma": "wgmma", "dequant": "dequant_cublas", "humming": "humming_bi",
+                  "humming_nosplit": "humming_ns", "humming_ordered": "humming_ordered", "humming_streamk": "humming_sk",
+                  **{k: k for k in routes.KSPLIT}}
+
+
 def candidates(r: dict[str, float | None], streamk: bool = False) -> dict[str, float]:
-    """The routes table's backends from one measurement's µs by bench mode: qerl's own path ("nvfp4"), humming in
-    the table's mode (batch-invariant, or stream-K for the stream-K table) and humming without split. A candidate
-    not timed never wins (nan)."""
+    """The routes table's kernels from one measurement's µs by bench mode (KERNEL_OF_MODE). humming's stream-K
+    (humming_sk, not repeatable) competes only in the stream-K list. A kernel not timed never wins (nan)."""
     nan = float("nan")
-    got = lambda mode: nan if r.get(mode) is None else r[mode]  # noqa: E731
-    return {"own": got("nvfp4"), "humming": got("humming_streamk" if streamk else "humming"),
-            "humming_nosplit": got("humming_nosplit"), **{k: got(k) for k in routes.KSPLIT}}
+    out = {kern: nan if r.get(mode) is None else r[mode] for mode, kern in KERNEL_OF_MODE.items()}
+    if not streamk:
+        out.pop("humming_sk")
+    return out
 
 
 def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, float]], log,
                  streamk_timings: dict[int, dict[str, float]] | None = None,
                  shape_timings: dict[str, tuple[dict, dict]] | None = None, source: str | None = None) -> None:
-    """Put this card's measured buckets into the routes table (other cards' entries kept): qerl's own path against
-    humming batch-invariant and humming without split (both bit-repeatable), and, where humming's stream-K default
-    was timed too, a list with it in batch-invariant's place; each again without qerl's own path for weights stored
-    in humming's layout; for the layer set and for each weight shape."""
+    """Put this card's measured buckets into the routes table (other cards' entries kept): every bit-repeatable
+    kernel timed (qerl's mma, wgmma, dequantize + cuBLAS; humming's batch-invariant, no-split, ordered stream-K and
+    split-K modes), and, where humming's stream-K default was timed too, a stream-K list with it among them; each
+    again with humming's kernels only, for weights stored in humming's layout; for the layer set and each shape."""
     path = path or routes.TABLE_PATH
     table = json.loads(path.read_text()) if path.exists() else {}
 
@@ -550,7 +552,7 @@ def from_log(path: Path) -> tuple[float, dict]:
 
 
 def main(argv=None):
-    from ..kernels import w4_wgmma
+    from ..kernels import w4_mma, w4_wgmma
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/kernels.jsonl")
@@ -627,9 +629,9 @@ def main(argv=None):
                         continue
                     if mode.startswith("wgmma") and not (w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M):
                         continue
-                    if mode.startswith("wgmma_lora32") and m not in (16, 64, 256):
+                    if mode == "mma" and m > w4_mma.MAX_M:
                         continue
-                    if mode == "wgmma_lora32_fused" and m > w4_wgmma.FUSE_SHRINK_MAX_BN:
+                    if mode.startswith("wgmma_lora32") and m not in (16, 64, 256):
                         continue
                     r[mode] = _time(sets, mode, x, group)
                 for mode, us in r.items():

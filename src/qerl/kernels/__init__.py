@@ -37,3 +37,25 @@ def storage_format(fmt, shape: tuple[int, int], device) -> "object":
     if supports_shape(shape) and w4_mma.available(device):
         return NVFP4Mma()
     return fmt
+
+
+def plan_copies(model) -> None:
+    """At load, once the model's weights are on the device: whether humming-kernels copies of the weights the
+    routes send to humming fit (humming_backend.plan_copies). Which kernel runs then never depends on the free
+    memory at a first call."""
+    from ..layers.qlora_linear import QLoRALinear
+    from .routes import copied_shapes
+
+    seen, by_device = set(), {}
+    for mod in model.modules():
+        if not isinstance(mod, QLoRALinear) or getattr(mod.fmt, "layout", None) != "mma" or mod.home.type != "cuda":
+            continue
+        owner = mod.group if mod.group is not None else mod
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        shape = owner.shape if mod.group is not None else mod.weight_shape
+        if humming_backend.supports_shape(shape):
+            by_device.setdefault(mod.home, []).append(tuple(shape))
+    for device, shapes in by_device.items():
+        humming_backend.plan_copies(copied_shapes(shapes, device), device)

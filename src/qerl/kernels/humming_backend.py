@@ -64,22 +64,36 @@ def supports_shape(shape: tuple[int, int]) -> bool:
 
 
 # A humming copy is a second copy of the weight (until humming's layout is the stored one): never let the copies
-# take the memory a training step needs. A copy is made only while this share of the card stays free after it.
-KEEP_FREE = 0.25
-_SAID_FULL: set = set()
+# take the memory a training step needs. Whether they are made on a device is decided once, when a model loads
+# (`plan_copies`), from what this process holds then and the card's size: never from the free memory at a first call,
+# so the same run on the same card always runs the same kernels.
+COPY_SHARE = 0.6  # the process's memory at load plus every copy must stay within this share of the card
+_COPIES: dict[int, bool] = {}
+
+
+def plan_copies(shapes: list[tuple[int, int]], device: torch.device) -> bool:
+    """Decide, at load, whether humming copies of these [N, K] NVFP4 weights (0.5625 B a weight) fit on `device`:
+    the memory allocated now (the loaded model) plus all of them within COPY_SHARE of the card. All or none, said
+    in one line when none: those weights stay on qerl's own kernels at every M."""
+    device = torch.device(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    need = sum(n * k * 9 // 16 for n, k in shapes)
+    held, total = torch.cuda.memory_allocated(idx), torch.cuda.get_device_properties(idx).total_memory
+    fits = held + need <= COPY_SHARE * total
+    if not fits and shapes:
+        warnings.warn(f"qerl: humming-kernels copies of {len(shapes)} weights ({need / 2**30:.1f} GiB) do not fit "
+                      f"beside the model ({held / 2**30:.1f} of {total / 2**30:.1f} GiB held; both must stay within "
+                      f"{COPY_SHARE:.0%} of the card): qerl's own kernels serve every M (humming_storage: one copy)",
+                      stacklevel=2)
+    _COPIES[idx] = fits
+    return fits
 
 
 def copy_fits(shape: tuple[int, int], device: torch.device) -> bool:
-    """Whether a humming copy of an [N, K] NVFP4 weight (0.5625 B a weight) leaves KEEP_FREE of the card free.
-    Said once per device when it stops fitting (the rest of the weights stay on qerl's kernels)."""
-    free, total = torch.cuda.mem_get_info(device)
-    need = shape[0] * shape[1] * 9 // 16
-    ok = free - need >= KEEP_FREE * total
-    if not ok and device not in _SAID_FULL:
-        _SAID_FULL.add(device)
-        warnings.warn(f"qerl: humming-kernels copies stop here ({free / 2**30:.1f} GiB free of {total / 2**30:.1f}): "
-                      f"further weights stay on qerl's kernels", stacklevel=3)
-    return ok
+    """Whether this device may hold humming copies: the load's decision (`plan_copies`); yes where no model was
+    planned (weights built by hand: benches, tests)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _COPIES.get(idx, True)
 
 
 # humming's default config splits K across CTAs (stream-K) at M 1-256 and its partial sums land in a varying order:
@@ -134,19 +148,19 @@ def ordered_tuning(layer_config, device: torch.device) -> str:
     return _ORDERED[key]
 
 
-def compute_config() -> dict | None:
-    """Batch-invariant tiles (COMPUTE) under KernelSettings.humming_deterministic, else humming's default
-    (stream-K: faster at M 1-256, not bit-repeatable)."""
-    return COMPUTE if settings.current().humming_deterministic else None
-
-
 def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, str | None]:
-    """(compute_config, tuning_config) for a humming call the routes table sent to `backend`."""
-    if backend == "humming_nosplit":
+    """(compute_config, tuning_config) of the humming kernel a routes name means (kernels/routes.py HUMMING):
+    humming_bi batch-invariant tiles, humming_ns its tiles without split, humming_ordered stream-K summed in a
+    fixed order, humming_sk its own default (stream-K, partial sums in arrival order)."""
+    if backend == "humming_bi":
+        return COMPUTE, None
+    if backend == "humming_ns":
         return None, nosplit_tuning(layer_config, device)
     if backend == "humming_ordered":
         return None, ordered_tuning(layer_config, device)
-    return compute_config(), None
+    if backend == "humming_sk":
+        return None, None
+    raise ValueError(f"humming backend: {backend!r} is not one of humming_bi, humming_ns, humming_ordered, humming_sk")
 
 
 @dataclass
@@ -178,7 +192,7 @@ class HummingWeight:
         return cls(layer, n, k, time.perf_counter() - t0)
 
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
-               backend: str = "humming"):
+               backend: str = "humming_ordered"):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16, in the routed humming mode."""
         lora, pending = start_lora(lora, x2d)
         cc, tc = call_configs(backend, self.layer.humming_config, x2d.device)

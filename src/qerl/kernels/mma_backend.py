@@ -1,9 +1,9 @@
 """The backend for weights in the MMA layout (formats/nvfp4_mma.py) on CUDA.
 
-One path per range of M, all on the same bytes: `w4_wgmma` for w4_wgmma.ROUTE_MIN_M..MAX_M tokens where
-it is available (sm_90a, and KernelSettings.wgmma, on by default); else `w4_mma` (mma.sync,
-decode in registers, bias and LoRA expand in its epilogue) up to w4_mma.MAX_M; larger M and
-grad_input: dequantize the same bytes once + cuBLAS. Per weight
+It runs the kernel the routes table names for M tokens of this weight shape (kernels/routes.py): `mma`
+(w4_mma, mma.sync, decode in registers, bias and LoRA expand in its epilogue), `wgmma` (w4_wgmma, Hopper),
+`dequant_cublas` (dequantize the same bytes once + cuBLAS; also grad_input), or a humming-kernels mode on its
+copy of the weight (`runnable` says once where a named kernel cannot run on this card). Per weight
 it keeps 2^7/gs on the device and 1/gs as a host float (weak cache on the packed tensor),
 so no call syncs with the host after the first.
 """
@@ -41,23 +41,22 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
     b = None if bias is None else bias.to(torch.bfloat16)
     packed, scale = tensors["weight_packed"], tensors["weight_scale"]
     m = x2d.shape[0]
-    route = routes.pick(m, x2d.device, shape) if settings.current().humming else "own"
+    route = runnable(routes.pick(m, x2d.device, shape), m, x2d.device)
     hw = _humming(tensors, shape, route, x2d.device) if route in routes.HUMMING else \
         _ksplit(tensors, shape, route, x2d.device) if route in routes.KSPLIT else None
+    if route in routes.STORED and hw is None:  # no humming copy of this weight (refused at load, or its shape)
+        route = runnable(own_route(m), m, x2d.device)
     if hw is not None:  # the shrink (beside the GEMM under lora_overlap) and the expand: humming_backend's
         return hw.matmul(x2d.contiguous(), bias=b, lora=lora, backend=route).view(*x.shape[:-1], n).to(dtype)
-    if w4_wgmma.ROUTE_MIN_M <= m <= w4_wgmma.MAX_M and w4_wgmma.available(x2d.device):
-        # The shrink inside the launch only where the measured policy says it finishes in time
-        # (w4_mma.shrink_in_launch), else its own GEMM first; the expand runs in the epilogue.
-        fuse = lora is not None and w4_mma.lora_fusable(lora, k) and w4_mma.shrink_in_launch(m, n, k)
-        if lora is not None and not fuse:
+    if route == "wgmma":
+        if lora is not None:  # the shrink as its own GEMM first (lora_shrink's kernels), the expand in the epilogue
             lora = lora_shrink.shrunk(lora, x2d)
-            fuse = w4_mma.lora_fusable(lora, k)
+        fuse = lora is not None and w4_mma.lora_fusable(lora, k)
         y = w4_wgmma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
         if lora is not None and not fuse:
             y = y + lora_expand(lora, y.dtype).reshape(y.shape)
-    elif m <= w4_mma.MAX_M:
-        if lora is not None and not w4_mma.shrink_in_launch(x2d.shape[0], n, k):
+    elif route == "mma":
+        if lora is not None and not w4_mma.shrink_in_launch(m, n, k):
             lora = lora_shrink.shrunk(lora, x2d)
         fuse = lora is not None and w4_mma.lora_fusable(lora, k)
         if lora is not None and not fuse:
@@ -66,11 +65,38 @@ def matmul(x, fmt, tensors, shape, bias=None, lora=None):
         y = w4_mma.matmul(x2d, packed, scale, factor, n, bias=b, lora=lora if fuse else None)
         if lora is not None and not fuse:
             y = y + lora_expand(lora, y.dtype).reshape(y.shape)
-    else:
+    else:  # dequant_cublas
         y = w4_mma.dequant_matmul(x2d, packed, scale, inv_gs, n, bias=b)
         if lora is not None:
             y = y + lora_expand(lora.shrunk(x2d), y.dtype).reshape(y.shape)
     return y.view(*x.shape[:-1], n).to(dtype)
+
+
+def own_route(m: int) -> str:
+    """qerl's own kernel for M tokens where the table's kernel cannot serve this weight (routes.DEFAULT)."""
+    return routes.first_bucket([routes.Bucket(mm, name) for mm, name in routes.DEFAULT], m)
+
+
+_SAID: set = set()
+
+
+def runnable(route: str, m: int, device: torch.device) -> str:
+    """`route`, or the kernel that serves it on this card where it cannot run here: wgmma off or not on this card
+    (sm_90a) or M past its tiles -> mma.sync to M 64, else dequantize + cuBLAS; mma.sync past M 64 -> dequantize +
+    cuBLAS; humming absent (or KernelSettings.humming off) -> routes.DEFAULT. Said once per (asked, served)."""
+    got = route
+    if route in routes.STORED and not (settings.current().humming and humming_backend.available(device)):
+        got = own_route(m)
+    if got == "wgmma" and not (settings.current().wgmma and w4_wgmma.MIN_M <= m <= w4_wgmma.MAX_M
+                               and w4_wgmma.available(device)):
+        got = "mma"
+    if got == "mma" and m > w4_mma.MAX_M:
+        got = "dequant_cublas"
+    if got != route and (route, got) not in _SAID and not (route == "mma" and m > w4_mma.MAX_M):
+        _SAID.add((route, got))
+        warnings.warn(f"qerl: the kernel routes name {route} where it cannot run here (M {m}); {got} serves it",
+                      stacklevel=3)
+    return got
 
 
 def _humming(tensors, shape, route, device):

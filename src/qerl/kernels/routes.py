@@ -1,9 +1,10 @@
-"""Which path serves a dense 4-bit matmul of M tokens on this card: a table measured side by side.
+"""Which kernel serves a dense 4-bit matmul of M tokens on this card: a table measured side by side.
 
-`qerl bench kernels --write-routes` times every candidate on the card (qerl's own routed path, humming-kernels,
-...) and writes, per card, the fastest path for each measured M (`routes.json` beside this file); a call of M
-tokens takes the first bucket whose bound is >= M. The one owner of that choice: mma_backend asks `pick`.
-A card with no table of its own uses the first table in the file, and says so once.
+`qerl bench kernels --write-routes` times every candidate kernel on the card (qerl's mma.sync, wgmma and
+dequantize + cuBLAS, humming-kernels' modes) and writes, per card and weight shape, the fastest kernel for each
+measured M (`routes.json` beside this file); a call of M tokens takes the first bucket whose bound is >= M. The one
+owner of that choice: mma_backend and the stored humming layout ask `pick`, and run the kernel it names.
+A card with no table of its own uses the nearest card's (by name), and says so once.
 """
 
 from __future__ import annotations
@@ -16,16 +17,26 @@ from pathlib import Path
 
 import torch
 
+from .m_thresholds import W4_WGMMA_MAX_M, W4_WGMMA_ROUTE_MIN_M
+
 TABLE_PATH = Path(__file__).with_name("routes.json")
-# own: qerl's mma.sync / wgmma / dequantize + cuBLAS, by mma_backend's thresholds; humming: humming-kernels in the
-# mode KernelSettings.humming_deterministic names (batch-invariant tiles, or its stream-K default); humming_nosplit:
-# its default tiles with stream-K off (bit-repeatable per M; humming_backend.nosplit_tuning)
-# humming_ksplitS: K cut into S slices run as one grouped GEMM and summed in a fixed order (kernels/humming_ksplit.py:
-# bit-repeatable; a copy of an MMA-layout weight, or the stored humming layout's own rows viewed as slices)
+# Each name is one kernel, the one that runs (no second table of thresholds under any of them):
+OWN = ("mma", "wgmma", "dequant_cublas")  # qerl's mma.sync (M <= 64), Hopper wgmma (M 9-256), dequantize + cuBLAS
+# humming-kernels on its own copy of the weight (or the stored humming layout), one name a mode of its kernel:
+# humming_bi: batch-invariant tiles (its use_batch_invariant); humming_ns: its default tiles, no split;
+# humming_ordered: stream-K with each tile's partial sums added in a fixed order (kernels/humming_ordered.py);
+# humming_sk: its default stream-K (partial sums in arrival order: other bits each call, so only in the _streamk lists)
+HUMMING = ("humming_bi", "humming_ns", "humming_ordered", "humming_sk")
+# humming_ksplitS: K cut into S slices run as one grouped GEMM and summed in a fixed order (kernels/humming_ksplit.py)
 KSPLIT = {"humming_ksplit2": 2, "humming_ksplit4": 4}
-BACKENDS = ("own", "humming", "humming_nosplit", *KSPLIT)
-HUMMING = ("humming", "humming_nosplit")  # the dense humming layout's modes
+BACKENDS = (*OWN, *HUMMING, *KSPLIT)
 STORED = (*HUMMING, *KSPLIT)  # what a weight stored in humming's layout can run
+NOT_REPEATABLE = ("humming_sk",)  # never in a repeatable list (nvfp4, nvfp4_stored)
+# What serves M tokens where no card has a table (or humming is off/absent): each own kernel where it is fastest
+# by the figures in m_thresholds (mma.sync to M 63, wgmma 64-256, dequantize + cuBLAS above); for a stored weight,
+# humming's ordered stream-K (bit-repeatable; the only reader of that layout).
+DEFAULT = ((W4_WGMMA_ROUTE_MIN_M - 1, "mma"), (W4_WGMMA_MAX_M, "wgmma"), (None, "dequant_cublas"))
+DEFAULT_STORED = ((None, "humming_ordered"),)
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,8 @@ KINDS = ("nvfp4", "nvfp4_streamk", "nvfp4_stored", "nvfp4_stored_streamk")
 
 def _order(streamk: bool, stored: bool) -> tuple[str, ...]:
     """Which lists answer, first found first: a mode's own list, else the deterministic one."""
-    if stored:
-        return ("nvfp4_stored_streamk", "nvfp4_streamk", "nvfp4_stored", "nvfp4") if streamk else ("nvfp4_stored", "nvfp4")
+    if stored:  # only humming reads that layout: only its lists answer (else DEFAULT_STORED)
+        return ("nvfp4_stored_streamk", "nvfp4_stored") if streamk else ("nvfp4_stored",)
     return ("nvfp4_streamk", "nvfp4") if streamk else ("nvfp4",)
 
 
@@ -67,27 +78,37 @@ class Table:
 
     def pick(self, m: int, streamk: bool = False, shape: tuple[int, int] | None = None, stored: bool = False) -> str:
         own = self.shapes.get(shape_key(shape), {}) if shape else {}
-        buckets = next(src[k] for k in _order(streamk, stored) for src in (own, self.lists) if src.get(k))
-        name = next((b.backend for b in buckets if b.m_max is None or m <= b.m_max), buckets[-1].backend)
-        # a stored weight has no copy in qerl's layout: a list that names own falls to humming in the mode in force
-        # (split-K reads the stored bytes themselves: humming_ksplit.stored_product)
-        return "humming" if stored and name not in STORED else name
+        buckets = next((src[k] for k in _order(streamk, stored) for src in (own, self.lists) if src.get(k)),
+                       [Bucket(m_max, name) for m_max, name in DEFAULT_STORED])
+        return first_bucket(buckets, m)
+
+    def names(self, kinds=KINDS) -> set[str]:
+        """Every kernel any of these lists names, the card's and its shapes'."""
+        return {b.backend for lists in (self.lists, *self.shapes.values()) for k in kinds for b in lists.get(k, ())}
+
+
+def first_bucket(buckets, m: int) -> str:
+    return next((b.backend for b in buckets if b.m_max is None or m <= b.m_max), buckets[-1].backend)
 
 
 def shape_key(shape: tuple[int, int]) -> str:
     return f"{shape[0]}x{shape[1]}"
 
 
-def _buckets(card: str, where: str, rows) -> tuple[Bucket, ...]:
+def _buckets(card: str, where: str, kind: str, rows) -> tuple[Bucket, ...]:
     buckets = tuple(Bucket(m, name) for m, name in rows)
-    bad = [b.backend for b in buckets if b.backend not in BACKENDS]
+    allowed = STORED if "stored" in kind else BACKENDS
+    bad = [b.backend for b in buckets if b.backend not in allowed]
     if bad:
-        raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where}: backends {bad} not in {BACKENDS}")
+        raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where} list {kind}: kernels {bad} not in {allowed}")
+    if "streamk" not in kind and any(b.backend in NOT_REPEATABLE for b in buckets):
+        raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where} list {kind} is the repeatable one but names "
+                         f"{NOT_REPEATABLE}: move it to {kind}_streamk")
     return buckets
 
 
 def _lists(card: str, where: str, t: dict) -> dict[str, tuple[Bucket, ...]]:
-    lists = {k: _buckets(card, where, t[k]) for k in KINDS if k in t}
+    lists = {k: _buckets(card, where, k, t[k]) for k in KINDS if k in t}
     if not lists.get("nvfp4"):
         raise ValueError(f"{TABLE_PATH.name}: card {card!r}{where} has no buckets")
     return lists
@@ -104,29 +125,56 @@ def _tables() -> dict[str, Table]:
     return parse(json.loads(TABLE_PATH.read_text())) if TABLE_PATH.exists() else {}
 
 
+def nearest(card: str, cards) -> str | None:
+    """The measured card most like `card`: the longest shared name prefix ("NVIDIA H200" takes "NVIDIA H100 80GB
+    HBM3"'s table), the first measured on a tie."""
+    def shared(other: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(card, other)) if a != b), min(len(card), len(other)))
+    return max(cards, key=shared, default=None)
+
+
 @lru_cache(maxsize=None)
 def table_for(card: str) -> Table | None:
     tables = _tables()
     if card in tables:
         return tables[card]
-    if not tables:
+    near = nearest(card, list(tables))
+    if near is None:
         return None
-    first = next(iter(tables.values()))
-    warnings.warn(f"qerl: no measured kernel routes for {card!r}; using {first.card!r}'s "
+    warnings.warn(f"qerl: no measured kernel routes for {card!r}; using {near!r}'s "
                   "(run `qerl bench kernels --write-routes` on this card)", stacklevel=2)
-    return first
+    return tables[near]
 
 
 def pick(m: int, device: torch.device, shape: tuple[int, int] | None = None, stored: bool = False) -> str:
-    """The backend for M tokens of an [N, K] weight on `device` ("own" where nothing was measured; "humming" for
-    a stored weight): that shape's own buckets where it was measured, else the card's, from the list of humming's
-    mode in force (KernelSettings.humming_deterministic) and of the weight's layout."""
+    """The kernel for M tokens of an [N, K] weight on `device`: that shape's own buckets where it was measured,
+    else the card's, from the list of the mode in force (KernelSettings.humming_deterministic: the repeatable
+    list, else the stream-K one) and of the weight's layout; DEFAULT where no card has a table, and where humming
+    is off (KernelSettings.humming) for a weight in qerl's layout."""
     from . import settings
 
+    cur = settings.current()
     t = table_for(torch.cuda.get_device_name(device))
-    if t is None:
-        return "humming" if stored else "own"
-    return t.pick(m, streamk=not settings.current().humming_deterministic, shape=shape, stored=stored)
+    if t is None or not (cur.humming or stored):
+        return first_bucket([Bucket(m_max, name) for m_max, name in (DEFAULT_STORED if stored else DEFAULT)], m)
+    return t.pick(m, streamk=not cur.humming_deterministic, shape=shape, stored=stored)
+
+
+def copied_shapes(shapes: list[tuple[int, int]], device: torch.device) -> list[tuple[int, int]]:
+    """The weight shapes (with repeats) the list in force sends to a humming copy at some M on `device`."""
+    from . import settings
+
+    cur = settings.current()
+    t = table_for(torch.cuda.get_device_name(device))
+    if t is None or not cur.humming:
+        return []
+    kinds = _order(not cur.humming_deterministic, False)
+
+    def sent(shape) -> bool:
+        own = t.shapes.get(shape_key(shape), {})
+        buckets = next((src[k] for k in kinds for src in (own, t.lists) if src.get(k)), ())
+        return any(b.backend in STORED for b in buckets)
+    return [s for s in shapes if sent(s)]
 
 
 TIE = 0.02  # a backend within 2 % of the fastest at an M keeps the bucket it already holds: one run's noise

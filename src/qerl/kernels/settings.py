@@ -29,16 +29,15 @@ class KernelSettings:
     """Route M = w4_wgmma.ROUTE_MIN_M..MAX_M tokens to the Hopper wgmma kernel (sm_90a only; its GPU tests,
     tests/test_w4_wgmma_gpu.py, passed on an H100 and H200, and it beat mma.sync from M = 64: w4_wgmma.py)."""
     humming: bool = True
-    """Route the M buckets where humming-kernels measured fastest on this card (kernels/routes.py, one table for each
-    of humming's modes: `humming_deterministic`) to it, where it imports (pyproject's `cuda` extra). H100 at
-    e40759d: with batch-invariant tiles humming wins no M (0.46-0.84x cuBLAS bf16 on the 7B layer set), so the
-    table keeps qerl's own kernels everywhere; in stream-K it wins from M 64 (bench kernels, 2026-12-07)."""
+    """Let the routes table (kernels/routes.py: the fastest kernel per M and weight shape, measured on this card)
+    send weights in qerl's layout to humming-kernels' kernels where it imports (pyproject's `cuda` extra), on a copy
+    of the weight made when the model loads if it fits (humming_backend.plan_copies). False: qerl's own kernels by
+    routes.DEFAULT (mma.sync, wgmma, dequantize + cuBLAS)."""
     humming_deterministic: bool = True
-    """humming-kernels with batch-invariant tiles: every call repeats bit for bit (seeded rollouts repeat, CUDA
-    graphs equal eager steps). False: humming's own default, stream-K, whose split-K partial sums land in a varying
-    order (other bits each call; benchmarks/kernels.md) but which is 2.0-2.6x faster at M 1-256: H100, 7B
-    layer set, 108.8 / 140.2 / 230.6 µs at M 64 / 128 / 256 against 238.6 / 298.6 / 462.0 batch-invariant and qerl's
-    own 157.4 / 208.7 / 321.2 (bench kernels, 2026-12-07). Each has its own routes table (kernels/routes.py)."""
+    """Route by the card's repeatable list: every kernel in it gives the same bits for the same inputs at the same
+    M, every call, eager or from a graph, on any stream (seeded rollouts repeat; graphs equal eager steps). False:
+    the stream-K list, which may also name humming's own stream-K (`humming_sk`), whose partial sums land in
+    arrival order: other bits each call (benchmarks/kernels.md). The record says what each list costs."""
     humming_storage: bool = False
     """Load NVFP4 weights in humming-kernels' layout (formats/nvfp4_humming.py) where humming runs: one copy,
     read by humming at every M and dequantized from for the backward, instead of qerl's MMA layout plus a
@@ -49,10 +48,11 @@ class KernelSettings:
     lora_expand_kernel: bool = True
     """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
     (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""
-    lora_overlap: bool = False
+    lora_overlap: bool = True
     """Beside humming (dense, split-K or stored), a layer's LoRA shrink runs on a side stream while the base GEMM
     runs, joined before the expand (kernels/lora_shrink.begin/finish): the same kernels and bits, the shrink's
-    launches hidden. A candidate (bench kernels mode humming_lora32_overlap), off: not yet measured on a GPU."""
+    launches hidden. H100 at c5576bc (bench kernels, 7B layer set): 5-15 % less LoRA time than the shrink first
+    (humming_lora32_overlap against humming_lora32). False: the shrink first, on the same stream."""
     lora_shrink_split: bool = True
     """A LoRA shrink that is not fused into the base kernel runs as one split-K Triton launch where the measured
     table routes its M (kernels/lora_shrink.py `split_routes`, M 2-64 now; False: the one-row-a-program decode

@@ -208,6 +208,10 @@ def load_policy(
     if tied:
         model.tie_weights()
     materialize_buffers(model, cfg, device)
+    if device.type == "cuda":
+        from ..kernels import plan_copies
+
+        plan_copies(model)  # whether humming's weight copies fit: decided here, never at a first call
 
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)

@@ -159,6 +159,10 @@ def random_policy(config, quant: str = "nvfp4", *, lora_rank: int = 32, lora_alp
     if tied:
         model.tie_weights()
     materialize_buffers(model, cfg, device)
+    if torch.device(device).type == "cuda":
+        from ..kernels import plan_copies
+
+        plan_copies(model)  # as load_policy: whether humming's weight copies fit, decided at load
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     model.eval()
