@@ -39,7 +39,11 @@ def add_arguments(p):
 
     # CONFIG.yaml (optional, first) and unknown --field pairs arrive as free arguments (see cli.main)
     p.set_defaults(overrides=[])
-    p.add_argument("--resume", metavar="DIR", help="continue the SFT run in DIR from its latest checkpoint")
+    from ..train.run_folder import ALLOW_HELP
+
+    p.add_argument("--resume", metavar="DIR", help="continue the SFT run in DIR from its latest checkpoint, on the "
+                   "run's record (DIR/config.yaml: its model, quant and data)")
+    p.add_argument("--allow_changed", metavar="FIELD", action="append", default=[], help=ALLOW_HELP)
     p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
     hints = typing.get_type_hints(SFTConfig)
     fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
@@ -69,12 +73,13 @@ def build_config(args):
     tokens = list(args.overrides or [])
     config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
     ov = {**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}, **parse_overrides(tokens)}
+    from ..train.paths import normalise
+    from .train import resumed_config
+
     if args.resume:
-        saved = Path(args.resume) / "config.yaml"
-        if not saved.exists():
-            raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl sft run directory?)")
-        check_run_kind(args.resume, "sft")
-        return SFTConfig.from_yaml(saved).with_overrides({"output_dir": args.resume, **ov})
+        return resumed_config(args, config, ov, SFTConfig, "sft", lambda c, o: c.with_overrides(o))[0]
+    if getattr(args, "allow_changed", None):
+        raise ValueError("--allow_changed: only with --resume (a new run takes any value)")
     if config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
@@ -92,7 +97,7 @@ def build_config(args):
         trl, d = trl_fields(mapping, source=str(config), not_carried_out=unused)
         if trl.run_name is not None:
             d["run_name"] = trl.run_name  # the trackers' name, as from SFTConfig(run_name=...)
-        cfg = SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
+        cfg = normalise(SFTConfig.from_dict(d, source=str(config)).with_overrides(ov))  # paths (train/paths.py)
         if trl.warmup_ratio:  # TrainingArguments': a fraction of the run's updates (train/optim.warmup_steps)
             if "warmup_steps" in ov:
                 raise ValueError(f"warmup_ratio ({config}) and --warmup_steps: set one")
@@ -100,7 +105,7 @@ def build_config(args):
                 cfg = dataclasses.replace(cfg, warmup_steps=warmup_steps(trl.warmup_ratio, cfg.max_steps))
             cfg.trl = trl
         return cfg
-    return SFTConfig().with_overrides(ov)
+    return normalise(SFTConfig().with_overrides(ov))
 
 
 # TRL surface fields (trl/fields.TRLArgs) that `qerl sft` of a `trl sft --config` file acts on
@@ -189,6 +194,10 @@ def run(args):
     if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
         # before minutes of model loading
         raise RunFolderError(earlier_run_message(Path(cfg.output_dir), "sft"))
+    from ..train.run_folder import check_clear, run_inputs
+
+    if not args.resume:  # never clear a folder that is, holds or lies inside what the run reads
+        check_clear(cfg.output_dir, cfg.overwrite_output_dir, run_inputs(cfg), "sft")
     import sys
 
     from . import check_interrupted

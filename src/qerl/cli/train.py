@@ -21,7 +21,11 @@ DESCRIPTION = (HELP + ". Values apply on top of CONFIG.yaml, whose missing field
 
 def add_arguments(p):
     # CONFIG.yaml (optional, first) and --field value pairs arrive as free arguments (see cli.main)
-    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    from ..train.run_folder import ALLOW_HELP
+
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, on the run's "
+                   "record (DIR/config.yaml, DIR/run_record.json: its model, quant, data and reward functions)")
+    p.add_argument("--allow_changed", metavar="FIELD", action="append", default=[], help=ALLOW_HELP)
     p.add_argument("--print_config", action="store_true", help="print the documented YAML config and exit")
     p.set_defaults(overrides=[])  # CONFIG.yaml and unknown --field pairs, collected by the main parser
     from .config_help import add_config_arguments
@@ -59,16 +63,21 @@ def build_config(args):
     from .config_help import config_values
 
     ov = {**config_values(args), **parse_overrides(tokens)}
-    if args.resume:
-        saved = Path(args.resume) / "config.yaml"
-        if not saved.exists():
-            raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl run directory?)")
-        from .sft import check_run_kind
+    from ..train.paths import normalise
 
-        check_run_kind(args.resume, "train")  # an SFT run: `qerl sft --resume` continues it
-        cfg = GRPOConfig.from_yaml(saved)
-        cfg = apply(cfg, {"output_dir": args.resume, **ov})
-    elif config:
+    args.trl_rewards = None
+    if args.resume:
+        cfg, record = resumed_config(args, config, ov, GRPOConfig, "train", apply)
+        if record:  # a `trl grpo --config` file's run: its reward functions, from where they were imported
+            from .trl_config import ScriptRewards
+
+            use_record_roots(record)
+            args.trl_rewards = ScriptRewards([r.name for r in record.reward_funcs], record.reward_model_name_or_path)
+            args.trl_record = record
+        return cfg
+    if getattr(args, "allow_changed", None):
+        raise ValueError("--allow_changed: only with --resume (a new run takes any value)")
+    if config:
         if not Path(config).is_file():
             raise FileNotFoundError(f"config file {config} not found")
         from ..sft.data import read_utf8
@@ -91,7 +100,84 @@ def build_config(args):
 
         dev = ov.get("device")
         cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
-    return cfg
+    return normalise(cfg)  # `~`, relative paths and links, checked before anything loads (train/paths.py)
+
+
+def resumed_config(args, config, ov: dict, cls, command: str, apply_ov):
+    """`--resume DIR`: the run's record (DIR/config.yaml, DIR/run_record.json) with the command line's values;
+    a changed value that defines the run refused unless --allow_changed names it, any other said in one line.
+    Returns (config, RunRecord). `qerl sft --resume` alike."""
+    import shlex
+    from pathlib import Path
+
+    from ..invocation import qerl_command
+    from ..train import run_folder
+    from ..train.paths import expand, normalise, relative_paths, same_path
+
+    folder = expand(args.resume)
+    saved = Path(folder) / "config.yaml"
+    if config is not None:  # was ignored without a word
+        raise ValueError(f"--resume {args.resume} continues the run on its own record ({saved}); {config} is not "
+                         f"read: drop it, or start a new run from it with another --output_dir")
+    if not saved.exists():
+        raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl {'sft ' if command == 'sft' else ''}"
+                                "run directory?)")
+    from .sft import check_run_kind
+
+    check_run_kind(folder, command)  # the other command's run: its command continues it
+    recorded = cls.from_yaml(saved)
+    if "output_dir" in ov and not same_path(ov["output_dir"], folder):
+        raise ValueError(f"--resume {args.resume} continues the run in {folder}; --output_dir {ov['output_dir']} names "
+                         f"another folder: drop it, or start a new run there ({qerl_command()} {command} ... "
+                         f"--output_dir {shlex.quote(str(ov['output_dir']))})")
+    for name, value in relative_paths(recorded).items():
+        if name != "output_dir" and main_rank():
+            print(f"qerl {command}: {saved} records {name} {value!r} relative to the folder that run started in (an "
+                  f"older qerl wrote it); reading it from the current folder: {expand(value)}", flush=True)
+    import dataclasses
+
+    recorded = normalise(dataclasses.replace(recorded, output_dir=folder))
+    cfg = normalise(apply_ov(recorded, {**ov, "output_dir": folder}))
+    allowed = run_folder.allowed_fields(getattr(args, "allow_changed", None), cls)
+    changes = run_folder.check_resume(recorded, cfg, allowed, args.resume, command)
+    if (line := run_folder.changes_line(changes, args.resume, command)) and main_rank():
+        print(line, flush=True)
+    return cfg, run_folder.read_record(folder)
+
+
+def main_rank() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def use_record_roots(record) -> None:
+    """The folders the run's reward modules were imported from go first on sys.path (before the working
+    folder, which TRL's rule adds), so a resume from anywhere imports the run's own functions."""
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # kept behind the run's folders (trl_config adds it only when absent)
+    for root in dict.fromkeys(r.root for r in record.reward_funcs if r.root):
+        if root in sys.path:
+            sys.path.remove(root)
+        sys.path.insert(0, root)
+
+
+def check_reward_sources(record, folder) -> None:
+    """After the reward functions are imported: each from the folder the run's record names (a module of
+    the same name elsewhere, imported first or found first, is refused by name)."""
+    from pathlib import Path
+
+    from ..train.run_folder import RECORD, import_root
+
+    for r in record.reward_funcs:
+        now = import_root(r.name)
+        if r.root and now and Path(now) != Path(r.root):
+            raise ValueError(f"{Path(folder) / RECORD}: reward function {r.name} was imported from {r.root}, but "
+                             f"{r.name.rsplit('.', 1)[0]} now comes from {now}; run the resume in a fresh process "
+                             f"without that module on the path, or restore {r.root}")
 
 
 def trl_max_steps(cfg, source, epochs=None):
@@ -160,6 +246,10 @@ def run(args):
     from .preflight import check_run_folder, preflight
 
     check_run_folder(cfg, resuming=bool(args.resume))  # the lock, an earlier run, a file in the way
+    from ..train.run_folder import RecordCallback, check_clear, run_inputs
+
+    if not args.resume:  # never clear a folder that is, holds or lies inside what the run reads
+        check_clear(cfg.output_dir, cfg.overwrite_output_dir, run_inputs(cfg))
     if args.resume:
         check_resume_steps(cfg)  # max_steps below the run's step: nothing to train, said before anything
     if args.resume and (done := finished_run(cfg)):
@@ -172,12 +262,15 @@ def run(args):
         from .trl_config import trl_task
 
         task = preflight(cfg, lambda c: trl_task(c, rewards))
+        if getattr(args, "trl_record", None) is not None:
+            check_reward_sources(args.trl_record, cfg.output_dir)
     else:
         task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
     with interruptible() as stop:
         trainer = None
         try:
-            trainer = GRPOTrainer(cfg, task=task)
+            record = RecordCallback(rewards.names, rewards.reward_model) if rewards else RecordCallback()
+            trainer = GRPOTrainer(cfg, task=task, callbacks=[record])  # the run's record, once the folder is claimed
             if trainer.dist.world > 1 and trainer.dist.is_main:
                 import torch.distributed as dist
 
