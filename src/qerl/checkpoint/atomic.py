@@ -15,6 +15,10 @@ run folder's start calls `recover_all` on the folder (train/run_folder.py).
 
 `recover` leaves alone the temporaries of another live process on this host (two ranks converting
 the SmolLM2 cache at once both finish; the second swap wins), so only a dead writer's are undone.
+
+SIGTERM while a temporary exists unwinds like Ctrl-C (`sigterm_unwinds`): Python's default would end the
+process on the spot, with no word, leaving the temporary; instead `Terminated` is raised, the temporary
+is removed (the target keeps its previous content), and, uncaught, the process exits 143 (128 + 15).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -44,6 +50,40 @@ fault_hook: Callable[[str], None] | None = None
 def _stage(name: str) -> None:
     if fault_hook is not None:
         fault_hook(name)
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived (`sigterm_unwinds`). A SystemExit: `except Exception` does not swallow it, cleanup in
+    `finally` / `except BaseException` runs, and uncaught it ends the process with status 143 and no
+    traceback. A command that reports it says so in one line (qerl export)."""
+
+    signal_name = "SIGTERM"
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the cleanup ends it at once
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Inside the block, SIGTERM raises `Terminated` where it lands (in the main thread) instead of ending the
+    process there. Only where SIGTERM has Python's default action: a handler someone installed (qerl train's,
+    which raises KeyboardInterrupt) or SIG_IGN is theirs to keep, and another thread cannot take signals."""
+    try:
+        mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        if mine:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # an interpreter without signals here
+        mine = False
+    try:
+        yield
+    finally:
+        if mine and signal.getsignal(signal.SIGTERM) in (_raise_terminated, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _temp_name(target: Path, kind: str) -> Path:
@@ -138,13 +178,14 @@ def atomic_file(path, write: Callable[[Path], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover(path)
     tmp = _temp_name(path, TMP)
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-        _stage("written")
-        os.replace(tmp, path)
-    finally:
-        _remove(tmp)  # gone already after a successful rename
+    with sigterm_unwinds():
+        try:
+            write(tmp)
+            _fsync_tree(tmp)
+            _stage("written")
+            os.replace(tmp, path)
+        finally:
+            _remove(tmp)  # gone already after a successful rename
     _fsync_dir(path.parent)
     _stage("committed")
     return path
@@ -164,27 +205,28 @@ def atomic_folder(path, keep_existing: bool = False) -> Iterator[Path]:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     recover(out)
-    tmp = _temp_name(out, TMP)
-    tmp.mkdir()
-    aside = None
-    try:
-        yield tmp
-        if keep_existing and out.is_dir():
-            for p in out.iterdir():
-                if not os.path.lexists(tmp / p.name):
-                    (shutil.copytree if p.is_dir() else shutil.copy2)(p, tmp / p.name)
-        _fsync_tree(tmp)
-        _stage("written")
-        if os.path.lexists(out):
-            aside = _temp_name(out, OLD)
-            os.replace(out, aside)
-            _stage("aside")
-        os.replace(tmp, out)
-    except BaseException:
-        if aside is not None and not os.path.lexists(out):
-            os.replace(aside, out)  # roll back: the previous folder is the target again
-        _remove(tmp)
-        raise
+    with sigterm_unwinds():  # SIGTERM while the temporary exists: removed below, like Ctrl-C's
+        tmp = _temp_name(out, TMP)
+        tmp.mkdir()
+        aside = None
+        try:
+            yield tmp
+            if keep_existing and out.is_dir():
+                for p in out.iterdir():
+                    if not os.path.lexists(tmp / p.name):
+                        (shutil.copytree if p.is_dir() else shutil.copy2)(p, tmp / p.name)
+            _fsync_tree(tmp)
+            _stage("written")
+            if os.path.lexists(out):
+                aside = _temp_name(out, OLD)
+                os.replace(out, aside)
+                _stage("aside")
+            os.replace(tmp, out)
+        except BaseException:
+            if aside is not None and not os.path.lexists(out):
+                os.replace(aside, out)  # roll back: the previous folder is the target again
+            _remove(tmp)
+            raise
     _fsync_dir(out.parent)
     _stage("committed")
     if aside is not None:

@@ -11,6 +11,7 @@ already hold exactly those bytes; compressing again would need a dense model.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ..layers.quant_experts import QuantExperts
 from .atomic import SHARD_BYTES, atomic_folder, entries, write_sharded
 from .safetensors_reader import CheckpointError
 
+log = logging.getLogger(__name__)
 _WEIGHT_ARGS = {
     "nvfp4": {"strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"},
     "mxfp4": {"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
@@ -62,14 +64,23 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
     }
 
 
-def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(tensors to write, names of Linear layers left dense). LoRA factors are not included."""
+def compressed_state_dict(model: torch.nn.Module, fmt: str, dtype: torch.dtype | None = None
+                          ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(tensors to write, ignore list) as llm-compressor writes them for the same model: the packed layers'
+    bytes, every other tensor dense in `dtype` (the base's; None: as held), and ignore = the Linear modules
+    left dense (the base's own, e.g. lm_head, and the layers kept in bf16), by their full names.
+    LoRA factors are not included, nor listed: they are not modules of the base."""
     from ..layers.quant_experts import QuantExperts
+
+    def dense(t):
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     out: dict[str, torch.Tensor] = {}
     ignore: list[str] = []
     owned: set[str] = set()
     for name, m in model.named_modules():
+        if any(name.startswith(o + ".") for o in owned):
+            continue  # inside a layer of ours: its LoRA factors (nn.Linear) are no module of the base
         if isinstance(m, QuantExperts):
             owned.add(name)
             out.update(_expert_tensors(model, name, m, fmt))
@@ -79,12 +90,12 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
                 for k, t in m.checkpoint_tensors().items():
                     out[f"{name}.{k}"] = t
             elif m.fmt.name == "bf16":
-                out[f"{name}.weight"] = m.dequantized_weight(m.dtype)
+                out[f"{name}.weight"] = dense(m.dequantized_weight(m.dtype))
                 ignore.append(name)
             else:
                 raise ValueError(f"{name}: layer is {m.fmt.name}; a {fmt} checkpoint cannot hold it")
             if m.bias is not None:
-                out[f"{name}.bias"] = m.bias
+                out[f"{name}.bias"] = dense(m.bias)
         elif isinstance(m, torch.nn.Linear):
             ignore.append(name)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -94,7 +105,7 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
             continue
         if tied and k == "lm_head.weight":
             continue
-        out[k] = t
+        out[k] = dense(t)
     if any(isinstance(m, QuantExperts) for m in model.modules()):  # an MoE: the stock names (Mixtral's
         from ..model.family import family_of_model                   # block_sparse_moe), as its experts'
 
@@ -103,6 +114,23 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str) -> tuple[dict[str, t
     # One owned copy each: group members' tensors are views into shared storage (their global
     # scale one tensor), which safetensors refuses or would write whole.
     return {k: standalone(v) for k, v in out.items()}, ignore
+
+
+def base_dtype(policy, model) -> torch.dtype:
+    """The dtype of the base's dense tensors: its folder's config.json `dtype` (`torch_dtype` before
+    transformers 5), else the model config's. A policy computing in fp32 still writes a bf16 base's
+    norms, embeddings and kept layers in bf16, as llm-compressor does (they hold bf16 values)."""
+    recorded = None
+    src = getattr(policy, "source", None)
+    if src:
+        try:
+            cfg = json.loads((Path(src) / "config.json").read_text())
+            recorded = cfg.get("dtype") or cfg.get("torch_dtype")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    name = recorded or getattr(model.config, "dtype", None) or "bfloat16"
+    dt = name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.bfloat16
 
 
 def _expert_tensors(model, name: str, m, fmt: str) -> dict[str, torch.Tensor]:
@@ -131,14 +159,18 @@ def _expert_tensors(model, name: str, m, fmt: str) -> dict[str, torch.Tensor]:
 
 
 def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path:
-    """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically)."""
+    """Write policy's frozen base as a compressed-tensors checkpoint folder (atomically): what llm-compressor
+    writes for the same model (its ignore list, dense tensors in the base's dtype)."""
     model = policy.model if hasattr(policy, "model") else policy
     fmt = fmt or getattr(policy, "quant", None)
     if fmt is None:
         raise ValueError("save_compressed: pass fmt='nvfp4' or 'mxfp4' for a bare model")
-    tensors, ignore = compressed_state_dict(model, fmt)
-    cfg = model.config.to_dict()
+    dtype = base_dtype(policy, model)
+    tensors, ignore = compressed_state_dict(model, fmt, dtype)
+    cfg = model.config.to_diff_dict()  # what save_pretrained writes (llm-compressor saves through it)
     cfg.pop("quantization_config", None)
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = str(dtype).removeprefix("torch.")  # the tensors' dtype, not the one the policy computed in
     cfg["quantization_config"] = quantization_config(fmt, ignore)
     with atomic_folder(out_dir) as tmp:
         write_sharded(tmp, entries(tensors))
@@ -154,9 +186,12 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
 
 # ---- reading -------------------------------------------------------------------------------
 def read_packed(ckpt, name, keys, fmt, device) -> dict[str, torch.Tensor]:
-    """One layer's packed tensors, in the format's storage order."""
+    """One layer's packed tensors, in the format's storage order (each in the shape and dtype the format
+    stores: `stored_as`, the rule the experts follow too)."""
     label = f"{ckpt.path_of(name + '.weight_packed')}: {name}"
-    return fmt.from_checkpoint({k: ckpt.get(f"{name}.{k}", device) for k in keys}, layer_shape(ckpt, name), label)
+    shape = layer_shape(ckpt, name)
+    want = fmt.expected_shapes(shape)
+    return fmt.from_checkpoint({k: stored_as(ckpt, f"{name}.{k}", *want[k], device) for k in keys}, shape, label)
 
 
 def layer_shape(ckpt, name: str) -> tuple[int, int]:
@@ -233,9 +268,11 @@ def read_compressed_experts(model, ckpt, family, i, fmt, device):
 
 
 def stored_as(ckpt, key: str, shape, dtype, device) -> torch.Tensor:
-    """A packed tensor in the shape and dtype the format stores. A weight_scale saved in fp32 whose values are
-    all FP8-E4M3 values is converted (the same numbers); any other dtype or shape is refused by name (the
-    experts would compute with it, or fail in the first forward)."""
+    """A packed tensor in the shape and dtype the format stores. One rule for every packed tensor (a layer's,
+    an expert's): a float tensor in another float dtype whose values the format's dtype holds exactly (a
+    weight_scale saved in fp32, every value an FP8-E4M3 one) is converted, the same numbers, and said once a
+    folder; any other dtype or shape is refused, naming the file, the tensor and the dtype the format stores
+    (the layer would compute with it, or fail in the first forward)."""
     t = ckpt.get(key, device)
     where = f"{ckpt.path_of(key)}: tensor {key!r}"
     if tuple(t.shape) != tuple(shape):
@@ -245,10 +282,17 @@ def stored_as(ckpt, key: str, shape, dtype, device) -> torch.Tensor:
     if t.is_floating_point() and dtype.is_floating_point:
         c = t.to(dtype)
         if torch.equal(c.to(t.dtype), t):  # exactly representable: lossless
+            said = ckpt.__dict__.setdefault("converted_dtypes", set())
+            if (t.dtype, dtype) not in said:
+                said.add((t.dtype, dtype))
+                log.warning("%s is %s where the format stores %s; every value is exactly one, so it is read "
+                            "converted (the same numbers), as is any other tensor of this folder stored so", where,
+                            t.dtype, dtype)
             return c
         raise CheckpointError(f"{where} is {t.dtype}, expected {dtype}, and holds values {dtype} cannot represent "
                               "exactly: re-export it in its format's dtype")
-    raise CheckpointError(f"{where} is {t.dtype}, expected {dtype}")
+    raise CheckpointError(f"{where} is {t.dtype}, expected {dtype} (the dtype the format stores): re-export it in "
+                          "its format's dtype")
 
 
 def require_experts(ckpt, keys, family, n) -> None:

@@ -1,7 +1,9 @@
 """Read tensors from a model folder's safetensors files, one at a time, with clear errors.
 
 Only safetensors: a folder that holds only pickled weights (.bin/.pt) is refused.
-Every error names the file and the tensor.
+Every error names the file and the tensor. A float tensor holding NaN or inf is refused as it is read
+(`check_finite`): every weight of a model (a projection, a norm, an embedding, a packed layer's scale)
+meets the one rule, before any layer is built from it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class SafetensorsCheckpoint:
             t = self._handles[f].get_tensor(name)
         except Exception as e:  # a truncated file fails here, on the first read past its end
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name!r} ({e})") from e
-        return t.to(device)
+        t = t.to(device)
+        check_finite(t, name, self.folder / f)
+        return t
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
@@ -81,3 +85,25 @@ class SafetensorsCheckpoint:
         if name not in self.file_of:
             raise CheckpointError(f"{self.folder}: missing tensor {name!r}")
         return self._handles[self.file_of[name]].get_slice(name).get_dtype()
+
+
+_CHUNK = 1 << 24  # elements checked at once: the mask of a 7B model's embedding would be half a GB
+
+
+def check_finite(t: torch.Tensor, name: str, path) -> None:
+    """Refuse a float tensor holding NaN or inf, naming the file, the tensor and the first bad index: the model
+    would generate nothing and train on NaN (issue 50), a norm's NaN as silently as a projection's."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK]
+        part = part if part.element_size() > 1 else part.float()  # FP8: isfinite wants a wider dtype
+        bad = ~torch.isfinite(part)
+        if bool(bad.any()):
+            from ..formats.base import NonFiniteWeightError  # a ValueError: the CLI's one line, exit status 2
+
+            flat_index = start + int(bad.nonzero()[0, 0])
+            index = [int(i) for i in torch.unravel_index(torch.tensor(flat_index), t.shape)] if t.dim() else []
+            raise NonFiniteWeightError(f"{path}: {name} holds NaN or inf (first at index {index}): the checkpoint's "
+                                       "weight is corrupt; qerl will not train on it (restore the file from its source)")

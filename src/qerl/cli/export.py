@@ -1,5 +1,8 @@
 """qerl export [MODEL] OUTPUT_DIR --adapter DIR: a merged dense model (dequantized base + LoRA). Without MODEL
-the base is the one the adapter records (adapter_config.json's base_model_name_or_path)."""
+the base is the one the adapter records (adapter_config.json's base_model_name_or_path); another MODEL is
+refused unless --allow-other-base. The linears the run kept in bf16 (modules_to_not_convert, recorded beside
+the adapter) are merged from their bf16 weights, as they were trained. SIGTERM ends it as Ctrl-C does: the
+temporary removed, one line, status 143."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ def add_arguments(p):
     p.add_argument("--quant", default="auto", choices=["nvfp4", "mxfp4", "nf4", "bf16", "auto"],
                    help="base format the adapter was trained on (default: auto, the one the adapter recorded, else "
                         "the checkpoint's, else nvfp4); another than the adapter's is refused")
+    p.add_argument("--allow-other-base", "--allow_other_base", dest="allow_other_base", action="store_true",
+                   help="merge the adapter into a MODEL other than the base it records (it was trained on that one)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an OUTPUT_DIR that is not empty (never a run folder, the base or the adapter)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -25,12 +30,27 @@ def add_arguments(p):
 
 
 def run(args):
+    from ..checkpoint.atomic import Terminated, sigterm_unwinds
+    from . import interrupted_line
+
+    try:
+        with sigterm_unwinds():  # from the first moment of run(): nothing is left half-written, and it says so
+            return _run(args)
+    except Terminated as e:
+        import sys
+
+        print(interrupted_line("export", e.signal_name), file=sys.stderr, flush=True)
+        return e.code
+
+
+def _run(args):
     from pathlib import Path
 
     import torch
 
     from ..checkpoint.export import check_export_target, export_merged
     from ..checkpoint.peft_adapter import read_adapter_config as _read_config, load_adapter, resolve_quant
+    from ..checkpoint.peft_adapter import recorded_modules_to_not_convert
     from ..model import load_policy
     from ..model.resolve import ALIASES, resolve_model
     from ..model.smollm2 import cache_dir
@@ -41,6 +61,8 @@ def run(args):
     take_model_flag(args)
     if args.model is None:
         args.model = recorded_base(args.adapter)
+    elif args.adapter:
+        check_same_base(args.model, args.adapter, args.allow_other_base)
     # everything checked before the model loads: nothing in OUTPUT_DIR is lost by mistake
     base = args.model if Path(args.model).exists() else (
         cache_dir() / "SmolLM2-135M-Instruct" if args.model.lower() in ALIASES else None)
@@ -50,12 +72,52 @@ def run(args):
     if args.adapter:
         _read_config(Path(args.adapter))
     quant = resolve_quant(args.adapter, args.quant)
+    # the layers the run kept in bf16 stay bf16: its LoRA corrects their bf16 weights, not a 4-bit rounding
+    keep = recorded_modules_to_not_convert(args.adapter) if args.adapter else []
     # fp32 compute so the merge W + s·B·A is exact before the final cast
-    policy = load_policy(args.model, quant, lora_rank=0, device=device, dtype=torch.float32)
+    policy = load_policy(args.model, quant, lora_rank=0, device=device, dtype=torch.float32,
+                         modules_to_not_convert=keep or None)
     if args.adapter:
         load_adapter(policy, args.adapter)
     out = export_merged(policy, args.output_dir, dtype=getattr(torch, args.dtype))
     print(f"wrote merged {args.dtype} model to {out}")
+    if keep:
+        from ..model.projections import keep_in_bf16
+
+        kept = [n for n, m in policy.model.named_modules()
+                if keep_in_bf16(keep)(n) and getattr(getattr(m, "fmt", None), "name", "") == "bf16"]
+        print(f"merged from their bf16 weights, as the run kept them (modules_to_not_convert {keep}, recorded in "
+              f"{Path(args.adapter) / 'qerl_adapter.json'}): {len(kept)} layers, e.g. {kept[0] if kept else '-'}; "
+              f"the rest from their {quant} rounding")
+
+
+def check_same_base(model: str, adapter: str, allow_other: bool) -> None:
+    """MODEL must be the base the adapter was trained on (its LoRA corrects that base's weights): the names it
+    records (adapter_config.json's base_model_name_or_path, through adapter folders; qerl_adapter.json's
+    base_local) against MODEL, spelt as PEFT records it (the offline alias as its hub id, a folder absolute)."""
+    from pathlib import Path
+
+    from ..checkpoint.peft_adapter import peft_base_name, recorded_base_local
+    from ..model.adapter_start import base_of
+
+    named = base_of(adapter)
+    if named == str(adapter):  # records no base: nothing to hold MODEL to
+        return
+    recorded = {peft_base_name(named)}
+    local = recorded_base_local(adapter)
+    if local is not None:
+        recorded.add(str(local.resolve()))
+    given = Path(model).expanduser()
+    mine = {peft_base_name(model)} | ({str(given.resolve())} if given.is_dir() else set())
+    if mine & recorded:
+        return
+    where = Path(adapter) / "adapter_config.json"
+    if allow_other:
+        print(f"qerl export: merging the adapter trained on {named} into {model} (--allow-other-base)")
+        return
+    raise ValueError(f"{model}: not the base the adapter was trained on ({where}: base_model_name_or_path {named}"
+                     f"{f', loaded from {local}' if local else ''}); its LoRA corrects that base's weights: give that "
+                     "base (or leave MODEL out), or pass --allow-other-base to merge into this one anyway")
 
 
 def recorded_base(adapter: str | None) -> str:
