@@ -145,7 +145,7 @@ def _expert_tensors(model, name: str, m, fmt: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{name}: experts are {m.fmt.name}; a {fmt} checkpoint cannot hold them")
     if m.transposed or m.has_bias or not ex.per_expert:
         raise ValueError(f"{name}: {family.name}'s experts (transposed, biased, interleaved gate|up) have no "
-                         "per-expert compressed-tensors layout; export them merged (qerl export --merged)")
+                         "per-expert compressed-tensors layout; export them merged (qerl export: a dense folder)")
     base = family.checkpoint_name(name)
     half = m.shapes["gate_up_proj"][0] // 2
     out = {}
