@@ -1,4 +1,4 @@
-"""Calling reward functions as TRL 1.16 calls them, safely: a failure on one completion scores it 0 and is counted.
+"""Calling reward functions as TRL 1.16 calls them, and TRL's rule for what they return.
 
 The call is TRL's (`GRPOTrainer._calculate_rewards`): every argument by keyword,
 
@@ -10,19 +10,19 @@ function without **kwargs gets only the arguments it names (TRL would raise on t
 conversational run wraps each function in `AsMessages`: its completions arrive as TRL gives them,
 [{"role": "assistant", "content": text}].
 
-A failure is an exception, a value that is not a finite number (NaN, inf, None, text) or beyond
-MAX_REWARD in size (1e308 ended as "loss is nan" in the advantages' std), or a list of the wrong
-length (one value for four completions was retried one by one and scored every completion 1.0):
-each is scored 0, counted in `reward_errors`, and the first one's message kept.
+The rule (TRL's), here and nowhere else:
+- None for a completion (or NaN, which TRL reads the same way) means the function cannot score it. The
+  completion's reward is the weighted sum of the functions that did score it; one that no function scored
+  is unscorable: its reward is NaN, it is left out of its group's baseline (mean and std) and its
+  advantage is 0 (rl/advantages.py). A call where every completion is unscorable is said once a run.
+- An exception, or a return value that is not one finite number or None per completion (a scalar, text,
+  a list of the wrong length, inf, beyond MAX_REWARD), stops the run with RewardFunctionError: one line
+  naming the function and its error, and, for `kwargs["solution"]` or a parameter the data lacks, the
+  data's columns. A function that fails now and then returns None there instead.
+- One exception: a time limit passed (qerl's symbolic checkers, RewardTimeout) is the machine's, not the
+  function's: that completion scores 0 and is counted in `reward_errors` (the first one's message kept).
 
-A function that fails on every completion of FAILING_CALLS calls in a row (returns None, a scalar,
-text, a short or nested list, or needs a column the data lacks) is broken, not unlucky: `score`
-raises RewardFunctionError naming it and what it returned, as TRL does at once (it trained on
-zeros with exit 0). Time limits passed are not counted toward that (a slow machine is not a bug).
-
-None for a completion means the function does not apply to it (TRL's convention): not an error, left
-out of the function's mean and adding 0 to the total. A function may set `f.metric = "accuracy"` or
-`"format"` to be reported as the step's accuracy or format rate.
+A function may set `f.metric = "accuracy"` or `"format"` to be reported as the step's accuracy or format rate.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import asyncio
 import functools
 import inspect
 import math
+import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,9 +40,9 @@ from typing import Callable
 
 @dataclass
 class Scores:
-    total: list[float]
+    total: list[float]  # NaN where no function scored the completion (unscorable)
     per_func: dict[str, list[float]] = field(default_factory=dict)  # NaN where the function returned None
-    errors: int = 0
+    errors: int = 0  # completions past a time limit (scored 0)
     names: dict[str, str] = field(default_factory=dict)  # per_func's key -> TRL's name of the function
     first_error: str | None = None
 
@@ -155,66 +157,112 @@ def call(f, kw: dict):
 
 
 MAX_REWARD = 1e6  # |reward| beyond it is a broken function: its square overflows the advantages' std
-FAILING_CALLS = 3  # calls in a row on which a function failed on every completion: then it is an error
 
 
 class RewardFunctionError(ValueError):
-    """A reward function that fails on every completion, call after call; the message names it."""
+    """A reward function that raised, or returned something other than one number (or None) per
+    completion: the run stops; the message names the function and what went wrong, in one line."""
 
 
-_failing: dict[int, tuple[object, int]] = {}  # id(function) -> (function, calls in a row failed on everything)
+def _one_line(x, limit: int = 300) -> str:
+    return " ".join(str(x).split())[:limit]
 
 
-def _track(f, name: str, n: int, failed: int, first: str | None) -> None:
-    """Count calls on which `f` failed on all n completions; raise at FAILING_CALLS in a row."""
-    key = id(unwrapped(f))
-    if n == 0 or failed < n:
-        _failing.pop(key, None)
-        return
-    prev = _failing.get(key)
-    count = (prev[1] if prev is not None and prev[0] is unwrapped(f) else 0) + 1
-    if count < FAILING_CALLS:
-        _failing[key] = (unwrapped(f), count)
-        return
-    _failing.pop(key, None)
-    raise RewardFunctionError(f"reward function {name!r} failed on every completion of {count} calls in a row "
-                              f"({first}); TRL calls a reward function by keyword, f(prompts=..., completions=..., "
-                              f"completion_ids=..., **columns, **kwargs), and it returns one number per "
-                              f"completion"[:600])
+def data_columns(columns: dict) -> list[str]:
+    """The dataset's column names as the user wrote them (the rollout hands `prompt` over as `prompts`)."""
+    return sorted("prompt" if k == "prompts" else k for k in columns)
 
 
-class _NotAList(TypeError):
-    pass
+_MISSING_ARGS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
 
 
-def _one_value(got):
-    """The one value of a call on one completion; an error saying what came back otherwise."""
+def missing_columns(f, e: BaseException, kw: dict) -> list[str]:
+    """The arguments reward function `f` asked for and did not get: `kwargs["solution"]` (a KeyError, where
+    `f` takes **kwargs) or a parameter `solution` without a default (a TypeError): columns the data lacks."""
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) and _takes_kwargs(f):
+        names = [e.args[0]]
+    elif isinstance(e, TypeError) and (m := _MISSING_ARGS.search(str(e))):
+        names = re.findall(r"'([^']+)'", m.group(1))
+    else:
+        return []
+    return [x for x in names if x not in kw]
+
+
+def _takes_kwargs(f) -> bool:
     try:
-        one = list(got)
-    except TypeError:
-        raise _NotAList(f"returned {type(got).__name__} {str(got)[:40]!r}, not a list") from None
-    if len(one) != 1:
-        raise ValueError(f"returned {len(one)} values for 1 completion")
-    return one[0]
+        params = inspect.signature(unwrapped(f)).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def raised(f, e: BaseException, kw: dict, columns: dict) -> RewardFunctionError:
+    """The one line that stops the run when reward function `f` raised `e` on a call with arguments `kw`."""
+    name, what = func_name(f), f"{type(e).__name__}: {_one_line(e)}"
+    missing = missing_columns(f, e, kw)
+    if missing:
+        return RewardFunctionError(
+            f"reward function {name!r} reads the dataset column {', '.join(map(repr, missing))}, which the data "
+            f"lacks ({what}); the data's columns: {', '.join(data_columns(columns))}; add it to the dataset, or "
+            f"read a column the data has (TRL passes every column by its name)")
+    return RewardFunctionError(
+        f"reward function {name!r} raised {what}; a reward function returns one number per completion, or None "
+        f"for a completion it cannot score (TRL's rule: None is left out, an exception stops the run)")
+
+
+def values(name: str, got, n: int) -> list[float]:
+    """A call's return value as n rewards, NaN where the function returned None (or NaN, which TRL reads
+    the same way): unscorable. Anything else that is not a finite number stops the run, naming it."""
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        why = f"returned {type(got).__name__} {_one_line(got, 40)!r}, not a list"
+    elif len(got := list(got)) != n:  # which value belongs to which completion is unknown: none is used
+        why = f"returned {len(got)} values for {n} completions"
+    else:
+        out = [_number(v) for v in got]
+        bad = next(((i, b) for i, (_, b) in enumerate(out) if b), None)
+        if bad is None:
+            return [x for x, _ in out]
+        why = f"{bad[1]} (completion {bad[0] + 1} of {n})"
+    raise RewardFunctionError(f"reward function {name!r} {why}; a reward function returns one number per "
+                              f"completion, or None for a completion it cannot score (TRL's rule)")
+
+
+def _number(v) -> tuple[float, str | None]:
+    """(the reward, None), NaN for None / NaN (unscorable); or (NaN, what is wrong with it)."""
+    if v is None:
+        return math.nan, None
+    if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):  # bools count as 0 / 1
+        return math.nan, f"returned {type(v).__name__} {_one_line(v, 40)!r}, not a number"
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan, f"returned {_one_line(v, 40)!r}, not a number"
+    if math.isnan(x):
+        return x, None
+    if math.isinf(x) or abs(x) > MAX_REWARD:
+        return math.nan, f"returned {x:g}, beyond +-{MAX_REWARD:g}"
+    return x, None
 
 
 def _timeout(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) or type(e).__name__ == "RewardTimeout"
 
 
-def _bad_value(v) -> str | None:
-    """None for a usable reward, else what is wrong with it."""
-    if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):  # bools count as 0 / 1
-        return f"returned {type(v).__name__} {str(v)[:40]!r}, not a number"
-    try:
-        x = float(v)
-    except (TypeError, ValueError, OverflowError):
-        return f"returned {str(v)[:40]!r}, not a number"
-    if not math.isfinite(x):
-        return f"returned {x}"
-    if abs(x) > MAX_REWARD:
-        return f"returned {x:g}, beyond +-{MAX_REWARD:g}"
-    return None
+_said_unscorable: set[tuple[str, ...]] = set()  # the function sets whose wholly unscorable call was said
+
+
+def _say_unscorable(names: list[str], n: int) -> None:
+    """TRL warns when every reward function returned None for a completion; a whole call of them trains
+    nothing, said once a run (a partly unscorable call is ordinary: a function for some rows only)."""
+    key = tuple(names)
+    if key in _said_unscorable:
+        return
+    _said_unscorable.add(key)
+    from tqdm import tqdm
+
+    tqdm.write(f"qerl: warning: reward function{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} "
+               f"returned None for all {n} completions of a rollout: they are unscorable and train nothing "
+               f"(advantage 0, TRL's rule); said once", file=sys.stderr)  # above a progress bar
 
 
 def _whole_batch(funcs, kw: dict) -> list:
@@ -225,7 +273,7 @@ def _whole_batch(funcs, kw: dict) -> list:
         if not is_async(f):
             try:
                 out[i] = f(**hook_kwargs(f, kw))
-            except Exception as e:  # noqa: BLE001 - retried one by one below
+            except Exception as e:  # noqa: BLE001 - score() decides: a time limit or the end of the run
                 out[i] = e
     pending = [i for i, f in enumerate(funcs) if is_async(f)]
     if pending:
@@ -250,47 +298,31 @@ def score(funcs, weights, completions: list[str], columns: dict[str, list], hook
     weights = list(weights) if weights is not None else [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
-    out = Scores(total=[0.0] * n)
-    mine = {"failed": 0, "first": None}  # the current function's failures (time limits not counted)
-
-    def error(name, msg, count=1, timeout=False):
-        out.errors += count
-        out.first_error = out.first_error or f"{name}: {msg}"[:300]
-        if not timeout:
-            mine["failed"] += count
-            mine["first"] = mine["first"] or msg[:300]
-
+    out = Scores(total=[math.nan] * n)
     kw = trl_kwargs(completions, columns, hooks, completion_ids, environments)
     batch = _whole_batch(funcs, kw)
     for f, w, got in zip(funcs, weights, batch):
         name = func_name(f)
-        mine.update(failed=0, first=None)
-        try:
-            if isinstance(got, BaseException):
-                raise got
-            vals = list(got)
-        except Exception:  # noqa: BLE001 - retry one by one so one bad completion costs only itself
+        if not isinstance(got, BaseException):
+            vals = values(name, got, n)
+        elif not _timeout(got):
+            raise raised(f, got, hook_kwargs(f, kw), columns) from None
+        else:  # a time limit passed somewhere: one by one, so that completion alone scores 0
             vals = []
             for i in range(n):
                 try:
-                    vals.append(_one_value(call(f, one_completion(kw, i))))
-                except Exception as e:  # noqa: BLE001
-                    error(name, str(e) if isinstance(e, _NotAList) else f"{type(e).__name__}: {e}", timeout=_timeout(e))
-                    vals.append(0.0)
-        if len(vals) != n:  # which value belongs to which completion is unknown: none is used
-            error(name, f"returned {len(vals)} values for {n} completions", n)
-            vals = [0.0] * n
-        clean = []
-        for v in vals:
-            if v is None:  # does not apply to this completion (TRL): no score, no error
-                clean.append(math.nan)
-                continue
-            why = _bad_value(v)
-            if why:
-                error(name, why)
-            clean.append(0.0 if why else float(v))
-        _track(f, name, n, mine["failed"], mine["first"])
-        out.per_func[name] = clean
+                    one = call(f, one_completion(kw, i))
+                except Exception as e:  # noqa: BLE001 - a time limit is counted, anything else stops the run
+                    if not _timeout(e):
+                        raise raised(f, e, hook_kwargs(f, kw), columns) from None
+                    out.errors += 1
+                    out.first_error = out.first_error or f"{name}: {type(e).__name__}: {_one_line(e)}"
+                    one = [0.0]
+                vals += values(name, one, 1)
+        out.per_func[name] = vals
         out.names[name] = trl_name(f)
-        out.total = [t + (w * v if v == v else 0.0) for t, v in zip(out.total, clean)]
+        # TRL's nansum: a function's None adds nothing; a completion no function scored stays NaN (unscorable)
+        out.total = [t if v != v else (w * v if t != t else t + w * v) for t, v in zip(out.total, vals)]
+    if n and all(t != t for t in out.total):
+        _say_unscorable([func_name(f) for f in funcs], n)
     return out

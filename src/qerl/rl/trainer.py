@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from .objective import PolicyObjective, PolicySettings, update_settings
 from ..train.optim import TrainingError
 from ..train.update import PolicyUpdate, UpdateInputs
 
-from ..tasks.prompts import PAPER_SUFFIX, encode_prompt  # noqa: F401 - PAPER_SUFFIX re-exported
+from ..tasks.prompts import PAPER_SUFFIX, encode_prompt, prompt_cut  # noqa: F401 - PAPER_SUFFIX re-exported
 
 __all__ = ["GRPOTrainer", "PromptSampler", "TrainingError"]
 
@@ -89,6 +90,7 @@ class GRPOTrainer(TrainLoop):
                                       cfg.aqn_sigma_start, cfg.aqn_adaptive_gain) \
             if cfg.aqn and cfg.aqn_schedule == "adaptive" else None
         self.sampler = PromptSampler(len(self.train_rows), cfg.seed)
+        self._say_cut_prompts(parts)
         # each step's rollout: collected at the step (max_staleness 0) or launched during the last update (1)
         self.rollouts = RolloutSource(self.snapshot, context=self.step_context, inputs=self.rollout_inputs,
                                       collect=self.collect_rollouts, sampler_state=lambda: self.sampler.state(),
@@ -181,6 +183,15 @@ class GRPOTrainer(TrainLoop):
         return 3 * self.engine.n_slots * self.engine.view.vocab * 4
 
     # ---- prompts ---------------------------------------------------------------------------
+    def _say_cut_prompts(self, parts: TrainParts) -> None:
+        """Prompts past max_prompt_length lose their start in every rollout: said once, counted."""
+        if not parts.dist.is_main:
+            return
+        cut = prompt_cut(parts.tok, self.train_rows, parts.cfg.max_prompt_length,
+                         system_prompt=parts.cfg.system_prompt, suffix=parts.cfg.prompt_suffix)
+        if cut.cut:
+            print(cut.line(), file=sys.stderr, flush=True)
+
     def encode_prompt(self, row) -> list[int]:
         return encode_prompt(self.tok, row["prompt"], system_prompt=self.cfg.system_prompt,
                              suffix=self.cfg.prompt_suffix, max_length=self.cfg.max_prompt_length)
