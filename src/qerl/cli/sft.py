@@ -73,7 +73,6 @@ def build_config(args):
     tokens = list(args.overrides or [])
     config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
     ov = {**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}, **parse_overrides(tokens)}
-    from ..train.paths import normalise
     from .train import resumed_config
 
     if args.resume:
@@ -97,7 +96,7 @@ def build_config(args):
         trl, d = trl_fields(mapping, source=str(config), not_carried_out=unused)
         if trl.run_name is not None:
             d["run_name"] = trl.run_name  # the trackers' name, as from SFTConfig(run_name=...)
-        cfg = normalise(SFTConfig.from_dict(d, source=str(config)).with_overrides(ov))  # paths (train/paths.py)
+        cfg = SFTConfig.from_dict(d, source=str(config)).with_overrides(ov)
         if trl.warmup_ratio:  # TrainingArguments': a fraction of the run's updates (train/optim.warmup_steps)
             if "warmup_steps" in ov:
                 raise ValueError(f"warmup_ratio ({config}) and --warmup_steps: set one")
@@ -105,7 +104,7 @@ def build_config(args):
                 cfg = dataclasses.replace(cfg, warmup_steps=warmup_steps(trl.warmup_ratio, cfg.max_steps))
             cfg.trl = trl
         return cfg
-    return normalise(SFTConfig().with_overrides(ov))
+    return SFTConfig().with_overrides(ov)
 
 
 # TRL surface fields (trl/fields.TRLArgs) that `qerl sft` of a `trl sft --config` file acts on
@@ -177,10 +176,14 @@ def data_file(name) -> None:
 
 def run(args):
     cfg = build_config(args)
-    if args.print_config:
+    if args.print_config:  # as written (a portable file to start from); the run's record is absolute
         print(cfg.to_yaml(), end="")
         return 0
     from pathlib import Path
+
+    from ..train.paths import normalise
+
+    cfg = normalise(cfg)  # `~`, relative paths and links, checked before anything loads (train/paths.py)
 
     from ..train.run_folder import RunFolderError, earlier_run
     from ..sft import SFTTrainer

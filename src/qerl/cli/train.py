@@ -63,8 +63,6 @@ def build_config(args):
     from .config_help import config_values
 
     ov = {**config_values(args), **parse_overrides(tokens)}
-    from ..train.paths import normalise
-
     args.trl_rewards = None
     if args.resume:
         cfg, record = resumed_config(args, config, ov, GRPOConfig, "train", apply)
@@ -100,7 +98,7 @@ def build_config(args):
 
         dev = ov.get("device")
         cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
-    return normalise(cfg)  # `~`, relative paths and links, checked before anything loads (train/paths.py)
+    return cfg
 
 
 def resumed_config(args, config, ov: dict, cls, command: str, apply_ov):
@@ -239,9 +237,12 @@ def apply(cfg, ov: dict[str, str]):
 
 def run(args):
     cfg = build_config(args)
-    if args.print_config:
+    if args.print_config:  # as written (a portable file to start from); the run's record is absolute
         print(cfg.to_yaml(), end="")
         return 0
+    from ..train.paths import normalise
+
+    cfg = normalise(cfg)  # `~`, relative paths and links, checked before anything loads (train/paths.py)
     from . import check_interrupted
     from .preflight import check_run_folder, preflight
 

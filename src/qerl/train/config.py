@@ -66,10 +66,12 @@ class TrainConfig:
                                              "the largest of 256..8192 whose fp32 logits take <= 5% of the free memory).")
     seed: int = setting(42, "Seed of data order, rollouts and noise.")
     # --- run ---------------------------------------------------------------------------------
-    output_dir: str = setting("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config.")
+    output_dir: str = setting("runs/qerl", "Run directory: metrics.jsonl, checkpoints, adapter, config (its paths "
+                              "recorded absolute, `~` expanded; a linked folder is written through).")
     overwrite_output_dir: bool = setting(False, "Start afresh in an output_dir that holds an earlier run, deleting that run's "
                                          "checkpoints, metrics, evaluations and adapter (without it, or --resume, such a "
-                                         "folder is refused).")
+                                         "folder is refused; never a folder that is, holds or lies inside the run's own "
+                                         "model, adapter or data).")
     logging_steps: int = setting(10, "Print a metrics line every N steps (metrics.jsonl gets every step).")
     save_strategy: str = setting("steps", "steps (a checkpoint every save_steps steps and at the end) | no (no checkpoint; "
                                  "the final adapter is still written, and the run cannot be resumed). TRL's field.",

@@ -103,7 +103,10 @@ def normalise(cfg):
             changes[name] = expand(path)
     if all(getattr(cfg, k) == v for k, v in changes.items()):
         return cfg
-    return dataclasses.replace(cfg, **changes)
+    new = dataclasses.replace(cfg, **changes)
+    names = {f.name for f in dataclasses.fields(cfg)}
+    new.__dict__.update({k: v for k, v in vars(cfg).items() if k not in names})  # what a reader attached (SFT's .trl)
+    return new
 
 
 def relative_paths(cfg) -> dict[str, str]:
