@@ -192,7 +192,7 @@ class HummingWeight:
         return cls(layer, n, k, time.perf_counter() - t0)
 
     def matmul(self, x2d: torch.Tensor, bias: torch.Tensor | None = None, lora: LoraTerm | None = None,
-               backend: str = "humming_ordered"):
+               backend: str = "humming_ns"):
         """x2d [M, K] bf16 -> x2d @ W.T (+ bias) (+ the LoRA term) [M, N] bf16, in the routed humming mode."""
         lora, pending = start_lora(lora, x2d)
         cc, tc = call_configs(backend, self.layer.humming_config, x2d.device)
