@@ -44,11 +44,10 @@ KERNEL_MODES=(
   dequant                 # route kernel dequant_cublas: dequantize + cuBLAS
   humming                 # route kernel humming_bi: humming-kernels, batch-invariant tiles
   humming_nosplit         # route kernel humming_ns: humming's default tiles without split
-  humming_ordered         # route kernel humming_ordered: stream-K, partial sums in a fixed order
   humming_streamk         # route kernel humming_sk: humming's default stream-K (other bits each call)
   humming_ksplit2         # route kernel humming_ksplit2: split-K through humming's grouped GEMM, 2 K-slices
   humming_ksplit4         # the same, 4 K-slices
-  humming_lora32          # humming (ordered) with LoRA r32, the shrink first
+  humming_lora32          # humming (no split) with LoRA r32, the shrink first
   humming_lora32_overlap  # the same, the LoRA shrink on a side stream (KernelSettings.lora_overlap)
   wgmma_lora32            # wgmma with LoRA r32
 )

@@ -64,8 +64,8 @@ def test_lora_on_a_fused_group_equals_base_plus_the_unfused_expand():
     assert _rel(y, x.double() @ ref_w.T + bias.double() + 2.0 * lo) < 8e-3
 
 
-@pytest.mark.parametrize("backend", ["mma", "wgmma", "dequant_cublas", "humming_bi", "humming_ns", "humming_ordered",
-                                     "humming_sk", "humming_ksplit4"])
+@pytest.mark.parametrize("backend", ["mma", "wgmma", "dequant_cublas", "humming_bi", "humming_ns", "humming_sk",
+                                     "humming_ksplit4"])
 def test_the_routed_mma_backend_runs_the_kernel_its_table_names(backend, monkeypatch):
     """mma_backend.matmul on MMA-layout bytes, with a table that sends this shape to `backend` at every M: the kernel
     that runs is the one named (or, where it cannot take this M, the one mma_backend.runnable says serves it),
@@ -119,7 +119,7 @@ def test_the_routed_mma_backend_runs_the_kernel_its_table_names(backend, monkeyp
         routes.table_for.cache_clear()
 
 
-@pytest.mark.parametrize("backend", ["humming_bi", "humming_ns", "humming_ordered"])
+@pytest.mark.parametrize("backend", ["humming_bi", "humming_ns"])
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
 def test_the_same_input_gives_the_same_bits(m, backend):
     """Seeded rollouts repeat and graphs equal eager steps only if each GEMM does (humming's stream-K did not):

@@ -21,10 +21,10 @@ def card_tables(monkeypatch):
 
 
 def test_buckets_take_the_fastest_kernel_at_each_measured_m_and_merge_neighbours():
-    t = {1: {"mma": 70.0, "humming_ordered": 85.0}, 16: {"mma": 82.0, "humming_ordered": 88.0},
-         32: {"mma": 114.0, "humming_ordered": 94.0}, 64: {"mma": 150.0, "humming_ordered": 108.0},
-         256: {"mma": float("nan"), "humming_ordered": 230.0}}
-    assert routes.from_timings(t) == [[16, "mma"], [None, "humming_ordered"]]
+    t = {1: {"mma": 70.0, "humming_ns": 85.0}, 16: {"mma": 82.0, "humming_ns": 88.0},
+         32: {"mma": 114.0, "humming_ns": 94.0}, 64: {"mma": 150.0, "humming_ns": 108.0},
+         256: {"mma": float("nan"), "humming_ns": 230.0}}
+    assert routes.from_timings(t) == [[16, "mma"], [None, "humming_ns"]]
     # a kernel not measured (nan) never wins; a win in the middle makes its own bucket
     t2 = {1: {"mma": 1.0, "humming_ns": float("nan")}, 8: {"mma": 3.0, "humming_ns": 2.0}, 16: {"mma": 1.0, "humming_ns": 2.0}}
     assert routes.from_timings(t2) == [[1, "mma"], [8, "humming_ns"], [None, "mma"]]
@@ -37,9 +37,9 @@ def test_a_near_tie_keeps_the_bucket_its_kernel_holds():
 
 
 def test_a_call_takes_the_first_bucket_whose_bound_holds_it():
-    table = routes.parse({"card": {"nvfp4": [[16, "mma"], [128, "humming_ordered"], [None, "dequant_cublas"]]}})["card"]
+    table = routes.parse({"card": {"nvfp4": [[16, "mma"], [128, "humming_ns"], [None, "dequant_cublas"]]}})["card"]
     assert [table.pick(m) for m in (1, 16, 17, 128, 129, 100000)] == \
-        ["mma", "mma", "humming_ordered", "humming_ordered", "dequant_cublas", "dequant_cublas"]
+        ["mma", "mma", "humming_ns", "humming_ns", "dequant_cublas", "dequant_cublas"]
 
 
 @pytest.mark.parametrize("lists,match", [
@@ -66,17 +66,17 @@ def test_the_shipped_table_names_kernels_and_every_list_ends_open():
 
 
 def test_the_mode_in_force_picks_its_list_and_humming_off_or_no_table_gives_the_default(card_tables):
-    card_tables({"card": {"nvfp4": [[None, "humming_ordered"]], "nvfp4_streamk": [[16, "mma"], [None, "humming_sk"]],
+    card_tables({"card": {"nvfp4": [[None, "humming_ns"]], "nvfp4_streamk": [[16, "mma"], [None, "humming_sk"]],
                           "source": "s"}})
-    assert routes.pick(64, None) == "humming_ordered"
+    assert routes.pick(64, None) == "humming_ns"
     with settings.use(humming_deterministic=False):
         assert routes.pick(64, None) == "humming_sk" and routes.pick(8, None) == "mma"
     with settings.use(humming=False):  # qerl's own kernels by routes.DEFAULT
         assert [routes.pick(m, None) for m in (1, 63, 64, 256, 257)] == \
             ["mma", "mma", "wgmma", "wgmma", "dequant_cublas"]
-        assert routes.pick(64, None, stored=True) == "humming_ordered"  # stored bytes: only humming reads them
+        assert routes.pick(64, None, stored=True) == "humming_ns"  # stored bytes: only humming reads them
     card_tables({})
-    assert routes.pick(300, None) == "dequant_cublas" and routes.pick(300, None, stored=True) == "humming_ordered"
+    assert routes.pick(300, None) == "dequant_cublas" and routes.pick(300, None, stored=True) == "humming_ns"
 
 
 def test_a_card_without_a_table_takes_the_nearest_cards_and_says_so_once(card_tables):
@@ -93,23 +93,21 @@ def test_a_measured_shape_takes_its_own_buckets_and_others_the_cards():
     obj = {"card": {"nvfp4": [[63, "mma"], [None, "wgmma"]], "nvfp4_streamk": [[16, "mma"], [None, "humming_sk"]],
                     "shapes": {"37888x3584": {"nvfp4": [[8, "mma"], [None, "humming_ns"]]},
                                "3584x18944": {"nvfp4": [[None, "wgmma"]], "nvfp4_streamk": [[None, "wgmma"]],
-                                              "nvfp4_stored": [[64, "humming_ns"], [None, "humming_ordered"]]}}}}
+                                              "nvfp4_stored": [[64, "humming_ns"], [None, "humming_bi"]]}}}}
     t = routes.parse(obj)["card"]
     assert [t.pick(m, shape=(37888, 3584)) for m in (1, 8, 64)] == ["mma", "mma", "humming_ns"]
     assert t.pick(64, shape=(4608, 3584)) == "wgmma" and t.pick(64, True, (4608, 3584)) == "humming_sk"
     assert t.pick(64, True, (3584, 18944)) == "wgmma"
     # a shape without a stream-K list of its own takes the card's: the mode decides first, then the shape
     assert t.pick(64, True, (37888, 3584)) == "humming_sk"
-    # a stored weight: only the stored lists answer, else humming's ordered stream-K
-    assert [t.pick(m, shape=(3584, 18944), stored=True) for m in (64, 65)] == ["humming_ns", "humming_ordered"]
-    assert t.pick(64, shape=(37888, 3584), stored=True) == "humming_ordered"
+    # a stored weight: only the stored lists answer, else humming's tiles without split (DEFAULT_STORED)
+    assert [t.pick(m, shape=(3584, 18944), stored=True) for m in (64, 65)] == ["humming_ns", "humming_bi"]
+    assert t.pick(64, shape=(37888, 3584), stored=True) == "humming_ns"
 
 
 def test_each_humming_name_calls_humming_with_its_own_configs(monkeypatch):
     monkeypatch.setattr(humming_backend, "nosplit_tuning", lambda cfg, dev: f"ns {cfg}")
-    monkeypatch.setattr(humming_backend, "ordered_tuning", lambda cfg, dev: f"ordered {cfg}")
     assert humming_backend.call_configs("humming_ns", "L", None) == (None, "ns L")
-    assert humming_backend.call_configs("humming_ordered", "L", None) == (None, "ordered L")
     assert humming_backend.call_configs("humming_bi", "L", None) == (humming_backend.COMPUTE, None)
     assert humming_backend.call_configs("humming_sk", "L", None) == (None, None)
     with pytest.raises(ValueError, match="'humming'"):
@@ -120,25 +118,25 @@ def test_bench_modes_map_to_kernels_and_stream_k_competes_only_in_its_list(tmp_p
     from qerl.bench.kernels import candidates, write_routes
 
     r = {"bf16": 9.0, "nvfp4": 5.0, "mma": 5.0, "wgmma": None, "humming": 8.0, "humming_streamk": 4.0,
-         "humming_ordered": 4.5, "humming_nosplit": 7.0}
+         "humming_nosplit": 7.0, "dequant": 6.0}
     c = candidates(r)
-    assert (c["mma"], c["humming_bi"], c["humming_ordered"], c["humming_ns"]) == (5.0, 8.0, 4.5, 7.0)
+    assert (c["mma"], c["humming_bi"], c["humming_ns"], c["dequant_cublas"]) == (5.0, 8.0, 7.0, 6.0)
     assert "humming_sk" not in c and c["wgmma"] != c["wgmma"]  # not timed: nan, never wins
     assert candidates(r, streamk=True)["humming_sk"] == 4.0
     path = tmp_path / "routes.json"
     path.write_text(json.dumps({"other": {"nvfp4": [[None, "mma"]], "source": "kept"}}))
-    det = {1: candidates({"mma": 73.0, "humming_ordered": 85.0}), 64: candidates({"wgmma": 157.0, "humming_ordered": 109.0})}
-    sk = {1: candidates({"mma": 73.0, "humming_streamk": 80.0, "humming_ordered": 85.0}, True),
-          64: candidates({"wgmma": 157.0, "humming_streamk": 100.0, "humming_ordered": 109.0}, True)}
+    det = {1: candidates({"mma": 73.0, "humming_nosplit": 85.0}), 64: candidates({"wgmma": 157.0, "humming_nosplit": 109.0})}
+    sk = {1: candidates({"mma": 73.0, "humming_streamk": 80.0, "humming_nosplit": 85.0}, True),
+          64: candidates({"wgmma": 157.0, "humming_streamk": 100.0, "humming_nosplit": 109.0}, True)}
     shapes = {"4608x3584": ({1: candidates({"mma": 5.0, "humming_nosplit": 6.0}),
                              64: candidates({"wgmma": 9.0, "humming_nosplit": 8.0})}, {})}
     write_routes(path, "card", det, lambda *_: None, sk, shapes)
     got = json.loads(path.read_text())
     assert got["other"]["source"] == "kept"
     card = got["card"]
-    assert card["nvfp4"] == [[1, "mma"], [None, "humming_ordered"]]
+    assert card["nvfp4"] == [[1, "mma"], [None, "humming_ns"]]
     assert card["nvfp4_streamk"] == [[1, "mma"], [None, "humming_sk"]]
-    assert card["nvfp4_stored"] == [[None, "humming_ordered"]] and card["nvfp4_stored_streamk"] == [[None, "humming_sk"]]
+    assert card["nvfp4_stored"] == [[None, "humming_ns"]] and card["nvfp4_stored_streamk"] == [[None, "humming_sk"]]
     assert card["shapes"]["4608x3584"] == {"nvfp4": [[1, "mma"], [None, "humming_ns"]],
                                            "nvfp4_stored": [[None, "humming_ns"]]}
 
@@ -152,16 +150,16 @@ def test_routes_from_a_saved_run_sum_each_shape_and_pick_per_shape(tmp_path):
             if g == "down":
                 osk = osk * 3
             shapes[f"qwen2.5-7b|{g}|{m}"] = {"bf16": 1.0, "nvfp4": mma or wg, "mma": mma, "wgmma": wg,
-                                              "humming_ordered": osk, "humming_streamk": sk}
+                                              "humming_nosplit": osk, "humming_streamk": sk}
     results = {"device": "card", "shapes": shapes}
     det, sk, per = timings_from_results(results)
-    assert det[64]["humming_ordered"] == pytest.approx(13.5 * 4) and det[64]["wgmma"] == 34.0
+    assert det[64]["humming_ns"] == pytest.approx(13.5 * 4) and det[64]["wgmma"] == 34.0
     assert set(per) == {"4608x3584", "3584x18944"} and sk[64]["humming_sk"] == 26.0
     (tmp_path / "run.json").write_text(json.dumps(results))
     main(["--routes-from", str(tmp_path / "run.json"), "--routes-path", str(tmp_path / "r.json"), "--command", "x"])
     got = routes.parse(json.loads((tmp_path / "r.json").read_text()))["card"]
     assert got.source.endswith("of x")
-    assert got.pick(64, shape=(4608, 3584)) == "humming_ordered" and got.pick(64, shape=(3584, 18944)) == "wgmma"
+    assert got.pick(64, shape=(4608, 3584)) == "humming_ns" and got.pick(64, shape=(3584, 18944)) == "wgmma"
     assert got.pick(1, shape=(4608, 3584)) == "mma" and got.pick(256, True, (3584, 18944)) == "humming_sk"
 
 
@@ -170,8 +168,8 @@ def test_routes_from_a_saved_run_sum_each_shape_and_pick_per_shape(tmp_path):
     ("wgmma", 64, False, True, "mma"),             # not an sm_90a card: mma.sync to M 64
     ("wgmma", 300, False, True, "dequant_cublas"),  # and dequantize + cuBLAS past it
     ("mma", 65, True, True, "dequant_cublas"),
-    ("humming_ordered", 64, True, False, "wgmma"),  # humming absent: routes.DEFAULT
-    ("humming_ordered", 8, True, False, "mma"),
+    ("humming_ns", 64, True, False, "wgmma"),  # humming absent: routes.DEFAULT
+    ("humming_bi", 8, True, False, "mma"),
     ("humming_ns", 64, True, True, "humming_ns"),
 ])
 def test_a_named_kernel_that_cannot_run_here_falls_to_the_one_that_serves_it(monkeypatch, asked, m, wgmma_here,
@@ -204,7 +202,7 @@ def test_humming_copies_are_decided_at_load_from_the_model_and_the_card_not_free
 
 def test_only_shapes_the_list_in_force_sends_to_humming_need_copies(card_tables):
     card_tables({"card": {"nvfp4": [[None, "mma"]], "nvfp4_streamk": [[None, "humming_sk"]],
-                          "shapes": {"37888x3584": {"nvfp4": [[8, "mma"], [None, "humming_ordered"]]}}}})
+                          "shapes": {"37888x3584": {"nvfp4": [[8, "mma"], [None, "humming_ns"]]}}}})
     shapes = [(4608, 3584), (37888, 3584), (37888, 3584)]
     assert routes.copied_shapes(shapes, None) == [(37888, 3584), (37888, 3584)]
     with settings.use(humming_deterministic=False):

@@ -36,7 +36,7 @@ from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "mma", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
-         "humming", "humming_streamk", "humming_nosplit", "humming_ordered", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
+         "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
@@ -227,20 +227,6 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
         return out
     if mode.startswith("humming_ksplit"):  # a repeatable split-K through humming's grouped GEMM (a candidate)
         return [lambda w=w: w.matmul(x) for w in sets.ksplit(int(mode.removeprefix("humming_ksplit")))]
-    if mode == "humming_streamk_notmac":  # diagnosis: stream-K on humming's grid with TMA stores off (not repeatable)
-        import json
-
-        from humming.tune import get_heuristics_config
-
-        def notmac(h):
-            e = get_heuristics_config(h.layer.humming_config, None, gemm_type="dense", device=x.device)
-            return json.dumps([[lo, hi, {**c, "use_tma_c": False}] for lo, hi, c in e])
-        return [lambda h=h, tu=notmac(h): h.run(x, tuning_config=tu) for h in sets.humming]
-    if mode == "humming_ordered":  # stream-K with its partial sums added in a fixed order (bit-repeatable)
-        from ..kernels.humming_backend import ordered_tuning
-
-        tunings = [ordered_tuning(h.layer.humming_config, x.device) for h in sets.humming]
-        return [lambda h=h, tu=tu: h.run(x, tuning_config=tu) for h, tu in zip(sets.humming, tunings)]
     if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_lora32"):
         if mode == "humming":  # batch-invariant tiles
             return [lambda h=h: h.matmul(x, backend="humming_bi") for h in sets.humming]
@@ -437,7 +423,7 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_streamk", m) in agg:
             rows.append((case, "humming_streamk_us", g("humming_streamk"), "us", None))
-        for mode in ("humming_nosplit", "humming_ordered", "humming_streamk_notmac", "humming_ksplit2", "humming_ksplit4"):
+        for mode in ("humming_nosplit", "humming_ksplit2", "humming_ksplit4"):
             if (mode, m) in agg:
                 rows += [(case, f"{mode}_us", g(mode), "us", None),
                          (case, f"{mode}_speedup_vs_bf16", bf / g(mode), "x", None)]
@@ -457,7 +443,7 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
 
 # The bench mode that times each kernel the routes table may name (kernels/routes.py BACKENDS)
 KERNEL_OF_MODE = {"mma": "mma", "wgmma": "wgmma", "dequant": "dequant_cublas", "humming": "humming_bi",
-                  "humming_nosplit": "humming_ns", "humming_ordered": "humming_ordered", "humming_streamk": "humming_sk",
+                  "humming_nosplit": "humming_ns", "humming_streamk": "humming_sk",
                   **{k: k for k in routes.KSPLIT}}
 
 
@@ -475,8 +461,7 @@ def write_routes(path: Path | None, card: str, timings: dict[int, dict[str, floa
                  streamk_timings: dict[int, dict[str, float]] | None = None,
                  shape_timings: dict[str, tuple[dict, dict]] | None = None, source: str | None = None) -> None:
     """Put this card's measured buckets into the routes table (other cards' entries kept): every bit-repeatable
-    kernel timed (qerl's mma, wgmma, dequantize + cuBLAS; humming's batch-invariant, no-split, ordered stream-K and
-    split-K modes), and, where humming's stream-K default was timed too, a stream-K list with it among them; each
+    kernel timed (qerl's mma, wgmma, dequantize + cuBLAS; humming's batch-invariant, no-split and split-K modes), and, where humming's stream-K default was timed too, a stream-K list with it among them; each
     again with humming's kernels only, for weights stored in humming's layout; for the layer set and each shape."""
     path = path or routes.TABLE_PATH
     table = json.loads(path.read_text()) if path.exists() else {}

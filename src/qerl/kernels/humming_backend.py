@@ -127,40 +127,17 @@ def nosplit_tuning(layer_config, device: torch.device, gemm_type: str = "dense")
     return _NOSPLIT[key]
 
 
-_ORDERED: dict[tuple, str] = {}
-
-
-def ordered_tuning(layer_config, device: torch.device) -> str:
-    """humming's default heuristics for this layer config with stream-K's partial sums added in a fixed order
-    (kernels/humming_ordered.py: TMA stores off, a grid on which no tile has more than 3 slices), as the JSON
-    string humming's forward takes, once per (config, device)."""
-    from humming.tune import get_heuristics_config
-
-    from .humming_ordered import ordered_entries
-
-    key = (layer_config.to_str(), device.index)
-    if key not in _ORDERED:
-        entries = get_heuristics_config(layer_config, None, gemm_type="dense", device=device)
-        major, minor = torch.cuda.get_device_capability(device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        _ORDERED[key] = json.dumps(ordered_entries(entries, (layer_config.shape_n, layer_config.shape_k), sms,
-                                                   10 * major + minor))
-    return _ORDERED[key]
-
-
 def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, str | None]:
     """(compute_config, tuning_config) of the humming kernel a routes name means (kernels/routes.py HUMMING):
-    humming_bi batch-invariant tiles, humming_ns its tiles without split, humming_ordered stream-K summed in a
-    fixed order, humming_sk its own default (stream-K, partial sums in arrival order)."""
+    humming_bi batch-invariant tiles, humming_ns its tiles without split, humming_sk its own default (stream-K,
+    partial sums in arrival order)."""
     if backend == "humming_bi":
         return COMPUTE, None
     if backend == "humming_ns":
         return None, nosplit_tuning(layer_config, device)
-    if backend == "humming_ordered":
-        return None, ordered_tuning(layer_config, device)
     if backend == "humming_sk":
         return None, None
-    raise ValueError(f"humming backend: {backend!r} is not one of humming_bi, humming_ns, humming_ordered, humming_sk")
+    raise ValueError(f"humming backend: {backend!r} is not one of humming_bi, humming_ns, humming_sk")
 
 
 @dataclass

@@ -24,9 +24,10 @@ TABLE_PATH = Path(__file__).with_name("routes.json")
 OWN = ("mma", "wgmma", "dequant_cublas")  # qerl's mma.sync (M <= 64), Hopper wgmma (M 9-256), dequantize + cuBLAS
 # humming-kernels on its own copy of the weight (or the stored humming layout), one name a mode of its kernel:
 # humming_bi: batch-invariant tiles (its use_batch_invariant); humming_ns: its default tiles, no split;
-# humming_ordered: stream-K with each tile's partial sums added in a fixed order (kernels/humming_ordered.py);
-# humming_sk: its default stream-K (partial sums in arrival order: other bits each call, so only in the _streamk lists)
-HUMMING = ("humming_bi", "humming_ns", "humming_ordered", "humming_sk")
+# humming_sk: its default stream-K (partial sums in arrival order: other bits each call, so only in the _streamk lists).
+# (humming's stream-K made repeatable, TMA stores off and at most 3 slices a tile so that they add in lock order, ran
+# 30-750x slower than its stream-K on the H100 at bc1ce0b, and TMA stores off alone cost 10-60 %: retired.)
+HUMMING = ("humming_bi", "humming_ns", "humming_sk")
 # humming_ksplitS: K cut into S slices run as one grouped GEMM and summed in a fixed order (kernels/humming_ksplit.py)
 KSPLIT = {"humming_ksplit2": 2, "humming_ksplit4": 4}
 BACKENDS = (*OWN, *HUMMING, *KSPLIT)
@@ -34,9 +35,9 @@ STORED = (*HUMMING, *KSPLIT)  # what a weight stored in humming's layout can run
 NOT_REPEATABLE = ("humming_sk",)  # never in a repeatable list (nvfp4, nvfp4_stored)
 # What serves M tokens where no card has a table (or humming is off/absent): each own kernel where it is fastest
 # by the figures in m_thresholds (mma.sync to M 63, wgmma 64-256, dequantize + cuBLAS above); for a stored weight,
-# humming's ordered stream-K (bit-repeatable; the only reader of that layout).
+# humming's tiles without split (bit-repeatable; humming is the only reader of that layout).
 DEFAULT = ((W4_WGMMA_ROUTE_MIN_M - 1, "mma"), (W4_WGMMA_MAX_M, "wgmma"), (None, "dequant_cublas"))
-DEFAULT_STORED = ((None, "humming_ordered"),)
+DEFAULT_STORED = ((None, "humming_ns"),)
 
 
 @dataclass(frozen=True)
