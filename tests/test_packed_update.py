@@ -13,7 +13,7 @@ from qerl.train import packing
 from qerl.train.batch import RolloutBatch, micro_batches
 from qerl.train.logprobs import completion_logprobs
 from qerl.train.packing import FLEX, PAD, PROMPT, allowed, pack, packed_micro_batches, use_flex_attention
-from qerl.rollout import Completion
+from qerl.completion import Completion
 from test_trainer import _trainable, _trainer
 
 

@@ -6,7 +6,7 @@ import torch
 from qerl.layers import QLoRALinear, adapters_disabled
 from qerl.train.batch import RolloutBatch, micro_batches
 from qerl.train.profiling import Profiler
-from qerl.rollout.engine import Completion
+from qerl.completion import Completion
 
 
 def test_profiler_times_nested_and_repeated_phases_and_tells_listeners():

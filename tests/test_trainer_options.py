@@ -11,7 +11,7 @@ import torch
 
 from qerl.rl.aqn import AdaptiveSigma
 from qerl.train.batch import RolloutBatch, micro_batches
-from qerl.rollout import Completion
+from qerl.completion import Completion
 from test_trainer import _trainable, _trainer
 
 

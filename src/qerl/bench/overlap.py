@@ -41,10 +41,11 @@ def _sync(dev):
 
 def build(a):
     """(policy, snapshot, engine, update micro-batch, decode prompts) at the shape."""
+    from ..completion import Completion
     from ..rl.adapter_snapshot import AdapterSnapshot
     from ..train.batch import RolloutBatch, micro_batches
     from ..train.packing import FLEX, attention_kind, packed_micro_batches, use_flex_attention
-    from ..rollout import Completion, Engine
+    from ..rollout import Engine
     from .step import build_policy
 
     pol, _ = build_policy(a)

@@ -18,7 +18,7 @@ import torch
 
 from ..rollout import SamplingParams
 from .advantages import informative_groups, overlong_penalty
-from .batch import RolloutRound
+from .rollout_round import RolloutRound
 from .config import GRPOConfig
 from ..train.profiling import Profiler
 from .reward_hooks import RewardHooks, environments

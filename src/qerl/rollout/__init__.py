@@ -1,6 +1,7 @@
 """Rollouts: batched sampling on the live quantized LoRA policy (no second copy of the weights)."""
 
-from .engine import Completion, Engine, RolloutStats
+from ..completion import Completion
+from .engine import Engine, RolloutStats
 from .sampling import SamplingParams, processed_logprobs, sample
 
 __all__ = ["Completion", "Engine", "RolloutStats", "SamplingParams", "processed_logprobs", "sample"]

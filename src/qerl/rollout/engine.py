@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..completion import Completion
 from ..device_memory import free_bytes
 from ..kernels import dispatch, settings
 from ..kernels.experts_path import gemv_max_tokens
@@ -37,27 +38,6 @@ from .turns import TurnHandler
 
 SCAN_OVERLAP = 32  # tokens re-decoded before the new ones when scanning for stop strings
 TOOL_WORKERS = 16  # tool calls run at once, where the turn handler allows concurrent calls
-
-
-@dataclass
-class Completion:
-    prompt_index: int
-    sample_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # of each sampled token, under the distribution it was sampled from
-    # eos | stop | length (cut at max_new_tokens or max_len: truncated) | limit (benchmarks: the sample's own
-    # SamplingParams.sample_max_new_tokens ended it, as if it had ended by itself; not truncated)
-    finish_reason: str
-    text: str | None = None
-    tool_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of tool tokens (logprob 0)
-
-    def model_token_mask(self) -> list[bool]:
-        """True for the tokens the model sampled; False for tool output appended between turns."""
-        m = [True] * len(self.token_ids)
-        for a, b in self.tool_spans:
-            m[a:b] = [False] * (b - a)
-        return m
 
 
 @dataclass

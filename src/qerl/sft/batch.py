@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..completion import Completion
 from ..train.batch import RolloutBatch
-from ..rollout.engine import Completion
 from .data import Example
 
 

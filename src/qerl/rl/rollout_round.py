@@ -11,7 +11,7 @@ import torch
 @dataclass
 class RolloutRound:
     """One round of this rank's rollouts, scored (dynamic sampling may run several per step)."""
-    completions: list          # rollout.Completion, prompt-major (G per prompt)
+    completions: list          # completion.Completion, prompt-major (G per prompt)
     texts: list[str]
     scores: object             # rewards.Scores
     rewards: torch.Tensor      # [prompts, G], overlong penalty included
