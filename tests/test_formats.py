@@ -5,6 +5,7 @@ import torch
 from reference_ct import ct_compress, ct_decompress, ct_global_scale
 
 from qerl.formats import QuantizationError, get_format
+from qerl.formats.base import NonFiniteWeightError
 from qerl.formats.e2m1 import E2M1_MAGNITUDES, pack_codes, round_to_codes, unpack_codes
 
 
@@ -88,7 +89,7 @@ def test_bad_weights_name_the_tensor(fmt):
     w = torch.randn(4, 128)
     w[1, 2] = float("nan")
     if fmt != "bf16":  # bf16 stores the weight as it is
-        with pytest.raises(QuantizationError, match="layers.3.q_proj.*NaN"):
+        with pytest.raises(NonFiniteWeightError, match="layers.3.q_proj.*NaN"):  # corrupt, not unquantizable
             f.validate(w, "layers.3.q_proj")
         with pytest.raises(QuantizationError, match=r"layers.3.q_proj.*not divisible"):
             f.validate(torch.randn(4, 100), "layers.3.q_proj")

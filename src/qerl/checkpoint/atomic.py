@@ -8,6 +8,9 @@ content, and nothing else is left beside it once `recover` has run.
 Temporaries live beside their target (same filesystem, so rename is atomic):
   .<name>.qerl-tmp-<pid>-<random>   the new content being written
   .<name>.qerl-old-<pid>-<random>   the previous folder, moved aside during a folder swap
+A name too long for that within the folder's NAME_MAX is shortened there to its start, `~` and 8 hex of its
+SHA-1 (`_stem`), the same in every function here. A target that is a symbolic link is written through: what
+it points to gets the new content, and the link stays.
 A file is replaced in one rename. A folder cannot be (rename onto a non-empty folder fails), so its
 swap is two renames: previous -> aside, new -> target. A SIGKILL between the two leaves no target and
 an aside copy: `recover(target)` puts it back. Every save calls `recover` on its target first, and a
@@ -24,6 +27,7 @@ is removed (the target keeps its previous content), and, uncaught, the process e
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -86,8 +90,52 @@ def sigterm_unwinds() -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+# What a temporary's name adds to its target's: "." + kind + pid (7 digits: Linux's largest pid_max) + "-" + 8 hex
+_TEMP_EXTRA = 1 + len(TMP) + 7 + 1 + 8
+assert len(TMP) == len(OLD)
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _stem(target: Path) -> str:
+    """The target's part of its temporaries' names: the name itself, or, where the name and the rest of a
+    temporary's name pass the folder's NAME_MAX, `{start of the name}~{sha1 of the name, 8 hex}` cut to exactly the
+    room there is (so a stem of that length is always a shortened one, and recover_all can tell)."""
+    room = _name_max(target.parent) - _TEMP_EXTRA
+    raw = os.fsencode(target.name)
+    if len(raw) < room:
+        return target.name
+    tag = hashlib.sha1(raw).hexdigest()[:8]
+    head = raw[:room - 9]
+    while head:  # never half a character
+        try:
+            text = head.decode()
+            break
+        except UnicodeDecodeError:
+            head = head[:-1]
+    else:
+        text = ""
+    return text + "~" * (room - 8 - len(head)) + tag
+
+
+def _shortened(stem: str, folder: Path) -> bool:
+    return len(os.fsencode(stem)) >= _name_max(folder) - _TEMP_EXTRA
+
+
 def _temp_name(target: Path, kind: str) -> Path:
-    return target.with_name(f".{target.name}{kind}{os.getpid()}-{secrets.token_hex(4)}")
+    return target.with_name(f".{_stem(target)}{kind}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _through_link(path) -> Path:
+    """Where a save of `path` writes: a symbolic link is written through (its target gets the new content,
+    the link stays), as `cp` and `>` do; anything else is the path itself."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def _writer_alive(temp: Path, kind: str) -> bool:
@@ -145,7 +193,7 @@ def recover(target) -> list[str]:
     parent = target.parent
     if not parent.is_dir():
         return []
-    prefix = f".{target.name}"
+    prefix = f".{_stem(target)}"
     tmps = [p for p in parent.iterdir() if p.name.startswith(prefix + TMP) and not _writer_alive(p, TMP)]
     olds = sorted((p for p in parent.iterdir() if p.name.startswith(prefix + OLD) and not _writer_alive(p, OLD)),
                   key=lambda p: p.stat().st_mtime)
@@ -159,22 +207,37 @@ def recover(target) -> list[str]:
 
 
 def recover_all(folder) -> list[str]:
-    """`recover` for every target in `folder` that has temporaries beside it."""
+    """`recover` for every target in `folder` that has temporaries beside it. A temporary of a long name
+    carries a shortened stem (`_stem`): its target is the entry of the folder with that stem; where none is
+    left (killed between a folder swap's two renames), a dead writer's new-content temporary is removed and
+    the previous content kept aside, for the next save of that target to put back (`recover`, which knows
+    the full name)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    targets = set()
+    stems = set()
     for p in folder.iterdir():
         for kind in (TMP, OLD):
             if p.name.startswith(".") and kind in p.name:
-                targets.add(p.name[1:p.name.index(kind)])
-    return [n for t in sorted(targets) for n in recover(folder / t)]
+                stems.add(p.name[1:p.name.index(kind)])
+    names = {_stem(p): p.name for p in folder.iterdir() if _shortened(_stem(p), folder)}
+    touched = []
+    for stem in sorted(stems):
+        if stem in names or not _shortened(stem, folder):
+            touched += recover(folder / names.get(stem, stem))
+            continue
+        for p in folder.iterdir():
+            if p.name.startswith(f".{stem}{TMP}") and not _writer_alive(p, TMP):
+                _remove(p)
+                touched.append(p.name)
+    return touched
 
 
 def atomic_file(path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` writes the new content to a temporary path; it then replaces `path` in one rename.
     On any exception `path` is untouched and the temporary removed."""
-    path = Path(path)
+    given = path
+    path = _through_link(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     recover(path)
     tmp = _temp_name(path, TMP)
@@ -188,7 +251,7 @@ def atomic_file(path, write: Callable[[Path], None]) -> Path:
             _remove(tmp)  # gone already after a successful rename
     _fsync_dir(path.parent)
     _stage("committed")
-    return path
+    return Path(given)
 
 
 def atomic_text(path, text: str) -> Path:
@@ -201,8 +264,9 @@ def atomic_folder(path, keep_existing: bool = False) -> Iterator[Path]:
     replaces `out` (previous content moved aside, new renamed in, previous deleted). On an exception
     inside the block or during the swap, `out` keeps its previous content and no temporary remains.
     keep_existing: files of the previous folder that the new one does not write are carried over
-    (a PEFT adapter saved into a folder that also holds a README)."""
-    out = Path(path)
+    (a PEFT adapter saved into a folder that also holds a README).
+    A symbolic link `out` is written through: the folder it points to is swapped, the link stays."""
+    out = _through_link(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     recover(out)
     with sigterm_unwinds():  # SIGTERM while the temporary exists: removed below, like Ctrl-C's

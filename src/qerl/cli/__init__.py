@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # `qerl train` and `qerl sft` say what was saved themselves, once training started
         return _interrupted(command)
+    except SystemExit as e:  # SIGTERM inside a write (checkpoint/atomic.py): its temporary is removed by now
+        atomic = sys.modules.get("qerl.checkpoint.atomic")  # loaded whenever it raised: no torch import here
+        if atomic is None or not isinstance(e, atomic.Terminated):
+            raise
+        return _interrupted(command, e.signal_name, e.code)
     except Exception:
         if _Signals.received:  # a Ctrl-C a library turned into another error (pybind11's error_already_set)
             return _interrupted(command)
@@ -181,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             restore_signal_handlers()
 
 
-def _interrupted(command: str) -> int:
+def _interrupted(command: str, signame: str = "SIGINT", code: int = 130) -> int:
+    """The one line of a command stopped by a signal (Ctrl-C: 130; SIGTERM: 143), as `qerl train`'s."""
     after_interrupt()
-    print(interrupted_line(command), file=sys.stderr, flush=True)
-    return 130
+    print(interrupted_line(command, signame), file=sys.stderr, flush=True)
+    return code
 
 
 def after_interrupt() -> None:

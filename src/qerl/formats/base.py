@@ -63,14 +63,16 @@ class WeightFormat:
             raise QuantizationError(f"{name}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
         if not w.is_floating_point():
             raise QuantizationError(f"{name}: expected a floating-point weight, got {w.dtype}")
+        bad = first_nonfinite({"weight": w})
+        if bad is not None:  # not a QuantizationError: no caller leaves the layer in bf16 and carries on
+            count = int((~torch.isfinite(w)).sum())
+            raise NonFiniteWeightError(f"{name} holds NaN or inf (first at index {list(bad[1])}; {count} value(s)): "
+                                       "the weight is corrupt; refusing to quantize it")
         if w.shape[1] % self.block_size:
             raise QuantizationError(
                 f"{name}: input dimension {w.shape[1]} is not divisible by the {self.name} "
                 f"block size {self.block_size}"
             )
-        if not bool(torch.isfinite(w).all()):
-            bad = int((~torch.isfinite(w)).sum())
-            raise QuantizationError(f"{name}: {bad} NaN/inf value(s); refusing to quantize")
 
     def global_scale(self, ws: list[torch.Tensor]) -> torch.Tensor | None:
         """One per-tensor scale shared by a fused group of weights (None if unused)."""

@@ -179,7 +179,9 @@ class TrainLoop:
                 if not self._claimed:
                     run_folder.clean_temporaries(self.out)
                     if fresh:
-                        run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir)
+                        # the run's inputs: a run started from Python is guarded as `qerl train` is
+                        run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir,
+                                                   run_folder.run_inputs(self.cfg), self.KIND)
             except (run_folder.RunFolderError, OSError) as e:
                 err = e
         if self.dist.max(1.0 if err else 0.0, self.device):

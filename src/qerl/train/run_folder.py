@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoint.atomic import recover_all
+from ..checkpoint.guard import own_input
 from ..checkpoint.run_files import LOCK, earlier_run
 from ..invocation import qerl_command
 _TEMP_PREFIXES = (".checkpoint-", ".old-checkpoint-")  # temporary names of saves before checkpoint/atomic.py
@@ -177,18 +178,15 @@ def run_inputs(cfg) -> list[RunInput]:
 
 
 def check_inputs(folder, inputs: list[RunInput], command: str = "train") -> None:
-    """Refuse to clear `folder` when it is, holds or lies inside one of `inputs` (links followed): one
-    line naming the input and the folder."""
-    out = Path(os.path.realpath(os.path.expanduser(str(folder))))
-    for inp in inputs:
-        if not os.path.lexists(os.path.expanduser(inp.path)):
-            continue
-        p = Path(os.path.realpath(os.path.expanduser(inp.path)))
-        how = "is" if out == p else "holds" if out in p.parents else "is inside" if p in out.parents else None
-        if how:
-            raise RunFolderError(f"{folder}: {how} the run's own {inp.what} {inp.path}; --overwrite_output_dir "
-                                 f"would delete the earlier run there and with it what `qerl {command}` reads: "
-                                 f"choose another --output_dir")
+    """Refuse to clear `folder` when it is, holds or lies inside one of `inputs` (links followed; the rule:
+    checkpoint/guard.py own_input, shared with `qerl export` and `qerl quantize`): one line naming the input
+    and the folder."""
+    hit = own_input(folder, [(inp.what, inp.path) for inp in inputs])
+    if hit:
+        how, what, path = hit
+        raise RunFolderError(f"{folder}: {how} the run's own {what} {path}; --overwrite_output_dir "
+                             f"would delete the earlier run there and with it what `qerl {command}` reads: "
+                             f"choose another --output_dir")
 
 
 def check_clear(folder, overwrite: bool, inputs: list[RunInput] | None = None, command: str = "train") -> list[str]:
@@ -208,10 +206,10 @@ def check_clear(folder, overwrite: bool, inputs: list[RunInput] | None = None, c
     return found
 
 
-def refuse_or_clear(folder, overwrite: bool, inputs: list[RunInput] | None = None) -> None:
+def refuse_or_clear(folder, overwrite: bool, inputs: list[RunInput] | None = None, command: str = "train") -> None:
     """A fresh run's folder: refuse one that holds an earlier run, or (overwrite) delete that run, never
     what the new run reads (check_clear)."""
-    found = check_clear(folder, overwrite, inputs)
+    found = check_clear(folder, overwrite, inputs, command)
     if not found:
         return
     for n in found + ["config.yaml", RECORD]:
