@@ -1,6 +1,6 @@
 """Rewards of hostile inputs: nothing hangs (huge exponents, tag floods, a math-verify tower are cut off or
-killed), and a reward that is not a usable number (NaN, inf, text, the wrong count) is a counted error,
-not a silent score; None is "not applicable", bools are rewards."""
+killed), and a reward that is not a usable number (inf, text, the wrong count) stops the run, not a silent
+score; None (or NaN) is "unscorable", bools are rewards."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qerl.rl.rewards import score
+from qerl.rl.rewards import RewardFunctionError, score
 from qerl.tasks.answers import parse_number
 from qerl.tasks.arithmetic import accuracy as arithmetic_accuracy, final_number
 from qerl.deadline import DeadlinePool
@@ -75,32 +75,82 @@ def test_math_verify_gets_a_hard_limit_counted_as_a_reward_error():
     assert sc.total == [0.0, 1.0, 0.0] and sc.errors == 1 and "TimeoutError" in sc.first_error
 
 
+def _a_dead_worker() -> tuple[bool, str]:
+    """What the deadline pool reports for a job whose worker process died (a real death: os._exit)."""
+    pool = DeadlinePool(workers=1)
+    try:
+        died = pool.map("os:_exit", [(1,)], 60)[0]
+    finally:
+        pool.close()
+    assert died[0] is False and "worker process died" in died[1]
+    return died
+
+
+def test_a_dead_checker_process_scores_0_counted_rather_than_stopping_the_run(monkeypatch):
+    # out of memory or a crash in C is the machine's failure, like a time limit, not the reward function's
+    pytest.importorskip("math_verify")
+    from qerl.tasks.rewards import MathVerifyAccuracy
+
+    died = _a_dead_worker()
+    mv = MathVerifyAccuracy(isolate=False)
+    monkeypatch.setattr(mv, "_batch", lambda jobs: [died if "crash" in c else (True, mv._one(c, a)) for c, a in jobs])
+    sc = score([mv], None, ["<answer>2</answer>", "crash", "<answer>3</answer>"], {"answer": ["2", "2", "2"]})
+    assert sc.total == [1.0, 0.0, 0.0] and sc.errors == 1 and "worker process died" in sc.first_error
+
+
+def test_a_dead_worker_of_numeric_accuracy_scores_0_counted(monkeypatch):
+    import qerl.deadline
+
+    died = _a_dead_worker()
+
+    class _Dying:
+        def map(self, target, jobs, deadline_s):
+            return [died for _ in jobs]
+
+    monkeypatch.setattr(qerl.deadline, "shared_pool", lambda warm=(): _Dying())
+    sc = score([numeric_accuracy], None, ["it is 4", r"\boxed{2^{2}}"], {"answer": ["4", "4"]})
+    assert sc.total == [1.0, 0.0] and sc.errors == 1 and "worker process died" in sc.first_error
+
+
+def test_a_checker_s_own_error_still_stops_the_run(monkeypatch):
+    import qerl.deadline
+
+    class _Broken:
+        def map(self, target, jobs, deadline_s):
+            return [(False, "ValueError: the checker's bug") for _ in jobs]
+
+    monkeypatch.setattr(qerl.deadline, "shared_pool", lambda warm=(): _Broken())
+    with pytest.raises(RewardFunctionError, match="'accuracy' raised RuntimeError: ValueError: the checker's bug"):
+        score([numeric_accuracy], None, [r"\boxed{2^{2}}"], {"answer": ["4"]})
+
+
 # ---- reward functions --------------------------------------------------------------------------
-@pytest.mark.parametrize("value, needle", [(math.nan, "nan"), (math.inf, "inf"), (1e308, "beyond"),
-                                           ("1", "not a number"), ([1.0], "not a number")])
-def test_a_reward_that_is_not_a_usable_number_is_a_counted_error(value, needle):
+@pytest.mark.parametrize("value, needle", [(math.inf, "inf"), (1e308, "beyond"), ("1", "not a number"),
+                                           ([1.0], "not a number")])
+def test_a_reward_that_is_not_a_usable_number_stops_the_run(value, needle):
     def f(completions, **_):
         return [1.0, value, 0.5]
 
-    sc = score([f], None, ["a", "b", "c"], {})
-    assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 1 and needle in sc.first_error
+    with pytest.raises(RewardFunctionError, match=needle):
+        score([f], None, ["a", "b", "c"], {})
 
 
-def test_a_reward_of_none_is_not_applicable_rather_than_an_error():
-    # TRL's convention: None where a function does not apply to a completion; it scores nothing there
-    sc = score([lambda completions, **_: [1.0, None, 0.5]], None, ["a", "b", "c"], {})
-    assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 0 and math.isnan(list(sc.per_func.values())[0][1])
+@pytest.mark.parametrize("value", [None, math.nan])  # TRL reads NaN as it reads None
+def test_a_reward_of_none_is_unscorable_rather_than_an_error(value):
+    # TRL's convention: None where a function cannot score a completion; no function scored it: NaN (unscorable)
+    sc = score([lambda completions, **_: [1.0, value, 0.5]], None, ["a", "b", "c"], {})
+    assert sc.total[::2] == [1.0, 0.5] and math.isnan(sc.total[1]) and sc.errors == 0
 
 
-def test_a_reward_of_the_wrong_count_is_an_error_for_every_completion():
+def test_a_reward_of_the_wrong_count_stops_the_run():
     calls = []
 
     def one(completions, **_):
         calls.append(len(completions))
         return [1.0]
 
-    sc = score([one], None, ["a", "b", "c", "d"], {})
-    assert sc.total == [0.0] * 4 and sc.errors == 4 and "returned 1 values for 4 completions" in sc.first_error
+    with pytest.raises(RewardFunctionError, match="returned 1 values for 4 completions"):
+        score([one], None, ["a", "b", "c", "d"], {})
     assert calls == [4]  # not retried one by one (which scored every completion 1.0)
 
 

@@ -109,9 +109,11 @@ def test_reasoning_gym_scorer_on_final_number():
     assert got == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_reward_exceptions_are_counted_not_raised():
+def test_a_reward_exception_stops_the_run_naming_the_function():
+    from qerl.rl.rewards import RewardFunctionError
+
     def picky(completions, answer, **_):
         return [1.0 / (len(c) - 3) for c in completions]  # 'abc' divides by zero
 
-    sc = score([picky], None, ["abcd", "abc", "abcde"], {"answer": ["", "", ""]})
-    assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 1 and "ZeroDivisionError" in sc.first_error
+    with pytest.raises(RewardFunctionError, match="'picky' raised ZeroDivisionError"):
+        score([picky], None, ["abcd", "abc", "abcde"], {"answer": ["", "", ""]})

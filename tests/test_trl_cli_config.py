@@ -25,7 +25,7 @@ def _rows(path, rows):
 def test_a_trl_grpo_config_file_with_reward_funcs_runs(cli, tmp_path, model_dir, monkeypatch):
     pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+    (tmp_path / "chat_rewards.py").write_text(textwrap.dedent('''
         def chars(completions, **kwargs):
             return [float(len(c[0]["content"])) for c in completions]
     '''))
@@ -34,7 +34,7 @@ def test_a_trl_grpo_config_file_with_reward_funcs_runs(cli, tmp_path, model_dir,
     (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
         model_name_or_path: {model_dir}
         dataset_name: {data}
-        reward_funcs: [think_format_reward, my_rewards.chars]
+        reward_funcs: [think_format_reward, chat_rewards.chars]
         output_dir: {tmp_path / "run"}
         max_steps: 1
         per_device_train_batch_size: 4
@@ -196,13 +196,14 @@ def test_a_trl_grpo_config_file_s_max_steps_counts_trl_s_optimizer_steps(cli, tm
     from qerl.train.loop import TrainLoop
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_rewards.py").write_text("def chars(completions, **kwargs):\n"
-                                            "    return [float(len(c)) for c in completions]\n")
+    # a module name of its own: Python keeps the first module of a name imported in the process
+    (tmp_path / "step_rewards.py").write_text("def chars(completions, **kwargs):\n"
+                                              "    return [float(len(c)) for c in completions]\n")
     data = _rows(tmp_path / "train.jsonl", [{"prompt": f"{a}+{a}="} for a in range(8)])
     (tmp_path / "grpo.yaml").write_text(textwrap.dedent(f'''
         model_name_or_path: {model_dir}
         dataset_name: {data}
-        reward_funcs: [my_rewards.chars]
+        reward_funcs: [step_rewards.chars]
         output_dir: {tmp_path / "run"}
         max_steps: 4
         num_iterations: 2

@@ -11,7 +11,8 @@ import torch
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 from trl.trainer.utils import nanstd  # noqa: E402
 
-from qerl.trl.grpo_eval import RATIO_LOSSES, advantages, batch_loss, eval_loss  # noqa: E402
+from qerl.rl.advantages import group_advantages  # noqa: E402
+from qerl.trl.grpo_eval import RATIO_LOSSES, batch_loss, eval_loss  # noqa: E402
 
 MAX_LEN = 6
 
@@ -43,7 +44,7 @@ def test_a_batch_s_loss_is_trl_s_at_ratio_one(loss_type):
     torch.manual_seed(0)
     rewards = torch.tensor([[1.0, 0.0, 0.5, 0.0], [2.0, 2.0, 0.0, 1.0]])
     tokens = [3, 6, 1, 4, 2, 5, 6, 1]
-    adv = advantages(rewards, "group")
+    adv = group_advantages(rewards.double(), "group")
     want = _trl_loss(adv.flatten(), tokens, loss_type)
     assert batch_loss(adv, torch.tensor(tokens), loss_type, MAX_LEN) == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert abs(want) > 1e-3 or loss_type in ("grpo", "luspo")  # a length-weighted loss is not 0 at ratio 1
@@ -58,7 +59,7 @@ def test_advantages_are_trl_s(scale):
         want = want / (nanstd(r, 1).unsqueeze(1) + 1e-4)
     elif scale == "batch":
         want = want / (nanstd(r) + 1e-4)
-    assert torch.allclose(advantages(rewards, scale), torch.nan_to_num(want, nan=0.0))
+    assert torch.allclose(group_advantages(r, scale), torch.nan_to_num(want, nan=0.0))
 
 
 def test_eval_loss_is_the_mean_of_its_batches_and_absent_where_trl_needs_the_model():
@@ -67,7 +68,7 @@ def test_eval_loss_is_the_mean_of_its_batches_and_absent_where_trl_needs_the_mod
     cfg = SimpleNamespace(loss_type="dapo", beta=0.0, entropy_coef=0.0, top_entropy_quantile=1.0,
                           scale_rewards="group", max_completion_length=MAX_LEN)
     # batches of 4 completions: prompts 0-1, then prompt 2; each batch's own advantages
-    a = advantages(rewards, "group")
+    a = group_advantages(rewards.double(), "group")
     first = float(-(a[:2].flatten() * tokens[:4]).sum() / 10)
     last = float(-(a[2] * tokens[4:]).sum() / 6)
     assert eval_loss(rewards, tokens, cfg, 4) == pytest.approx((first + last) / 2)

@@ -183,9 +183,12 @@ def test_a_long_prompt_is_not_cut_as_trl_and_a_set_limit_is_said_once(tmp_path, 
     long = "You are terse. " * 40 + "1+1="  # 604 characters: 604 tokens of the character tokenizer
     tr = _trainer(model_dir, tmp_path / "a", [{"prompt": long}, {"prompt": "2+2="}])
     assert tr.cfg.max_prompt_length >= len(long) and len(tr.encode_prompt({"prompt": long})) == len(long)
+    capsys.readouterr()
     _trainer(model_dir, tmp_path / "b", [{"prompt": long}] * 3 + [{"prompt": "2+2="}], max_prompt_length=100)
-    said = [x for x in capsys.readouterr().out.splitlines() if "max_prompt_length=100" in x]
-    assert len(said) == 1 and "3 of 4 prompts" in said[0] and f"longest {len(long)}" in said[0]
+    out, err = capsys.readouterr()
+    said = [x for x in (out + err).splitlines() if "max_prompt_length" in x]  # the trainer's line, as `qerl train`
+    assert len(said) == 1 and "3 of 4 training prompts" in said[0] and "max_prompt_length=100" in said[0], said
+    assert f"longest {len(long)}" in said[0] and f"max_prompt_length={len(long)} keeps them whole" in said[0]
 
 
 def test_push_to_hub_offline_is_one_line(tmp_path, model_dir, monkeypatch):
@@ -279,6 +282,35 @@ def test_a_dict_of_eval_sets_logs_each_under_its_name_as_trl(tmp_path, model_dir
                      eval_dataset={"easy": [{"prompt": "1+1="}], "hard": [{"prompt": "12*13="}]})
     out = tr.evaluate()
     assert out["eval_easy_reward"] == out["eval_hard_reward"] == 1.0 and "eval_reward" not in out
+
+
+def test_an_unscorable_eval_completion_is_left_out_of_eval_reward_as_trl(tmp_path, model_dir):
+    import math
+
+    import torch
+    from trl.trainer.utils import nanstd
+
+    from qerl.trl import GRPOConfig, GRPOTrainer
+
+    given = []
+
+    def half(completions, **_):  # every other completion unscorable (TRL's None)
+        vals = [None if i % 2 else float(len(c)) for i, c in enumerate(completions)]
+        given.append(vals)
+        return vals
+
+    args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=5, report_to="none", save_strategy="no", per_device_eval_batch_size=8)
+    tr = GRPOTrainer(model=str(model_dir), reward_funcs=half, args=args, train_dataset=[{"prompt": "1+1="}],
+                     eval_dataset=[{"prompt": "1+1="}, {"prompt": "2+2="}])
+    out = tr.evaluate()
+    r = torch.tensor([math.nan if v is None else v for v in given[-1]], dtype=torch.float64).view(2, 4)
+    assert out["eval_reward"] == pytest.approx(float(torch.nanmean(r)))  # TRL's nanmean, not NaN
+    assert out["eval_reward_std"] == pytest.approx(float(nanstd(r.flatten())))
+    assert out["eval_rewards/half/mean"] == pytest.approx(out["eval_reward"])
+    lone = (r[:, ::2].max(1).values == r[:, ::2].min(1).values).float().mean()  # equal scored rewards: no signal
+    assert out["eval_frac_reward_zero_std"] == pytest.approx(float(lone))
+    assert math.isfinite(out["eval_loss"])
 
 
 @pytest.mark.parametrize("kind, quant", [("nf4", "nf4"), ("fp4", "nvfp4")])

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from qerl.rl.rewards import FAILING_CALLS, RewardFunctionError
+from qerl.rl.rewards import RewardFunctionError
 
 
 
@@ -151,8 +151,8 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it(tmp_path, m
     with pytest.raises(RewardFunctionError) as e:
         tr.train()
     msg = str(e.value)
-    assert func.__name__ in msg and said in msg and f"{FAILING_CALLS} calls in a row" in msg, msg
-    assert tr.step < 20  # bounded: stopped after FAILING_CALLS scorings, not at the end
+    assert func.__name__ in msg and said in msg and "\n" not in msg, msg
+    assert tr.step == 0  # stopped at the first scoring, as TRL
 
 
 def test_a_reward_that_fails_sometimes_still_trains(tmp_path, model_dir):
@@ -160,11 +160,11 @@ def test_a_reward_that_fails_sometimes_still_trains(tmp_path, model_dir):
 
     def flaky(completions, **_):
         calls["n"] += 1
-        return None if calls["n"] % 2 else [0.5] * len(completions)
+        return [None] * len(completions) if calls["n"] % 2 else [0.5] * len(completions)  # TRL's "cannot score"
 
     from qerl.trl import GRPOTrainer
 
-    tr = GRPOTrainer(model=str(model_dir), reward_funcs=[flaky], args=_args(tmp_path, max_steps=2 * FAILING_CALLS),
+    tr = GRPOTrainer(model=str(model_dir), reward_funcs=[flaky], args=_args(tmp_path, max_steps=4),
                      train_dataset=ROWS)
     tr.train()
-    assert tr.step == 2 * FAILING_CALLS
+    assert tr.step == 4

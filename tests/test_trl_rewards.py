@@ -3,7 +3,6 @@ batch, run through TRL's own GRPOTrainer._calculate_rewards and through qerl's r
 function receives (every argument by keyword, in TRL's order) and the rewards must be equal."""
 
 import asyncio
-import math
 import time
 from types import SimpleNamespace
 
@@ -150,13 +149,14 @@ def test_conversational_completions_reach_functions_as_trl_messages():
     assert sc.total == [2.0, 1.0] and sc.names == {"f": "f"}
 
 
-def test_an_async_failure_on_one_completion_costs_only_that_completion():
+def test_an_async_failure_stops_the_run_as_in_trl():
+    from qerl.rl.rewards import RewardFunctionError
+
     async def picky(completions, **_):
         return [1.0 / (len(c) - 3) for c in completions]
 
-    sc = score([picky], None, ["abcd", "abc", "abcde"], {})
-    assert sc.total == [1.0, 0.0, 0.5] and sc.errors == 1 and "ZeroDivisionError" in sc.first_error
-    assert not math.isnan(sc.total[1])
+    with pytest.raises(RewardFunctionError, match="'picky' raised ZeroDivisionError"):
+        score([picky], None, ["abcd", "abc", "abcde"], {})
 
 
 def test_a_reward_model_by_folder_scores_as_trl_s_own(tmp_path):

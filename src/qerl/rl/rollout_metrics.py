@@ -10,17 +10,19 @@ import math
 
 import torch
 
+from .advantages import informative_groups, nan_std
 from .reward_hooks import logged_metrics
 
 
-def _mean(xs: list[float]) -> float:
+def scored_mean(xs: list[float]) -> float:
     """The mean of the values that are not NaN (a reward function's None), NaN when none is."""
     xs = [x for x in xs if x == x]
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _std(xs: list[float]) -> float:
-    """The sample standard deviation (as torch's and TRL's nanstd) of the values that are not NaN."""
+def scored_std(xs: list[float]) -> float:
+    """The sample standard deviation (as torch's and TRL's nanstd) of the values that are not NaN; 0 with one,
+    NaN with none."""
     xs = [x for x in xs if x == x]
     if len(xs) < 2:
         return math.nan if not xs else 0.0
@@ -38,8 +40,8 @@ def rollout_metrics(rounds, n_info: int, dist, tools_offered: bool = False, logg
             "trunc": sum((c.finish_reason == "length") for r in rounds for c in r.completions),
             "trunc_mask": [c.finish_reason == "length" for r in rounds for c in r.completions],
             "groups": sum(len(r.rewards) for r in rounds), "info": n_info, "rounds": len(rounds),
-            # groups whose rewards are all equal (no learning signal), whether or not dynamic sampling drops them
-            "zero_var": sum(int((r.rewards.max(1).values == r.rewards.min(1).values).sum()) for r in rounds),
+            # groups whose scored rewards are all equal (no learning signal), whether or not dynamic sampling drops them
+            "zero_var": sum(int((~informative_groups(r.rewards)).sum()) for r in rounds),
             "tool_turns": sum(len(getattr(c, "tool_spans", ())) for r in rounds for c in r.completions),
             "tool_users": sum(bool(getattr(c, "tool_spans", ())) for r in rounds for c in r.completions),
             "errors": sum(r.scores.errors for r in rounds),
@@ -53,7 +55,7 @@ def rollout_metrics(rounds, n_info: int, dist, tools_offered: bool = False, logg
     parts = dist.gather(mine)
     all_r = torch.tensor([x for q in parts for x in q["r"]])
     all_len = torch.tensor([x for q in parts for x in q["len"]], dtype=torch.float32)
-    m = {"reward_mean": float(all_r.mean()), "reward_std": float(all_r.std()),
+    m = {"reward_mean": float(torch.nanmean(all_r)), "reward_std": float(nan_std(all_r)),
          "completion_length_mean": float(all_len.mean()), "completion_length_max": float(all_len.max()),
          "truncated_fraction": sum(q["trunc"] for q in parts) / len(all_len),
          "rollout_rounds": max(q["rounds"] for q in parts),
@@ -68,9 +70,9 @@ def rollout_metrics(rounds, n_info: int, dist, tools_offered: bool = False, logg
     for name in parts[0]["per_func"]:
         vals = [v for q in parts for v in q["per_func"][name]]
         key = {"accuracy": "accuracy", "format": "format_rate"}.get(name, f"rewards/{name}")
-        m[key] = _mean(vals)
+        m[key] = scored_mean(vals)
         trl = parts[0]["names"].get(name, name)
-        m[f"rewards/{trl}/mean"], m[f"rewards/{trl}/std"] = _mean(vals), _std(vals)
+        m[f"rewards/{trl}/mean"], m[f"rewards/{trl}/std"] = scored_mean(vals), scored_std(vals)
     m.update(trl_completion_metrics(all_r, all_len, [q["trunc_mask"] for q in parts], m))
     # this step's prompt + completion tokens, all ranks (the trainer's running sum is TRL's num_tokens)
     m["rollout_input_tokens"] = sum(q["in_tokens"] for q in parts)
@@ -85,10 +87,11 @@ def rollout_metrics(rounds, n_info: int, dist, tools_offered: bool = False, logg
 
 
 def trl_completion_metrics(rewards: torch.Tensor, lengths: torch.Tensor, trunc_masks: list[list[bool]], m: dict) -> dict:
-    """TRL's names of the step's reward and completion statistics (all ranks' completions)."""
+    """TRL's names of the step's reward and completion statistics (all ranks' completions); the reward's
+    mean and std are over the scored completions (NaN: unscorable), as TRL's nanmean and nanstd."""
     clipped = torch.tensor([t for q in trunc_masks for t in q], dtype=torch.bool)
     ended = lengths[~clipped]
-    out = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+    out = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nan_std(rewards)),
            "frac_reward_zero_std": m["zero_variance_fraction"],
            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(clipped.float().mean()),

@@ -4,8 +4,9 @@ so these functions serve a `qerl.trl` script with chat data as they serve `qerl 
 
 `f.metric = "accuracy"` marks the function whose mean is reported as accuracy (and that
 evaluation scores pass@1 with); `"format"` marks the format reward. None of them evaluates
-model output; symbolic checking runs in worker processes under a hard time limit; `qerl.rl.rewards.score` turns an
-exception on one completion into a 0 and counts it.
+model output; symbolic checking runs in worker processes under a hard time limit. A completion whose check
+passes that limit, or whose worker process dies, raises RewardTimeout: `qerl.rl.rewards.score` scores that
+completion 0 and counts it (reward_errors); any other exception stops the run (TRL's rule).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def numeric_accuracy(completions, answer, **_):
     """GSM8K-style: the completion's final answer has the reference's value (`#### N` or a number).
     Plain numbers on both sides compare exactly here (thousands commas, units, '$5.50'); an answer
     that is an expression ('2^{1}', '\\log_2 4', '\\sqrt[3]{2}') is valued by math-verify in a worker
-    process under a hard time limit (a timeout raises: `score` counts it and scores 0)."""
+    process under a hard time limit (past it, or when the worker dies, RewardTimeout: `score` scores 0, counted)."""
     out: list[float] = []
     symbolic = []
     for i, (c, a) in enumerate(zip(texts(completions), answer)):
@@ -77,7 +78,7 @@ def numeric_accuracy(completions, answer, **_):
                                                     3 * SYMBOLIC_TIMEOUT_S + 1)
         for (i, _, _), (ok, r) in zip(symbolic, results):
             if not ok:
-                raise RewardTimeout(r) if "TimeoutError" in str(r) else RuntimeError(r)
+                raise _check_failed(r)
             out[i] = float(r)
     return out
 
@@ -86,7 +87,17 @@ numeric_accuracy.metric = "accuracy"
 
 
 class RewardTimeout(RuntimeError):
-    """A completion's reward passed its hard time limit (scored 0 and counted as a reward error)."""
+    """A completion's check passed its hard time limit, or its worker process died (out of memory, a crash in
+    C): the machine's failure, not the reward function's, so scored 0 and counted as a reward error."""
+
+
+_MACHINE = ("TimeoutError", "the reward worker process died")  # qerl.deadline's words for a limit, a dead worker
+
+
+def _check_failed(why) -> RuntimeError:
+    """A worker's failed check as the exception to raise: RewardTimeout for a time limit or a dead worker
+    (scored 0, counted); RuntimeError for the checker's own error (it stops the run, naming it)."""
+    return RewardTimeout(why) if any(m in str(why) for m in _MACHINE) else RuntimeError(why)
 
 
 def _math_verify_one(completion: str, ref: str, timeout_s: int | None) -> float:
@@ -111,8 +122,8 @@ class MathVerifyAccuracy:
 
     Sympy work on model text has no bound by construction (a nested power tower never returns),
     so every completion is checked in a worker process with a hard limit of `deadline_s` seconds
-    (`qerl.deadline`); past it the worker is killed and the completion raises RewardTimeout,
-    which `qerl.rl.rewards.score` scores 0 and counts. `isolate=False` checks in this process
+    (`qerl.deadline`); past it the worker is killed and the completion raises RewardTimeout (as when its
+    worker dies), which `qerl.rl.rewards.score` scores 0 and counts. `isolate=False` checks in this process
     (soft limits only; for debugging)."""
 
     metric = "accuracy"
@@ -148,7 +159,7 @@ class MathVerifyAccuracy:
         failed = [r for ok, r in results if not ok]
         if failed:
             self._last = dict(zip(jobs, results))  # no job runs (or times out) twice
-            raise RewardTimeout(failed[0]) if "TimeoutError" in str(failed[0]) else RuntimeError(failed[0])
+            raise _check_failed(failed[0])
         return [float(r) for _, r in results]
 
     def __getstate__(self):

@@ -16,41 +16,14 @@ rather than approximated.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import torch
 
+from ..rl.advantages import group_advantages, informative_groups, nan_std
+from ..rl.rollout_metrics import scored_mean, scored_std
+
 RATIO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss at ratio 1 is -advantage per token
-
-
-def _nan_stats(vals: list[float]) -> tuple[float, float]:
-    t = torch.tensor(vals, dtype=torch.float64)
-    t = t[~torch.isnan(t)]
-    if not t.numel():
-        return math.nan, math.nan
-    return float(t.mean()), float(t.std()) if t.numel() > 1 else 0.0
-
-
-def _nanvar(x: torch.Tensor, dim=None) -> torch.Tensor:
-    """The sample variance (n - 1) over the numbers that are not NaN."""
-    ok = ~torch.isnan(x)
-    n = ok.sum(dim) if dim is not None else ok.sum()
-    mean = torch.nanmean(x, dim, keepdim=True) if dim is not None else torch.nanmean(x)
-    sq = torch.where(ok, (x - mean) ** 2, torch.zeros_like(x))
-    return (sq.sum(dim) if dim is not None else sq.sum()) / (n - 1)
-
-
-def advantages(rewards: torch.Tensor, scale_rewards: str) -> torch.Tensor:
-    """TRL's advantages of one batch: rewards [prompts, G] (NaN: unscorable, advantage 0) less each group's
-    mean, over the group's (or the batch's) standard deviation + 1e-4 unless scale_rewards is none."""
-    r = rewards.double()
-    a = r - torch.nanmean(r, 1, keepdim=True)
-    if scale_rewards == "group":
-        a = a / (_nanvar(r, 1).sqrt().unsqueeze(1) + 1e-4)
-    elif scale_rewards == "batch":
-        a = a / (_nanvar(r.flatten()).sqrt() + 1e-4)
-    return torch.nan_to_num(a, nan=0.0)
 
 
 def batch_loss(adv: torch.Tensor, tokens: torch.Tensor, loss_type: str, max_completion_length: int) -> float:
@@ -76,8 +49,8 @@ def eval_loss(rewards: torch.Tensor, tokens: torch.Tensor, cfg, batch_size: int)
         return None
     per = max(1, batch_size // rewards.shape[1])  # prompts a batch
     tokens = tokens.view(rewards.shape)
-    losses = [batch_loss(advantages(rewards[i:i + per], cfg.scale_rewards), tokens[i:i + per], cfg.loss_type,
-                         cfg.max_completion_length) for i in range(0, rewards.shape[0], per)]
+    losses = [batch_loss(group_advantages(rewards[i:i + per].double(), cfg.scale_rewards), tokens[i:i + per],
+                         cfg.loss_type, cfg.max_completion_length) for i in range(0, rewards.shape[0], per)]
     return sum(losses) / len(losses)
 
 
@@ -100,17 +73,16 @@ def trl_evaluate(trainer, rows: list[dict], prefix: str = "eval") -> dict:
         inp = dataclasses.replace(inp, reward_funcs=[AsMessages(f) for f in inp.reward_funcs])
     inp = dataclasses.replace(inp, rows=rows, aqn=None)
     rnd = rollout_round(inp, list(range(len(rows))), 0.0, trainer.cfg.seed + 104729 * (trainer.step + 1))
-    rewards = rnd.rewards  # [prompts, G]
-    out = {f"{prefix}_reward": float(rewards.mean()), f"{prefix}_reward_std": float(rewards.flatten().std()),
-           f"{prefix}_frac_reward_zero_std": float((rewards.std(1) < 1e-12).float().mean()),
+    rewards = rnd.rewards  # [prompts, G]; NaN: unscorable (no function scored it)
+    out = {f"{prefix}_reward": float(torch.nanmean(rewards.double())),
+           f"{prefix}_reward_std": float(nan_std(rewards.double())),
+           f"{prefix}_frac_reward_zero_std": float((~informative_groups(rewards)).float().mean()),
            f"{prefix}_completions/mean_length": float(rnd.lengths.float().mean())}
     for key, vals in rnd.scores.per_func.items():
         name = rnd.scores.names.get(key, key)
-        out[f"{prefix}_rewards/{name}/mean"], out[f"{prefix}_rewards/{name}/std"] = _nan_stats(vals)
-    # a completion every function declined (None) is unscorable: TRL gives it no advantage
-    per_func = torch.tensor(list(rnd.scores.per_func.values()), dtype=torch.float64).view(-1, *rewards.shape)
-    scored = torch.where(torch.isnan(per_func).all(0), torch.nan, rewards.double())
-    loss = eval_loss(scored, trained_tokens(rnd.completions, trainer.cfg.mask_truncated_completions), trainer.cfg,
+        out[f"{prefix}_rewards/{name}/mean"] = scored_mean(vals)
+        out[f"{prefix}_rewards/{name}/std"] = scored_std(vals)
+    loss = eval_loss(rewards, trained_tokens(rnd.completions, trainer.cfg.mask_truncated_completions), trainer.cfg,
                      trainer.trl.per_device_eval_batch_size)
     if loss is not None:
         out[f"{prefix}_loss"] = loss

@@ -1,7 +1,8 @@
 """Prompt lengths under TRL's API. TRL 1.16 has no prompt limit: a prompt is never cut. qerl's rollout
 engine is sized by max_prompt_length, and a prompt over it loses its start (often the system instruction),
-so a TRL script gets a limit that holds its longest prompt; a limit the script sets itself is kept, and
-the prompts over it are counted in one line with the longest length."""
+so a TRL script gets a limit that holds its longest prompt (training and eval prompts); a limit the script
+sets itself is kept, and the trainer says once how many training prompts it cuts (tasks/prompts.py's
+PromptCut, as under `qerl train`)."""
 
 from __future__ import annotations
 
@@ -21,28 +22,17 @@ def _tokenizer(cfg, processing_class):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def prompt_lengths(cfg, rows: list[dict], tok) -> list[int]:
-    from ..tasks.prompts import encode_prompt
-
-    return [len(encode_prompt(tok, r["prompt"], system_prompt=cfg.system_prompt, suffix=cfg.prompt_suffix))
-            for r in rows]
-
-
 def prompt_limit(cfg, rows: list[dict], processing_class, set_by_script: int | None) -> int | None:
-    """The max_prompt_length to use (None: keep the config's), after saying once what a set limit cuts."""
+    """The max_prompt_length to use: one that holds the longest of `rows`' prompts when the script set none
+    (None: the config's holds them, or the tokenizer did not load); None when the script set one (kept; the
+    trainer counts the prompts it cuts)."""
+    if set_by_script is not None:
+        return None
     try:
         tok = _tokenizer(cfg, processing_class)
     except Exception:  # noqa: BLE001 - the policy's own loading names the problem
         return None
-    lengths = prompt_lengths(cfg, rows, tok)
-    if not lengths:
-        return None
-    longest = max(lengths)
-    if set_by_script is None:
-        return max(longest, cfg.max_prompt_length) if longest > cfg.max_prompt_length else None
-    over = sum(n > set_by_script for n in lengths)
-    if over:
-        print(f"qerl: {over} of {len(lengths)} prompts are longer than max_prompt_length={set_by_script} tokens "
-              f"(longest {longest}): they are left-cut, losing their start (a system instruction); "
-              f"max_prompt_length={longest} keeps them whole, as TRL 1.16 (no prompt limit) does", flush=True)
-    return None
+    from ..tasks.prompts import prompt_cut
+
+    cut = prompt_cut(tok, rows, cfg.max_prompt_length, system_prompt=cfg.system_prompt, suffix=cfg.prompt_suffix)
+    return cut.longest if cut.cut else None
