@@ -182,7 +182,7 @@ class TrainLoop:
                         # the run's inputs: a run started from Python is guarded as `qerl train` is
                         run_folder.refuse_or_clear(self.out, self.cfg.overwrite_output_dir,
                                                    run_folder.run_inputs(self.cfg), self.KIND)
-            except (run_folder.RunFolderError, OSError) as e:
+            except (ValueError, OSError) as e:  # RunFolderError, or an input unreadable: every rank stops on it
                 err = e
         if self.dist.max(1.0 if err else 0.0, self.device):
             self._release()  # a lock we took is not left behind by a refusal
