@@ -60,35 +60,22 @@ def add_arguments(p):
                            .replace("%", "%%"), **kw)
 
 
-def build_config(args):
-    from pathlib import Path
-
+def sft_config(args):
+    """The SFTConfig of the command line (cli/run_config.py): CONFIG.yaml (a `trl sft --config` file too), or
+    the defaults, or `--resume DIR`'s record."""
     from ..sft import SFTConfig
     from ..train.optim import warmup_steps
     from ..trl.fields import TRLArgs
+    from .run_config import command_line, config_file, refuse_allow_changed, resumed_config
 
-    from .train import parse_overrides
-
-    # flags, then --field pairs argparse did not take (a misspelt field: SFTConfig says "did you mean")
-    tokens = list(args.overrides or [])
-    config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
-    ov = {**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}, **parse_overrides(tokens)}
-    from .train import resumed_config
-
+    config, ov = command_line(args, {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})
     if args.resume:
         return resumed_config(args, config, ov, SFTConfig, "sft", lambda c, o: c.with_overrides(o))[0]
-    if getattr(args, "allow_changed", None):
-        raise ValueError("--allow_changed: only with --resume (a new run takes any value)")
+    refuse_allow_changed(args)
     if config:
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"config file {config} not found")
-        from ..sft.data import read_utf8
-
-        read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        from ..train.fields import yaml_mapping
+        mapping = config_file(config)
         from ..trl.sft import trl_fields
 
-        mapping = yaml_mapping(config)
         trl_file(mapping, ov)
         # a `trl sft --config` file runs as it is: TRL's fields carried out here (CARRIED_OUT), the rest of
         # the TRL surface's named in the ignored line (TRL's script evaluates and pushes; `qerl sft` does not)
@@ -126,41 +113,6 @@ def trl_file(mapping: dict, ov: dict) -> None:
                      "(the run folder; its latest checkpoint)")
 
 
-KINDS = {"train": "a GRPO", "sft": "an SFT"}  # the command that writes a run folder -> what its run is
-
-
-def run_kind(folder) -> str | None:
-    """"train" or "sft": the command whose config the run folder's config.yaml is, by its fields (each
-    writes every field of its own config); None when it is neither's or cannot be read."""
-    from pathlib import Path
-
-    from ..rl.config import GRPOConfig
-    from ..sft.config import SFTConfig
-    from ..train.fields import yaml_mapping
-
-    try:
-        keys = set(yaml_mapping(Path(folder) / "config.yaml"))
-    except (OSError, ValueError):
-        return None
-    fits = [k for k, cls in (("train", GRPOConfig), ("sft", SFTConfig))
-            if keys <= {f.name for f in dataclasses.fields(cls)}]
-    return fits[0] if len(fits) == 1 else None
-
-
-def check_run_kind(folder, command: str) -> None:
-    """`qerl sft --resume` of a GRPO run (or `qerl train --resume` of an SFT run): said as what the folder
-    holds and the command that continues it, not as the other config's first unknown field."""
-    import shlex
-
-    from ..invocation import qerl_command
-    from ..train.run_folder import RunFolderError
-
-    kind = run_kind(folder)
-    if kind is not None and kind != command:
-        raise RunFolderError(f"{folder} holds {KINDS[kind]} run of `qerl {kind}`, not a `qerl {command}` run; "
-                             f"continue it with: {qerl_command()} {kind} --resume {shlex.quote(str(folder))}")
-
-
 def data_file(name) -> None:
     """A local dataset that is a FIFO, a device or a folder: said by name before the model loads (reading
     a FIFO would wait for a writer, /dev/zero would never end)."""
@@ -175,7 +127,7 @@ def data_file(name) -> None:
 
 
 def run(args):
-    cfg = build_config(args)
+    cfg = sft_config(args)
     if args.print_config:  # as written (a portable file to start from); the run's record is absolute
         print(cfg.to_yaml(), end="")
         return 0
@@ -191,7 +143,7 @@ def run(args):
 
     data_file(cfg.dataset_name)
     if args.resume and cfg.max_steps > 0:  # max_steps below the run's step: nothing to train, as `qerl train`
-        from .train import check_resume_steps
+        from .run_config import check_resume_steps
 
         check_resume_steps(cfg, "sft")
     if not args.resume and not cfg.overwrite_output_dir and earlier_run(cfg.output_dir):
@@ -204,7 +156,7 @@ def run(args):
     import sys
 
     from . import check_interrupted
-    from .train import interrupted, interruptible, write_refused
+    from .stopped_run import interrupted, interruptible, write_refused
 
     with interruptible() as stop:
         trainer = None

@@ -7,9 +7,7 @@ summary table and the curves as a PNG. `--field value` pairs still apply on top 
 
 from __future__ import annotations
 
-import contextlib
 import shlex
-import signal
 import sys
 
 USAGE = "qerl train [CONFIG.yaml] [--field value ...] | qerl train --resume DIR [--field value ...]"
@@ -33,36 +31,14 @@ def add_arguments(p):
     add_config_arguments(p)
 
 
-def parse_overrides(tokens: list[str]) -> dict[str, str]:
-    out, i = {}, 0
-    while i < len(tokens):
-        t = tokens[i]
-        if not t.startswith("--"):
-            raise ValueError(f"expected --field value, got {t!r}")
-        key = t[2:].replace("-", "_")
-        if "=" in key:
-            key, val = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            val = tokens[i + 1]
-            i += 2
-        else:  # a bare flag: a boolean set to true
-            val = "true"
-            i += 1
-        out[key] = val
-    return out
-
-
-def build_config(args):
-    from pathlib import Path
-
+def train_config(args):
+    """The GRPOConfig of the command line (cli/run_config.py): CONFIG.yaml (a `trl grpo --config` file too, its
+    reward functions in args.trl_rewards), or the embedded default run, or `--resume DIR`'s record."""
     from ..rl import GRPOConfig
-
-    tokens = list(args.overrides or [])
-    config = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
     from .config_help import config_values
+    from .run_config import command_line, config_file, refuse_allow_changed, resumed_config
 
-    ov = {**config_values(args), **parse_overrides(tokens)}
+    config, ov = command_line(args, config_values(args))
     args.trl_rewards = None
     if args.resume:
         cfg, record = resumed_config(args, config, ov, GRPOConfig, "train", apply)
@@ -73,18 +49,12 @@ def build_config(args):
             args.trl_rewards = ScriptRewards([r.name for r in record.reward_funcs], record.reward_model_name_or_path)
             args.trl_record = record
         return cfg
-    if getattr(args, "allow_changed", None):
-        raise ValueError("--allow_changed: only with --resume (a new run takes any value)")
+    refuse_allow_changed(args)
     if config:
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"config file {config} not found")
-        from ..sft.data import read_utf8
-
-        read_utf8(config, "config file")  # not UTF-8: the file and line, not a bare codec error
-        from ..train.fields import yaml_mapping
+        mapping = config_file(config)
         from .trl_config import split
 
-        fields, args.trl_rewards = split(yaml_mapping(config))  # a `trl grpo --config` file's reward_funcs
+        fields, args.trl_rewards = split(mapping)  # a `trl grpo --config` file's reward_funcs
         epochs = None
         if args.trl_rewards and fields.get("max_steps", -1) in (-1, None) and "max_steps" not in ov:
             # TRL's max_steps -1 (its default): num_train_epochs (TRL's default 3) over the data decides
@@ -99,54 +69,6 @@ def build_config(args):
         dev = ov.get("device")
         cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
     return cfg
-
-
-def resumed_config(args, config, ov: dict, cls, command: str, apply_ov):
-    """`--resume DIR`: the run's record (DIR/config.yaml, DIR/run_record.json) with the command line's values;
-    a changed value that defines the run refused unless --allow_changed names it, any other said in one line.
-    Returns (config, RunRecord). `qerl sft --resume` alike."""
-    import shlex
-    from pathlib import Path
-
-    from ..invocation import qerl_command
-    from ..train import run_folder
-    from ..train.paths import expand, normalise, relative_paths, same_path
-
-    folder = expand(args.resume)
-    saved = Path(folder) / "config.yaml"
-    if config is not None:  # was ignored without a word
-        raise ValueError(f"--resume {args.resume} continues the run on its own record ({saved}); {config} is not "
-                         f"read: drop it, or start a new run from it with another --output_dir")
-    if not saved.exists():
-        raise FileNotFoundError(f"{saved}: not found (is {args.resume} a qerl {'sft ' if command == 'sft' else ''}"
-                                "run directory?)")
-    from .sft import check_run_kind
-
-    check_run_kind(folder, command)  # the other command's run: its command continues it
-    recorded = cls.from_yaml(saved)
-    if "output_dir" in ov and not same_path(ov["output_dir"], folder):
-        raise ValueError(f"--resume {args.resume} continues the run in {folder}; --output_dir {ov['output_dir']} names "
-                         f"another folder: drop it, or start a new run there ({qerl_command()} {command} ... "
-                         f"--output_dir {shlex.quote(str(ov['output_dir']))})")
-    for name, value in relative_paths(recorded).items():
-        if name != "output_dir" and main_rank():
-            print(f"qerl {command}: {saved} records {name} {value!r} relative to the folder that run started in (an "
-                  f"older qerl wrote it); reading it from the current folder: {expand(value)}", flush=True)
-    import dataclasses
-
-    recorded = normalise(dataclasses.replace(recorded, output_dir=folder))
-    cfg = normalise(apply_ov(recorded, {**ov, "output_dir": folder}))
-    allowed = run_folder.allowed_fields(getattr(args, "allow_changed", None), cls)
-    changes = run_folder.check_resume(recorded, cfg, allowed, args.resume, command)
-    if (line := run_folder.changes_line(changes, args.resume, command)) and main_rank():
-        print(line, flush=True)
-    return cfg, run_folder.read_record(folder)
-
-
-def main_rank() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 def use_record_roots(record) -> None:
@@ -236,7 +158,7 @@ def apply(cfg, ov: dict[str, str]):
 
 
 def run(args):
-    cfg = build_config(args)
+    cfg = train_config(args)
     if args.print_config:  # as written (a portable file to start from); the run's record is absolute
         print(cfg.to_yaml(), end="")
         return 0
@@ -245,6 +167,8 @@ def run(args):
     cfg = normalise(cfg)  # `~`, relative paths and links, checked before anything loads (train/paths.py)
     from . import check_interrupted
     from .preflight import check_run_folder, preflight
+    from .run_config import check_resume_steps
+    from .stopped_run import interrupted, interruptible, write_refused
 
     check_run_folder(cfg, resuming=bool(args.resume))  # the lock, an earlier run, a file in the way
     from ..train.run_folder import RecordCallback, check_clear, run_inputs
@@ -307,8 +231,8 @@ def run(args):
         print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
               f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
         if (idle := untrained_steps(rows)):
-            print(f"qerl train: {idle} of the {len(rows)} steps made no update: every group's rewards tied (no "
-                  f"advantage to learn from){'; the adapter is unchanged' if idle == len(rows) else ''}")
+            print(f"qerl train: {idle} of the {len(rows)} steps made no update: every group's rewards tied or "
+                  f"unscorable (no advantage to learn from){'; the adapter is unchanged' if idle == len(rows) else ''}")
     evals = run_evals(cfg.output_dir) or trainer.evals  # a resumed run's earlier evaluations too
     if evals:
         print(summary_table(evals, wall))
@@ -323,77 +247,8 @@ def run(args):
 
 
 def untrained_steps(rows: list[dict]) -> int:
-    """Steps whose rollouts gave no update (dynamic sampling dropped every tied group: m["updates"] == 0)."""
+    """Steps whose rollouts gave no update (dynamic sampling dropped every tied or unscorable group: m["updates"] == 0)."""
     return sum(1 for r in rows if r.get("updates") == 0)
-
-
-class _Stop:
-    signal = "SIGINT"
-
-
-@contextlib.contextmanager
-def interruptible():
-    """SIGTERM ends the run the way Ctrl-C does (a KeyboardInterrupt the caller turns into one line)."""
-    stop = _Stop()
-
-    def on_term(signum, frame):
-        stop.signal = "SIGTERM"
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, on_term)
-        if hasattr(signal, "SIGXFSZ"):  # past `ulimit -f`: a write fails with EFBIG, said in one line, not a kill
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave SIGTERM alone
-        old = None
-    try:
-        yield stop
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-
-
-def resume_command(cfg, command: str = "train") -> str:
-    from ..invocation import qerl_command
-
-    return f"{qerl_command()} {command} --resume {shlex.quote(str(cfg.output_dir))}"
-
-
-def saved(output_dir) -> str:
-    from ..train.checkpoints import checkpoints
-
-    found = checkpoints(output_dir)
-    return f"saved: {found[-1]}" if found else "no checkpoint saved yet"
-
-
-def interrupted(cfg, trainer, signame: str, command: str = "train") -> str:
-    """One line: where the run stopped, what is on disk, the exact command that continues it."""
-    from ..train.checkpoints import checkpoints
-
-    total = getattr(trainer, "max_steps", None) or cfg.max_steps
-    where = f"at step {trainer.step}/{total}" if trainer is not None else "before training started"
-    if checkpoints(cfg.output_dir):
-        then = f"continue with: {resume_command(cfg, command)}"
-    else:
-        then = "start again with the same command (add --overwrite_output_dir if the folder holds its metrics)"
-    return f"qerl {command}: stopped by {signame} {where}; {saved(cfg.output_dir)}; {then}"
-
-
-def write_refused(e: BaseException, cfg, command: str = "train") -> OSError | None:
-    """A write the disk refused (full, or a file past `ulimit -f`) as one line: the folder, what is kept,
-    how to go on; None for any other error."""
-    from ..checkpoint.disk import refusal_text, refused_write
-    from ..train.checkpoints import checkpoints
-
-    code = refused_write(e)
-    if code is None:
-        return None
-    what, fix = refusal_text(code, cfg.output_dir)
-    then = (f"continue with: {resume_command(cfg, command)}" if checkpoints(cfg.output_dir) else
-            "start again with the same command (add --overwrite_output_dir if the folder holds its metrics)")
-    out = OSError(f"{what} ({type(e).__name__}); {saved(cfg.output_dir)}; {fix}, then {then}")
-    out.errno = code
-    return out
 
 
 def finished_run(cfg) -> str | None:
@@ -403,6 +258,7 @@ def finished_run(cfg) -> str | None:
 
     from ..train.checkpoints import CorruptCheckpoint, checkpoints, read_checkpoint
     from ..invocation import qerl_command
+    from .stopped_run import resume_command
 
     out = Path(cfg.output_dir)
     found = checkpoints(out)
@@ -422,19 +278,6 @@ def finished_run(cfg) -> str | None:
     if evals:
         lines.append(summary_table(evals, None))
     return "\n".join(lines)
-
-
-def check_resume_steps(cfg, command: str = "train") -> None:
-    """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
-    refused before the model loads, saying how to train further (`qerl sft` alike)."""
-    from ..train.checkpoints import checkpoints
-
-    found = checkpoints(cfg.output_dir)
-    at = int(found[-1].name.rpartition("-")[2]) if found else 0
-    if at > cfg.max_steps:
-        raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {cfg.max_steps} is below it, so there is "
-                         f"nothing to train (the run is left as it is). To train further: "
-                         f"{resume_command(cfg, command)} --max_steps N (N > {at})")
 
 
 def run_evals(output_dir) -> list[dict]:
