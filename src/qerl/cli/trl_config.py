@@ -60,15 +60,29 @@ def _imported(path: str):
         raise ValueError(f"reward_funcs: could not import {path!r} ({e})") from None
 
 
-def split(d: dict) -> tuple[dict, ScriptRewards]:
-    """(the config's fields, the script's reward arguments) of a config file's mapping."""
-    from ..trl.fields import renamed
+def split(d: dict, source: str = "config file") -> tuple[dict, ScriptRewards]:
+    """(the config's fields, the script's reward arguments) of a config file's mapping. TRL's warm-up ratio
+    (warmup_steps below 1, or warmup_ratio: trl/fields.warmup_ratio's rule) becomes warmup_steps of the file's
+    max_steps, TRL's optimizer steps, as transformers counts it."""
+    from ..trl.fields import renamed, warmup_ratio
 
     d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: train/trl_table.py, when the config is built
     names = d.pop("reward_funcs", None) or []
     if isinstance(names, str):
         names = [names]
-    return d, ScriptRewards(list(names), d.pop("reward_model_name_or_path", None))
+    rewards = ScriptRewards(list(names), d.pop("reward_model_name_or_path", None))
+    ratio, d = warmup_ratio(d, source)
+    if ratio:
+        steps = d.get("max_steps")
+        if not (rewards and isinstance(steps, int) and not isinstance(steps, bool) and steps > 0):
+            given = "a `trl grpo --config` file's max_steps" if rewards else "max_steps of a TRL file (with reward_funcs)"
+            raise ValueError(f"{source}: a warm-up ratio ({ratio:g} of the run's optimizer steps) needs {given} "
+                             f"(TRL's optimizer steps) to count from under qerl train; set max_steps there, or give "
+                             f"warmup_steps as a whole number of optimizer steps")
+        from ..train.optim import warmup_steps
+
+        d["warmup_steps"] = warmup_steps(ratio, steps)
+    return d, rewards
 
 
 def as_messages_if_chat(funcs: list, rows: list) -> list:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..train.config import TrainConfig
-from ..train.fields import setting
+from ..train.fields import setting, typed
 
 
 @dataclass
@@ -69,6 +69,10 @@ class SFTConfig(TrainConfig):
         if not self.dataset_text_field:
             bad("dataset_text_field", "must name a column")
 
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "SFTConfig":
+        return typed(cls, trl_sorted(d, source), source)
+
     def steps_for(self, examples: int, world: int = 1) -> int:
         """Optimizer updates of the run: max_steps, or num_train_epochs over `examples`."""
         if self.max_steps > 0:
@@ -76,3 +80,26 @@ class SFTConfig(TrainConfig):
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         return max(1, -(-int(round(self.num_train_epochs * examples)) // per_step))
 
+
+
+def trl_sorted(d: dict, source: str) -> dict:
+    """`d` less TRL's fields that SFTConfig lacks, by train/trl_table.py's one rule, as GRPOConfig's
+    (rl/config.py resolve_aliases): without an effect, or at TRL's default, named in one line; another value
+    of one that would change training refused by name with the nearest field (SFTConfig(warmup_ratio=0.1) was a
+    raw TypeError where GRPOConfig named warmup_steps; qerl.trl's SFTConfig takes TRL's ratio)."""
+    import dataclasses
+
+    from ..train.trl_table import sort_out
+
+    return sort_out(d, "sft", {f.name for f in dataclasses.fields(SFTConfig)}, source)
+
+
+_dataclass_init = SFTConfig.__init__
+
+
+def _init_sorted(self, *args, **kw):
+    _dataclass_init(self, *args, **trl_sorted(kw, "SFTConfig"))
+
+
+_init_sorted.__wrapped__ = _dataclass_init  # SFTConfig(bf16=True) as in TRL: TRL's fields by the one rule
+SFTConfig.__init__ = _init_sorted

@@ -22,6 +22,42 @@ import torch
 import torch.distributed as dist
 
 
+TORCHRUN_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets beside WORLD_SIZE (LOCAL_RANK: 0 unset)
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 unset), checked with what joining its process group needs: a WORLD_SIZE above 1
+    without RANK, MASTER_ADDR and MASTER_PORT (a variable left in the shell, not torchrun's) is one line naming
+    what is missing and the fix, where it was `KeyError: 'RANK'`. The one reader of the variables: the trainer's
+    ranks (Dist.from_env), qerl.trl's step counts and `qerl train` of a TRL file."""
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    if not text:
+        return 1
+    unset = "unset WORLD_SIZE to train in one process"
+    try:
+        world = int(text)
+    except ValueError:
+        raise ValueError(f"environment variable WORLD_SIZE={text!r} is not a number of processes: launch with "
+                         f"torchrun --nproc_per_node N (it sets it), or {unset}") from None
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={text!r} must be >= 1: launch with torchrun "
+                         f"--nproc_per_node N, or {unset}")
+    if world == 1:
+        return 1
+    missing = [v for v in TORCHRUN_VARS if not os.environ.get(v, "").strip()]
+    if missing:
+        raise ValueError(f"environment variable WORLD_SIZE={world} is set but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not (torchrun sets them all): launch with "
+                         f"torchrun --nproc_per_node {world} ..., or {unset}")
+    for name, top in (("RANK", world), ("LOCAL_RANK", None)):
+        value = os.environ.get(name, "0").strip() or "0"
+        if not value.isdigit() or (top is not None and int(value) >= top):
+            bound = f" below WORLD_SIZE={world}" if top is not None else ""
+            raise ValueError(f"environment variable {name}={value!r} must be a whole number >= 0{bound}: launch "
+                             f"with torchrun --nproc_per_node {world} ..., or {unset}")
+    return world
+
+
 @dataclass
 class Dist:
     rank: int = 0
@@ -36,10 +72,10 @@ class Dist:
     def from_env(cls, device_type: str, timeout_s: float = 1800, backend: str | None = None) -> "Dist":
         """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*); a
         collective that waits longer than timeout_s (a rank died or hangs) raises instead of hanging."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size()
         if world == 1:
             return cls()
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0").strip() or "0")
         if device_type == "cuda":
             torch.cuda.set_device(local)
         if not dist.is_initialized():

@@ -17,7 +17,8 @@ A resumed run (`resume_step`: the checkpoint's global_step) repeats the steps fr
 its rows past the checkpoint: TensorBoard drops the killed run's points from that step on (purge_step); mlflow
 marks the killed run KILLED and starts a new one holding the killed run's points before that step. A run
 stopped by Ctrl-C ends KILLED in mlflow, FAILED on another exception. An unreachable wandb server is one line
-(ConnectionError) after wandb's init_timeout, 15 s here unless WANDB_INIT_TIMEOUT says otherwise.
+(ConnectionError) after wandb's init_timeout, 15 s here unless WANDB_INIT_TIMEOUT says otherwise; an mlflow server
+(MLFLOW_TRACKING_URI http(s)) whose port does not answer within 5 s is one line naming it, when the trackers start.
 """
 
 from __future__ import annotations
@@ -144,6 +145,36 @@ def mlflow_name(key: str) -> str:
     return "/".join("_" if p in ("", ".", "..") else p for p in key.split("/"))[:250]
 
 
+MLFLOW_PROBE_S = 5.0  # seconds to wait for the tracking server's port before the run starts
+
+
+def check_mlflow_server(uri: str) -> None:
+    """An http(s) MLFLOW_TRACKING_URI whose server does not answer is one line naming it and the fix, at once:
+    mlflow's client retried a refused connection for about 4 minutes, then gave a five-deep traceback. A proxy
+    that would carry the request (HTTP(S)_PROXY, not bypassed by NO_PROXY) is left to mlflow."""
+    import urllib.parse
+    import urllib.request
+
+    u = urllib.parse.urlsplit(uri)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return
+    if urllib.request.getproxies().get(u.scheme) and not urllib.request.proxy_bypass(u.hostname):
+        return
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"report_to mlflow: MLFLOW_TRACKING_URI={uri!r} has no valid port; fix it, or unset it to "
+                         "log to output_dir/mlruns") from None
+    try:
+        socket.create_connection((u.hostname, port), timeout=MLFLOW_PROBE_S).close()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise ConnectionError(f"report_to mlflow: no mlflow server answers at {uri} (MLFLOW_TRACKING_URI; {why}); "
+                              f"start it (mlflow server --host {u.hostname} --port {port}), point "
+                              "MLFLOW_TRACKING_URI at a running one, unset it to log to output_dir/mlruns, or leave "
+                              "mlflow out of report_to") from None
+
+
 class MLflow:
     FOLDER_TAG = "qerl.run_folder"  # host:path of the run folder: the runs of one folder, across resumes
 
@@ -156,7 +187,19 @@ class MLflow:
             # mlflow >= 3.7 refuses a file store unless asked: this one is what qerl chose, offline and
             # with no database package needed (mlflow-skinny)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
+        check_mlflow_server(uri)
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._start(MlflowClient(tracking_uri=uri), out, config, name, resume_step)
+        except MlflowException as e:  # a server that answers but refuses: its first line, not five frames
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ConnectionError(f"report_to mlflow: the mlflow tracking store at {uri} started no run ({why}); "
+                                  "fix the server or MLFLOW_TRACKING_URI, unset it to log to output_dir/mlruns, or "
+                                  "leave mlflow out of report_to") from None
+
+    def _start(self, client, out: Path, config: dict, name: str, resume_step: int | None) -> None:
+        self.client = client
         exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
         exp = self.client.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(exp_name)

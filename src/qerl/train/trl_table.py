@@ -297,7 +297,7 @@ ANY_VALUE = frozenset("""
     torch_compile_mode local_rank trackio_space_id trackio_bucket_id trackio_static_space_id
     ignore_data_skip include_num_input_tokens_seen average_tokens_across_devices ddp_find_unused_parameters
     ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph use_cache num_train_epochs
-    use_peft attn_implementation lora_task_type dataset_test_split
+    attn_implementation lora_task_type dataset_test_split
     dataset_streaming load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage
     dataset_num_proc dataset_kwargs eval_packing
     eval_steps eval_delay eval_on_start prediction_loss_only eval_do_concat_batches eval_use_gather_object
@@ -306,6 +306,14 @@ ANY_VALUE = frozenset("""
     ref_model_mixup_alpha ref_model_sync_steps entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target
 """.split())
 # (the last line: read only with sync_ref_model / use_adaptive_entropy on, which are refused)
+
+# Fields whose value (the first; also unset, None) qerl does not carry out and says so in a line of its own at
+# start-up, as it trains anyway; their other value is what qerl does (named with the ignored fields)
+NOT_CARRIED_OUT = {
+    "use_peft": (False, "(TRL's default: full fine-tuning of every weight) is not carried out: qerl always trains a "
+                        "LoRA adapter (lora_r, lora_alpha, lora_target_modules) on the frozen 4-bit base, whose weights "
+                        "never change; set use_peft: true to say so"),
+}
 
 # Fields that would change the result: (other values that change nothing, the nearest qerl field or what to do)
 NEAREST = {
@@ -335,7 +343,9 @@ NEAREST = {
     "accelerator_config": (({},), "torchrun --nproc_per_node N (qerl's data-parallel ranks)"),
     "parallelism_config": ((), "torchrun --nproc_per_node N (qerl's data-parallel ranks)"),
     "router_aux_loss_coef": ((), "none: qerl adds no router auxiliary loss"),
-    "warmup_ratio": ((None,), "warmup_steps (optimizer updates of warm-up)"),
+    # qerl.trl's configs and TRL config files take it (trl/fields.warmup_ratio); qerl's own configs name the fix
+    "warmup_ratio": ((None,), "warmup_steps (optimizer updates of warm-up), or qerl.trl's GRPOConfig / SFTConfig, "
+                              "which take TRL's ratio"),
     # GRPO
     "use_adaptive_entropy": ((), "entropy_coef (a fixed coefficient)"),
     "sync_ref_model": ((), "beta (the KL to the starting policy)"),
@@ -421,11 +431,16 @@ def sort_out(d: dict, kind: str, own, source: str, also_ignored=()) -> dict:
     UNSET_IS_QERLS at None is left out (qerl's default).
     also_ignored: names the caller took out and does not act on, added to the line."""
     table = defaults(kind)  # the other script's own fields are "unknown field" (did you mean), but ANY_VALUE's
-    rest, ignored, at_default = {}, [], []
+    rest, ignored, at_default, lines = {}, [], [], []
     for k, v in d.items():
         if k in own or not (k in table or k in ANY_VALUE or k in NEAREST):
             if not (v is None and k in UNSET_IS_QERLS and k in own):
                 rest[k] = v
+        elif k in NOT_CARRIED_OUT:
+            if _same(v, NOT_CARRIED_OUT[k][0]) or v is None:
+                lines.append(f"qerl: {source}: {k}={v!r} {NOT_CARRIED_OUT[k][1]}")
+            else:
+                ignored.append(k)  # the value qerl carries out anyway
         elif k in ANY_VALUE:
             ignored.append(k)
         elif no_op(k, v, kind, seed=d.get("seed", 42)):
@@ -434,6 +449,8 @@ def sort_out(d: dict, kind: str, own, source: str, also_ignored=()) -> dict:
             raise ValueError(f"{source}: {refusal(k, v, kind)}")
     ignored += [k for k in also_ignored if k not in ignored]
     notice(source, ignored, at_default)
+    for line in lines:
+        print(line, flush=True)
     return rest
 
 

@@ -1,11 +1,49 @@
 """What TRL's trainers take as data and model: rows (a datasets.Dataset, any iterable of rows, or a
-.jsonl path) and a model (a hub id, a folder, or a transformers model saved to a temporary folder)."""
+.jsonl path) and a model (a hub id, a folder, or a transformers model saved to a temporary folder, removed
+once the trainer has loaded it: `temporary_models`)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
+
+_MADE: list[list[Path]] = []  # the temporary model folders of each trainer being built (temporary_models)
+
+
+@contextlib.contextmanager
+def temporary_models():
+    """Around a trainer's construction: the temporary folders model_folder makes in it (a transformers model
+    saved for qerl to quantize, ~15 GB for a 7B model; a folder of links with a processing_class) are removed
+    when it ends, built, failed or interrupted (Ctrl-C). The trainer has loaded the policy and tokenizer from
+    them by then, and names the model the script gave (base_id), never the temporary folder."""
+    made: list[Path] = []
+    _MADE.append(made)
+    try:
+        yield made
+    finally:
+        _MADE.remove(made)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def removes_temporary_models(init):
+    """A trainer's __init__ run inside temporary_models (its signature kept)."""
+    @functools.wraps(init)
+    def built(self, *args, **kw):
+        with temporary_models():
+            init(self, *args, **kw)
+    return built
+
+
+def _temporary_folder() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+    if _MADE:
+        _MADE[-1].append(folder)
+    return folder
 
 
 def read_rows(data, what: str, need: str | None = "prompt") -> list | None:
@@ -39,7 +77,8 @@ def eval_sets(data, need: str | None = "prompt") -> dict | None:
 def model_folder(model, processing_class) -> str:
     """A hub id or folder as is; with a processing_class, a folder of links to the model's files and that
     tokenizer (TRL tokenizes with the processing_class it is given, not the checkpoint's); a transformers
-    model (and its tokenizer) saved to a temporary folder, which qerl quantizes like any checkpoint."""
+    model (and its tokenizer) saved to a temporary folder, which qerl quantizes like any checkpoint (inside
+    `temporary_models`, removed when the trainer is built)."""
     if isinstance(model, (str, Path)):
         from ..model.resolve import check_reachable, resolve_model
 
@@ -48,7 +87,7 @@ def model_folder(model, processing_class) -> str:
             return str(model)
 
         source = resolve_model(str(model))
-        folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+        folder = _temporary_folder()
         for f in source.iterdir():
             if f.name not in TOKENIZER_FILES:
                 (folder / f.name).symlink_to(f.resolve())
@@ -56,7 +95,7 @@ def model_folder(model, processing_class) -> str:
         return str(folder)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model: {type(model).__name__} is neither a hub id, a folder nor a transformers model")
-    folder = Path(tempfile.mkdtemp(prefix="qerl_trl_model_"))
+    folder = _temporary_folder()
     model.save_pretrained(folder, safe_serialization=True)
     tok = processing_class
     if tok is None:

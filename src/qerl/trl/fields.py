@@ -44,21 +44,52 @@ def refuse(name: str, value, nearest: str) -> ValueError:
     return ValueError(f"{name}={value!r} is not supported by qerl; nearest: {nearest}")
 
 
-def split(kw: dict) -> tuple[TRLArgs, dict]:
+def split(kw: dict, source: str = "config") -> tuple[TRLArgs, dict]:
     """(the TRL surface's fields, the rest for qerl's config) of a TRL config's keyword arguments."""
     kw = dict(kw)
-    mine = {f.name: kw.pop(f.name) for f in dataclasses.fields(TRLArgs) if f.name in kw}
+    mine = {f.name: kw.pop(f.name) for f in dataclasses.fields(TRLArgs) if f.name in kw and f.name != "warmup_ratio"}
     trl = TRLArgs(**mine)
     if trl.max_prompt_length is not None:
         kw["max_prompt_length"] = trl.max_prompt_length
     kw = renamed(kw)
     if trl.eval_strategy not in EVAL_STRATEGIES:
         raise refuse("eval_strategy", trl.eval_strategy, "eval_strategy='steps' with eval_steps")
-    if trl.warmup_ratio and "warmup_steps" in kw and kw["warmup_steps"]:
-        raise ValueError("warmup_ratio and warmup_steps: set one")
+    trl.warmup_ratio, kw = warmup_ratio(kw, source)
     if trl.log_unique_prompts:
         raise refuse("log_unique_prompts", True, "log_completions (every completion of the printed prompts)")
     return trl, kw
+
+
+_SAID: set[str] = set()  # what is said once a process
+
+
+def warmup_ratio(kw: dict, source: str) -> tuple[float, dict]:
+    """(TRL's warm-up ratio, `kw` without it): the one rule for TRL's warm-up names, in qerl.trl's GRPOConfig
+    and SFTConfig and in `qerl train` / `qerl sft` of a TRL config file. transformers 5 writes the ratio as
+    `warmup_steps` below 1 (0.1: a tenth of the run's optimizer steps); transformers 4's `warmup_ratio` is
+    read as the same ratio, its deprecation said once. Both set is refused; a whole warmup_steps stays (optimizer
+    steps). The caller turns the ratio into steps once the run's optimizer steps are known (train/optim.py
+    warmup_steps: transformers' ceil(ratio x steps))."""
+    kw = dict(kw)
+    old = kw.pop("warmup_ratio", None)
+    steps = kw.get("warmup_steps")
+    if old is not None and (isinstance(old, bool) or not isinstance(old, (int, float)) or not 0 <= old <= 1):
+        raise ValueError(f"{source}: warmup_ratio={old!r} must be a number from 0 to 1 (the fraction of the run's "
+                         f"optimizer steps that warm up), e.g. warmup_steps: 0.1 as transformers 5 writes it")
+    ratio = 0.0
+    if isinstance(steps, float) and 0 < steps < 1:  # transformers 5: the ratio
+        ratio = kw.pop("warmup_steps")
+    if old:
+        if ratio or steps:
+            raise ValueError(f"{source}: warmup_ratio={old!r} and warmup_steps={steps!r} both set the warm-up; set "
+                             f"one (transformers 5: warmup_steps={old!r}, a float below 1, is the ratio)")
+        if "warmup_ratio" not in _SAID:
+            _SAID.add("warmup_ratio")
+            print(f"qerl: {source}: warmup_ratio is transformers 4's name, deprecated in transformers 5 (which writes "
+                  f"it warmup_steps={old!r}, a float below 1); read as that ratio of the run's optimizer steps",
+                  flush=True)
+        ratio = float(old)
+    return ratio, kw
 
 
 def renamed(kw: dict) -> dict:

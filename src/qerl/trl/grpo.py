@@ -23,13 +23,12 @@ or a .jsonl path; peft_config a LoraConfig or a mapping of its fields (lora.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from ..rl import GRPOConfig as _Config
 from ..train.optim import warmup_steps
 from ..rl import GRPOTrainer as _Trainer
 from . import fields, steps
-from .data import base_id, eval_sets, model_folder, read_rows
+from .data import base_id, eval_sets, model_folder, read_rows, removes_temporary_models
 from .lora import lora_change
 from .surface import TrainerSurface
 
@@ -42,7 +41,7 @@ TRL_DEFAULTS = {"dynamic_sampling": False}  # TRL has none: it would change the 
 def GRPOConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
     """qerl's GRPOConfig from TRL's keyword arguments (see the module's doc); TRL's own fields that the
     surface reads (max_steps in optimizer steps, num_train_epochs, log_completions, ...) ride as `cfg.trl`."""
-    trl, rest = fields.split(kw)
+    trl, rest = fields.split(kw, "GRPOConfig")
     for k, v in TRL_DEFAULTS.items():
         rest.setdefault(k, v)
     if trl.max_steps not in (-1, None):
@@ -53,16 +52,19 @@ def GRPOConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a c
 
 
 def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, as the trainer's Dist reads it
+    from ..train.distributed import world_size
+
+    return world_size()  # torchrun's, checked as the trainer's Dist reads it
 
 
-class GRPOTrainer(TrainerSurface, _Trainer):
+class GRPOTrainer(TrainerSurface, steps.TRLNumbering, _Trainer):
     """qerl's trainer with TRL's constructor and Trainer surface (see the module's doc)."""
 
     KIND_TAG = "grpo"
     # the parity check's seconds show in the line of a step that ran one (the first): its cost is visible
     LOG_KEYS = _Trainer.LOG_KEYS + ("time_parity",)
 
+    @removes_temporary_models  # a model object's temporary copy: removed once built, failed or interrupted
     def __init__(self, model, reward_funcs=None, args: _Config | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
@@ -135,11 +137,8 @@ class GRPOTrainer(TrainerSurface, _Trainer):
         self.cfg.trl = trl
         self.surface_ready()
 
-    # ---- TRL's step numbering: a generation is updates_per_generation optimizer steps (steps.py); the run
-    # loop numbers everything by them (train/loop.py global_step) ---------------------------------------
-    @property
-    def global_steps_per_step(self) -> int:
-        return self.step_plan.updates_per_generation
+    # TRL's step numbering: a generation is updates_per_generation optimizer steps (steps.TRLNumbering); the
+    # run loop numbers everything by them (train/loop.py global_step)
 
     def record(self, m: dict, log) -> None:
         super().record(m, log)

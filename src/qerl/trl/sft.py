@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 from ..sft import SFTConfig as _Config
@@ -27,7 +26,7 @@ from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
 from ..train import trl_table as table
 from . import fields
-from .data import base_id, eval_sets, model_folder, read_rows
+from .data import base_id, eval_sets, model_folder, read_rows, removes_temporary_models
 from .lora import lora_change
 from .surface import TrainerSurface
 from .token_accuracy import token_stats
@@ -45,7 +44,7 @@ def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple
     said in one line, those that would change training refused by name (a `trl sft --config` file too).
     not_carried_out: fields of the TRL surface (fields.TRLArgs) that the caller does not act on; those
     given are named in the same ignored line."""
-    trl, rest = fields.split(kw)
+    trl, rest = fields.split(kw, source)
     own = {f.name for f in dataclasses.fields(_Config)}
     if rest.pop("padding_free", False):
         rest["packing"] = True  # the same loss without padding: qerl's packing is padding-free
@@ -86,6 +85,7 @@ class SFTTrainer(TrainerSurface, _Trainer):
     KIND_TAG = "sft"
     LOG_KEYS = _Trainer.LOG_KEYS + ("mean_token_accuracy",)
 
+    @removes_temporary_models  # a model object's temporary copy: removed once built, failed or interrupted
     def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
@@ -126,7 +126,9 @@ class SFTTrainer(TrainerSurface, _Trainer):
         if peft_config is not None:
             change.update(lora_change(peft_config))
         cfg = dataclasses.replace(args, **change)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        from ..train.distributed import world_size
+
+        world = world_size()
         if cfg.max_steps in (-1, None):
             cfg = dataclasses.replace(cfg, max_steps=trl_steps(cfg, len(rows), world))
         cfg.trl = trl  # warmup_ratio: the trainer's, once the run's updates are known (sft/trainer.py)

@@ -49,3 +49,26 @@ def plan(cfg, max_steps: int, epochs: float, prompts: int, world: int = 1) -> St
                 f"(num_iterations x steps_per_generation / gradient_accumulation_steps): qerl finishes the last "
                 f"generation, {gens * per_gen} optimizer steps (TRL stops after {max_steps})")
     return StepPlan(gens, gens * per_gen, per_gen, note)
+
+
+class TRLNumbering:
+    """TRL's step numbering for a GRPO trainer whose step is one generation: `global_step` counts optimizer
+    steps (a generation makes `updates_per_generation` of them), so printed lines, metrics.jsonl, the trackers,
+    trainer.state, the bar and checkpoint-N folders carry TRL's numbers (train/loop.py numbers everything by
+    `global_steps_per_step`). Mixed in before qerl's GRPOTrainer by qerl.trl's GRPOTrainer and, through
+    `numbered_as_trl`, by `qerl train` of a `trl grpo --config` file: one numbering for TRL's inputs.
+
+    The native `qerl train` (flags or a qerl config) keeps its own: its max_steps, save_steps, logging_steps and
+    eval_steps count generations, and with its defaults (num_iterations 1, steps_per_generation =
+    gradient_accumulation_steps) a generation is one optimizer step, so the two numberings are the same there."""
+
+    @property
+    def global_steps_per_step(self) -> int:
+        return updates_per_generation(self.cfg, self.dist.world)
+
+
+def numbered_as_trl(trainer_cls: type) -> type:
+    """`trainer_cls` (qerl's GRPOTrainer) numbering its steps as TRL does (TRLNumbering)."""
+    if issubclass(trainer_cls, TRLNumbering):
+        return trainer_cls
+    return type(f"TRLNumbered{trainer_cls.__name__}", (TRLNumbering, trainer_cls), {"__module__": __name__})
