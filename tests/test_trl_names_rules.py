@@ -53,7 +53,7 @@ def test_the_trl_configs_take_transformers_5_s_ratio_and_4_s_name_as_one_rule(ki
     capsys.readouterr()
     assert cls(warmup_ratio=0.2).trl.warmup_ratio == 0.2
     assert cls(warmup_ratio=0.3).trl.warmup_ratio == 0.3
-    said = [x for x in capsys.readouterr().out.splitlines() if "deprecated" in x]
+    said = [x for x in capsys.readouterr().err.splitlines() if "deprecated" in x]
     assert len(said) == 1 and "warmup_steps=0.2" in said[0]  # said once a process
     with pytest.raises(ValueError, match="warmup_ratio=0.1 and warmup_steps=5 both set the warm-up; set one"):
         cls(warmup_ratio=0.1, warmup_steps=5)

@@ -8,6 +8,7 @@ others (ignored, or refused by name with the nearest supported one) are train/tr
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 TRL_EPOCHS = 3.0  # TrainingArguments' num_train_epochs default
@@ -87,7 +88,7 @@ def warmup_ratio(kw: dict, source: str) -> tuple[float, dict]:
             _SAID.add("warmup_ratio")
             print(f"qerl: {source}: warmup_ratio is transformers 4's name, deprecated in transformers 5 (which writes "
                   f"it warmup_steps={old!r}, a float below 1); read as that ratio of the run's optimizer steps",
-                  flush=True)
+                  file=sys.stderr, flush=True)  # a warning: stdout stays --print_config's file
         ratio = float(old)
     return ratio, kw
 
