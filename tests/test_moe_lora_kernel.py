@@ -58,11 +58,11 @@ def _case(seed, e, r, k, n, t, topk, act, lora, gather, none_frac=0.2):
 @pytest.mark.parametrize("lora", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gather", [True, False])
 @pytest.mark.parametrize("act", ACT)
-def test_add_lora_matches_float64_per_pair(r, k, n, lora, gather, act):
+def test_add_expert_lora_matches_float64_per_pair(r, k, n, lora, gather, act):
     e, t, topk, scaling = 7, 5, 3, 2.5
     rt, x, a, b, y0 = _case(r * 1000 + k + n, e, r, k, n, t, topk, act, lora, gather)
     rows = rt.token if gather else None
-    y = moe_lora.add_lora(y0.clone(), x, rows, rt.expert, a, b, scaling)
+    y = moe_lora.add_expert_lora(y0.clone(), x, rows, rt.expert, a, b, scaling)
     assert y.dtype == act and y.shape == y0.shape
     want = _ref_delta(x, None if rows is None else rows.cpu(), rt.expert.cpu(), rt.valid.cpu(), a, b, scaling)
     ok = rt.valid.cpu()
@@ -74,27 +74,27 @@ def test_add_lora_matches_float64_per_pair(r, k, n, lora, gather, act):
     assert ((got - w).norm() / w.norm()).item() < tol
 
 
-def test_add_lora_all_invalid_and_empty_are_harmless():
+def test_add_expert_lora_all_invalid_and_empty_are_harmless():
     """Every pair "no expert" (clamped index, in range): no out-of-bounds read; zero pairs: no launch."""
     e, r, k, n = 3, 8, 32, 16
     rt = moe_gemv.route(torch.full((2, 2), e, device=DEV), e)
     assert not rt.valid.any()
     a, b = torch.randn(e, r, k, device=DEV), torch.randn(e, n, r, device=DEV)
-    y = moe_lora.add_lora(torch.zeros(4, n, device=DEV), torch.randn(2, k, device=DEV), rt.token, rt.expert, a, b, 1.0)
+    y = moe_lora.add_expert_lora(torch.zeros(4, n, device=DEV), torch.randn(2, k, device=DEV), rt.token, rt.expert, a, b, 1.0)
     assert torch.isfinite(y).all()
     empty = torch.zeros(0, n, device=DEV)
-    assert moe_lora.add_lora(empty, torch.zeros(0, k, device=DEV), None, torch.zeros(0, dtype=torch.long, device=DEV),
+    assert moe_lora.add_expert_lora(empty, torch.zeros(0, k, device=DEV), None, torch.zeros(0, dtype=torch.long, device=DEV),
                              a, b, 1.0) is empty
 
 
-def test_add_lora_refuses_mismatched_shapes():
+def test_add_expert_lora_refuses_mismatched_shapes():
     a, b = torch.zeros(3, 8, 32, device=DEV), torch.zeros(3, 16, 8, device=DEV)
     ex = torch.zeros(4, dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match="expected B"):
-        moe_lora.add_lora(torch.zeros(4, 16, device=DEV), torch.zeros(4, 32, device=DEV), None, ex, a,
+        moe_lora.add_expert_lora(torch.zeros(4, 16, device=DEV), torch.zeros(4, 32, device=DEV), None, ex, a,
                           b.to(torch.float64), 1.0)
     with pytest.raises(ValueError, match="do not fit"):
-        moe_lora.add_lora(torch.zeros(4, 16, device=DEV), torch.zeros(4, 24, device=DEV), None, ex, a, b, 1.0)
+        moe_lora.add_expert_lora(torch.zeros(4, 16, device=DEV), torch.zeros(4, 24, device=DEV), None, ex, a, b, 1.0)
 
 
 def _glu(y):
@@ -121,13 +121,13 @@ def test_quant_experts_decode_with_lora_kernels_equals_the_loop(fmt, lora, monke
     idx = torch.tensor([[0, 3], [3, 5], [4, 0], [3, 1], [5, 5], [0, 3]], device=DEV)  # 5 = E: no expert
     wts = torch.rand(6, 2, generator=g).to(DEV)
     calls = [0]
-    real = moe_lora.add_lora
+    real = moe_lora.add_expert_lora
 
     def counted(*a, **kw):
         calls[0] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(moe_lora, "add_lora", counted)
+    monkeypatch.setattr(moe_lora, "add_expert_lora", counted)
     with torch.no_grad():
         with settings.use(moe_gemv=False):
             want = q(x, idx, wts)

@@ -60,8 +60,8 @@ def test_lora_kernels_replay_in_a_cuda_graph(lora, r):
 
     def step():
         rt = moe_gemv.route(idx, e)
-        y = moe_lora.add_lora(y0.clone(), x, rt.token, rt.expert, a, b, scaling)  # gathered rows (gate_up)
-        y2 = moe_lora.add_lora(y0.clone(), xp, None, rt.expert, a, b, scaling)  # pair-ordered rows (down)
+        y = moe_lora.add_expert_lora(y0.clone(), x, rt.token, rt.expert, a, b, scaling)  # gathered rows (gate_up)
+        y2 = moe_lora.add_expert_lora(y0.clone(), xp, None, rt.expert, a, b, scaling)  # pair-ordered rows (down)
         return y, y2, rt.token, rt.expert, rt.valid
 
     graph, (y, y2, token, expert, valid) = _capture(step)

@@ -202,11 +202,11 @@ def end_lora(y: torch.Tensor, lora: LoraTerm | None, pending, bias: torch.Tensor
     if pending is not None:
         lora = lora_shrink.finish(pending)
     if lora is not None:
-        return add_lora(y, lora, bias)
+        return add_lora_term(y, lora, bias)
     return y if bias is None else y + bias
 
 
-def add_lora(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) -> torch.Tensor:
+def add_lora_term(y: torch.Tensor, lora: LoraTerm, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[:, rows of s] += scaling * xa_s @ b_s.T (+ bias) in place: one Triton launch for all segments and the bias
     (kernels/lora_expand.py), else one cuBLAS addmm per segment. Both read B itself (no cached copy): a CUDA graph captured in one rollout
     replays in the next, after an optimizer step has changed B in place. xa must be given."""
@@ -299,7 +299,7 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
             lora = lora_shrink.shrunk(lora, x2d)
         y = torch.nn.functional.linear(x2d, fmt.dequantize(tensors, shape, torch.bfloat16), b)
         if lora is not None:
-            y = add_lora(y, lora)
+            y = add_lora_term(y, lora)
     return y.view(*x.shape[:-1], n).to(dtype)
 
 

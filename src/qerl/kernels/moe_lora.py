@@ -117,8 +117,8 @@ def _build():
     _built = True
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert: torch.Tensor, a: torch.Tensor,
-             b: torch.Tensor, scaling: float) -> torch.Tensor:
+def add_expert_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, scaling: float) -> torch.Tensor:
     """y [P, N] += scaling·(x[row(p)]·A[expert[p]]ᵀ)·B[expert[p]]ᵀ in place, and returned. x [M, K] (rows [P]
     its row of each pair; None: x is [P, K] in pair order); expert [P], every entry in [0, E) (route's
     rt.expert is clamped so); a [E, r, K], b [E, N, r] of one dtype. All on one device; nothing read on the
@@ -152,4 +152,4 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None, expert
     return y
 
 
-__all__ = ["add_lora", "supports"]
+__all__ = ["add_expert_lora", "supports"]

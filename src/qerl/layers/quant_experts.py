@@ -252,7 +252,7 @@ class QuantExperts(nn.Module):
         y = moe_gemv.grouped_gemv(x, rows, rt, self.fmt, self.stacked(proj), self.shapes[proj])
         if self.r and not self.disable_adapters and moe_lora.supports(x):
             # Per pair, by Triton kernels: torch._grouped_mm syncs with the host, which CUDA graphs refuse.
-            moe_lora.add_lora(y, x, rows, rt.expert, self.lora_A[proj], self.lora_B[proj], self.scaling)
+            moe_lora.add_expert_lora(y, x, rows, rt.expert, self.lora_A[proj], self.lora_B[proj], self.scaling)
         elif self.r and not self.disable_adapters:  # CPU: per-expert shrink and expand on the slots' rows
             from .grouped_mm import grouped_mm
 
