@@ -67,7 +67,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if name not in fields:
                 continue  # a field removed from GRPOConfig: tests/test_bad_inputs.py says which
             t = type_name(hints[name])
-            flags = [f"--{name}"] + list(aliases.get(name, ()))  # --lora-r still works (cli.train.parse_overrides)
+            flags = [f"--{name}"] + list(aliases.get(name, ()))  # --lora-r still works (cli.run_config.parse_overrides)
             d = getattr(defaults, name)
             shown = "null" if d is None else repr(d)
             # a bare `qerl train` is the default run, whose values differ from the config defaults in places

@@ -125,15 +125,17 @@ def check_run_kind(folder, command: str) -> None:
                              f"continue it with: {qerl_command()} {kind} --resume {shlex.quote(str(folder))}")
 
 
-def check_resume_steps(cfg, command: str = "train") -> None:
+def check_resume_steps(cfg, command: str = "train", last: int | None = None) -> None:
     """`--resume D --max_steps 6` on a run at step 24 rewrote its adapter and exited 0 with no word:
-    refused before the model loads, saying how to train further (`qerl train` and `qerl sft` alike)."""
+    refused before the model loads, saying how to train further (`qerl train` and `qerl sft` alike). last: the
+    run's last step in the numbering of its checkpoint-N names (cli/train.last_step; cfg.max_steps unless said)."""
     from ..train.checkpoints import checkpoints
     from .stopped_run import resume_command
 
     found = checkpoints(cfg.output_dir)
     at = int(found[-1].name.rpartition("-")[2]) if found else 0
-    if at > cfg.max_steps:
-        raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {cfg.max_steps} is below it, so there is "
+    last = cfg.max_steps if last is None else last
+    if at > last:
+        raise ValueError(f"{cfg.output_dir} is at step {at}; max_steps {last} is below it, so there is "
                          f"nothing to train (the run is left as it is). To train further: "
                          f"{resume_command(cfg, command)} --max_steps N (N > {at})")

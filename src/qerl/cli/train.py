@@ -41,7 +41,7 @@ def train_config(args):
     config, ov = command_line(args, config_values(args))
     args.trl_rewards = None
     if args.resume:
-        cfg, record = resumed_config(args, config, ov, GRPOConfig, "train", apply)
+        cfg, record = resumed_config(args, config, ov, GRPOConfig, "train", resumed_apply(ov))
         if record:  # a `trl grpo --config` file's run: its reward functions, from where they were imported
             from .trl_config import ScriptRewards
 
@@ -54,14 +54,16 @@ def train_config(args):
         mapping = config_file(config)
         from .trl_config import split
 
-        fields, args.trl_rewards = split(mapping)  # a `trl grpo --config` file's reward_funcs
+        fields, args.trl_rewards = split(mapping, str(config))  # a `trl grpo --config` file's reward_funcs
         epochs = None
         if args.trl_rewards and fields.get("max_steps", -1) in (-1, None) and "max_steps" not in ov:
             # TRL's max_steps -1 (its default): num_train_epochs (TRL's default 3) over the data decides
             epochs = float(fields.pop("num_train_epochs", 3.0))
             fields["max_steps"] = 1  # for now: the data's count sets it (trl_max_steps)
         cfg = apply(GRPOConfig.from_dict(fields, source=str(config)), ov)
-        if args.trl_rewards and "max_steps" in fields and "max_steps" not in ov:
+        if args.trl_rewards and "max_steps" in ov:  # TRL's numbering on the command line too: optimizer steps
+            cfg = trl_max_steps(cfg, "--max_steps")
+        elif args.trl_rewards and "max_steps" in fields:
             cfg = trl_max_steps(cfg, config, epochs)
     else:
         from ..rl.default_run import default_run_config
@@ -69,6 +71,20 @@ def train_config(args):
         dev = ov.get("device")
         cfg = apply(batch_shape_reset(default_run_config(None if dev in (None, "auto") else dev), ov), ov)
     return cfg
+
+
+def resumed_apply(ov: dict[str, str]):
+    """`apply` for a resume: a `trl grpo --config` file's run (its record names reward functions) takes
+    --max_steps in TRL's optimizer steps, as its file did, turned into generations (the record's config.yaml)."""
+    def apply_ov(cfg, values):
+        from ..train.run_folder import read_record
+
+        cfg = apply(cfg, values)
+        if "max_steps" in ov and read_record(values["output_dir"]):
+            cfg = trl_max_steps(cfg, "--max_steps")
+        return cfg
+
+    return apply_ov
 
 
 def use_record_roots(record) -> None:
@@ -101,16 +117,18 @@ def check_reward_sources(record, folder) -> None:
 
 
 def trl_max_steps(cfg, source, epochs=None):
-    """A `trl grpo --config` file's max_steps counts TRL's optimizer steps: qerl's steps (generations) by
-    qerl.trl's translation (trl/steps.plan), said in one line when they differ. qerl train numbers its lines,
-    metrics and checkpoints by generation; --max_steps on the command line is qerl's (generations).
+    """A `trl grpo --config` file's max_steps (and --max_steps with it, new or resumed) counts TRL's optimizer
+    steps: qerl's steps (generations) by qerl.trl's translation (trl/steps.plan), said in one line when they
+    differ. Its run numbers its lines, metrics and checkpoints by TRL's global_step, as qerl.trl
+    (trl/steps.numbered_as_trl; `last_step`).
     epochs: the file's max_steps is -1 (TRL's default): num_train_epochs over the data's prompts, said in one line."""
     import dataclasses
     import os
 
+    from ..train.distributed import world_size
     from ..trl.steps import plan
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if epochs is not None:
         from ..sft.data import load_rows
 
@@ -124,8 +142,8 @@ def trl_max_steps(cfg, source, epochs=None):
     if p.updates_per_generation != 1 and int(os.environ.get("RANK", "0")) == 0:
         print(f"qerl: {source}: max_steps={cfg.max_steps} counts TRL's optimizer steps: {p.qerl_steps} generations of "
               f"{p.updates_per_generation} updates (num_iterations x steps_per_generation / gradient_accumulation_steps)"
-              f"; qerl train numbers its steps, metrics and checkpoints by generation (step {p.qerl_steps} is TRL's "
-              f"global_step {p.optimizer_steps})", flush=True)
+              f"; qerl train numbers its steps, metrics and checkpoints by TRL's global_step, 1 to "
+              f"{p.optimizer_steps}", flush=True)
     if p.note:
         print(f"qerl: {p.note}", flush=True)
     return dataclasses.replace(cfg, max_steps=p.qerl_steps)
@@ -175,14 +193,20 @@ def run(args):
 
     if not args.resume:  # never clear a folder that is, holds or lies inside what the run reads
         check_clear(cfg.output_dir, cfg.overwrite_output_dir, run_inputs(cfg))
+    rewards = getattr(args, "trl_rewards", None)  # a `trl grpo --config` file's reward_funcs
+    last = last_step(cfg, bool(rewards))  # the run's last step number, in its numbering
     if args.resume:
-        check_resume_steps(cfg)  # max_steps below the run's step: nothing to train, said before anything
-    if args.resume and (done := finished_run(cfg)):
+        check_resume_steps(cfg, last=last)  # max_steps below the run's step: nothing to train, said before anything
+    if args.resume and (done := finished_run(cfg, last)):
         print(done)
         return 0
     from ..rl import GRPOTrainer
 
-    rewards = getattr(args, "trl_rewards", None)  # a `trl grpo --config` file's reward_funcs
+    trainer_cls = GRPOTrainer
+    if rewards:  # a TRL file's run, TRL's numbering: global_step, optimizer steps (trl/steps.py), as qerl.trl's
+        from ..trl.steps import numbered_as_trl
+
+        trainer_cls = numbered_as_trl(GRPOTrainer)
     if rewards:
         from .trl_config import trl_task
 
@@ -195,7 +219,7 @@ def run(args):
         trainer = None
         try:
             record = RecordCallback(rewards.names, rewards.reward_model) if rewards else RecordCallback()
-            trainer = GRPOTrainer(cfg, task=task, callbacks=[record])  # the run's record, once the folder is claimed
+            trainer = trainer_cls(cfg, task=task, callbacks=[record])  # the run's record, once the folder is claimed
             if trainer.dist.world > 1 and trainer.dist.is_main:
                 import torch.distributed as dist
 
@@ -203,9 +227,10 @@ def run(args):
                       f"1/{trainer.dist.world} of a step's {trainer.plan.generation_batch_size} completions",
                       flush=True)
             if args.resume:
-                step = trainer.resume()
+                trainer.resume()
                 if trainer.dist.is_main:
-                    print(f"qerl train: resuming {args.resume} at step {step}/{cfg.max_steps}")
+                    print(f"qerl train: resuming {args.resume} at step {trainer.global_step}/"
+                          f"{trainer.global_max_steps}")
             import time
 
             t0 = time.perf_counter()
@@ -217,7 +242,7 @@ def run(args):
 
             after_interrupt()
             if trainer is None or trainer.dist.is_main:  # one line for the job, not one per rank
-                print(interrupted(cfg, trainer, stop.signal), file=sys.stderr, flush=True)
+                print(interrupted(cfg, numbered(trainer), stop.signal), file=sys.stderr, flush=True)
             return 130 if stop.signal == "SIGINT" else 143
         except Exception as e:
             if (refused := write_refused(e, cfg)) is not None:
@@ -227,11 +252,13 @@ def run(args):
         trainer.dist.close()
         return 0
     if rows:
-        last = rows[-1]
-        print(f"qerl train: {len(rows)} steps to step {trainer.step}; last reward {last['reward_mean']:.3f}, "
-              f"accuracy {last.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
+        final = rows[-1]
+        # a TRL file's step (global_step) is an optimizer step: its rows are generations of several
+        what = "steps" if trainer.global_steps_per_step == 1 else "generations"
+        print(f"qerl train: {len(rows)} {what} to step {trainer.global_step}; last reward {final['reward_mean']:.3f}, "
+              f"accuracy {final.get('accuracy', float('nan')):.3f}; adapter in {cfg.output_dir}/adapter")
         if (idle := untrained_steps(rows)):
-            print(f"qerl train: {idle} of the {len(rows)} steps made no update: every group's rewards tied or "
+            print(f"qerl train: {idle} of the {len(rows)} {what} made no update: every group's rewards tied or "
                   f"unscorable (no advantage to learn from){'; the adapter is unchanged' if idle == len(rows) else ''}")
     evals = run_evals(cfg.output_dir) or trainer.evals  # a resumed run's earlier evaluations too
     if evals:
@@ -246,14 +273,38 @@ def run(args):
     return 0
 
 
+def last_step(cfg, trl_numbered: bool) -> int:
+    """The run's last step number in its numbering, the one rule for checkpoint-N, the evaluation rows and the
+    lines that compare with it (trainer.global_max_steps once the trainer is built): cfg.max_steps counts
+    generations; a `trl grpo --config` file's run numbers by TRL's global_step, `updates_per_generation`
+    optimizer steps a generation on this launch's ranks; qerl's own run by generation."""
+    if not trl_numbered:
+        return cfg.max_steps
+    from ..train.distributed import world_size
+    from ..trl.steps import updates_per_generation
+
+    return cfg.max_steps * updates_per_generation(cfg, world_size())
+
+
+def numbered(trainer):
+    """The trainer as stopped_run.interrupted reads it (`step` of `max_steps`), in the run's numbering
+    (global_step of global_max_steps); None stays None."""
+    if trainer is None:
+        return None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(step=trainer.global_step, max_steps=trainer.global_max_steps)
+
+
 def untrained_steps(rows: list[dict]) -> int:
     """Steps whose rollouts gave no update (dynamic sampling dropped every tied or unscorable group: m["updates"] == 0)."""
     return sum(1 for r in rows if r.get("updates") == 0)
 
 
-def finished_run(cfg) -> str | None:
-    """The message for `--resume` of a run that has nothing left to do (its last checkpoint at
-    max_steps, its final evaluation and adapter written); None when there is work left."""
+def finished_run(cfg, last: int | None = None) -> str | None:
+    """The message for `--resume` of a run that has nothing left to do (its last checkpoint at its last step,
+    `last` in its numbering: `last_step`; its final evaluation and adapter written); None when there is work
+    left."""
     from pathlib import Path
 
     from ..train.checkpoints import CorruptCheckpoint, checkpoints, read_checkpoint
@@ -262,19 +313,19 @@ def finished_run(cfg) -> str | None:
 
     out = Path(cfg.output_dir)
     found = checkpoints(out)
-    if not found or int(found[-1].name.rpartition("-")[2]) < cfg.max_steps:
+    last = cfg.max_steps if last is None else last
+    if not found or int(found[-1].name.rpartition("-")[2]) < last:
         return None
     try:
         read_checkpoint(found[-1])
     except CorruptCheckpoint:
         return None  # the trainer falls back to an earlier checkpoint and trains again from there
-    final_eval = out / "eval" / f"step_{cfg.max_steps}.json"
-    if not (out / "adapter").is_dir() or (cfg.eval_on_end and not final_eval.exists()):
+    evals = run_evals(out)  # numbered as the run's steps (metrics.jsonl), whatever its eval/ files are named
+    if not (out / "adapter").is_dir() or (cfg.eval_on_end and not any(e["step"] == last for e in evals)):
         return None  # killed after its last checkpoint: the trainer finishes it
-    lines = [f"qerl train: {out} is finished (step {cfg.max_steps}/{cfg.max_steps}); its adapter is {out / 'adapter'}. "
-             f"To train further: {resume_command(cfg)} --max_steps N (N > {cfg.max_steps}); to evaluate it: "
+    lines = [f"qerl train: {out} is finished (step {last}/{last}); its adapter is {out / 'adapter'}. "
+             f"To train further: {resume_command(cfg)} --max_steps N (N > {last}); to evaluate it: "
              f"{qerl_command()} eval {shlex.quote(str(out))}"]
-    evals = run_evals(out)
     if evals:
         lines.append(summary_table(evals, None))
     return "\n".join(lines)

@@ -30,7 +30,7 @@ class SamplingParams:
     # benchmarks: each sample's own limit, to emulate completions that end at varied lengths.
     # (prompt key, sample index) -> that sample's max new tokens (>= 1; capped at max_new_tokens). The
     # prompt key is generate's prompt_keys[i] (default: the prompt's index). The engine really stops the
-    # sample there (its slot retires, the batch shrinks), with finish reason "limit" (see engine.Completion)
+    # sample there (its slot retires, the batch shrinks), with finish reason "limit" (completion.Completion)
     sample_max_new_tokens: Callable[[int, int], int] | None = None
 
     def __post_init__(self):
