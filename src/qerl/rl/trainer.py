@@ -349,7 +349,7 @@ class GRPOTrainer(TrainLoop):
                        seed=cfg.seed, system_prompt=cfg.system_prompt, prompt_suffix=cfg.prompt_suffix,
                        max_prompt_length=cfg.max_prompt_length, dataset=name, progress=self.progress,
                        turns_for=self.turns_for if (self.tools or self.environment_factory) else None)
-        rep.write(self.out / "eval" / f"step_{self.step}.json")
+        rep.write(self.out / "eval" / f"step_{self.global_step}.json")  # numbered as its metrics row
         row = {"step": self.global_step, "eval_pass_at_1": rep.pass_at_1, "eval_stderr": rep.stderr,
                "eval_mean_score": rep.mean_score, "eval_completion_length_mean": rep.completion_length_mean,
                "eval_problems": rep.problems, "eval_samples": rep.samples, "time_eval": rep.seconds}
@@ -433,7 +433,10 @@ class GRPOTrainer(TrainLoop):
     def after_step(self, m: dict, log, bar) -> None:
         cfg = self.cfg
         last = self.step == cfg.max_steps
-        if (cfg.eval_steps and self.step % cfg.eval_steps == 0) or (last and cfg.eval_on_end):
+        # eval_steps counts the run's own step numbers (TRL's global_step on a TRL-numbered run): evaluate when this
+        # step crossed a multiple of it (a step of several optimizer steps may pass one without landing on it)
+        g, n = self.global_step, self.global_steps_per_step
+        if (cfg.eval_steps and g // cfg.eval_steps > (g - n) // cfg.eval_steps) or (last and cfg.eval_on_end):
             if last:
                 bar.close()  # the final evaluation is its own phase, after the train bar
             self._evaluate_on_main(log)
