@@ -257,7 +257,7 @@ def _mode_settings(mode: str):
     from ..kernels import settings
 
     scope = settings.use(humming=mode in ("routed", "routed_lora32"), lora_expand_kernel=mode != "humming_lora32_addmm",
-                         lora_overlap=mode not in ("humming_lora32", "humming_lora32_addmm"))
+                         lora_overlap=mode == "humming_lora32_overlap")
     base = {"routed": "nvfp4", "routed_lora32": "nvfp4_lora32", "humming_lora32_addmm": "humming_lora32",
             "humming_lora32_overlap": "humming_lora32"}.get(mode, mode)
     return scope, base

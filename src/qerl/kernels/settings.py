@@ -48,11 +48,12 @@ class KernelSettings:
     lora_expand_kernel: bool = True
     """Beside a library GEMM (humming), a fused group's LoRA expand runs as one Triton launch for all its segments
     (kernels/lora_expand.py; False: one cuBLAS addmm per segment, the A/B baseline of `bench kernels`)."""
-    lora_overlap: bool = True
+    lora_overlap: bool = False
     """Beside humming (dense, split-K or stored), a layer's LoRA shrink runs on a side stream while the base GEMM
     runs, joined before the expand (kernels/lora_shrink.begin/finish): the same kernels and bits, the shrink's
     launches hidden. H100 at c5576bc (bench kernels, 7B layer set): 5-15 % less LoRA time than the shrink first
-    (humming_lora32_overlap against humming_lora32). False: the shrink first, on the same stream."""
+    (humming_lora32_overlap against humming_lora32). Off by default until the rollout's GPU tests (CUDA graphs)
+    have run with it on; False: the shrink first, on the same stream."""
     lora_shrink_split: bool = True
     """A LoRA shrink that is not fused into the base kernel runs as one split-K Triton launch where the measured
     table routes its M (kernels/lora_shrink.py `split_routes`, M 2-64 now; False: the one-row-a-program decode
