@@ -56,11 +56,11 @@ def _ref(f, t, shape, x, idx, e):
     return out
 
 
-def _run(f, t, shape, x, idx, e):
+def _run(f, t, shape, x, idx, e, tiles=None):
     """The kernel's output mapped back to [T, k, N] (rows of "no expert" pairs stay NaN)."""
     rt = moe_gemv.route(idx, e)
     y = torch.full((idx.numel(), shape[0]), float("nan"), device=x.device, dtype=x.dtype)
-    moe_gemv.grouped_gemv(x, rt.token, rt, f, t, shape, out=y)
+    moe_gemv.grouped_gemv(x, rt.token, rt, f, t, shape, out=y, tiles=tiles)
     got = torch.full((idx.numel(), shape[0]), float("nan"), dtype=torch.float64)
     got[rt.order.cpu()] = y.double().cpu()
     return got.view(*idx.shape, shape[0])
@@ -85,14 +85,27 @@ def test_grouped_gemv_matches_float64(fmt, n, k, route, dtype):
     _check(_run(f, t, (n, k), x, idx, e), _ref(f, t, (n, k), x, idx, e), TOL[dtype])
 
 
-def test_an_expert_with_more_tokens_than_a_block_loops_over_them(monkeypatch):
-    monkeypatch.setattr(moe_gemv, "BLOCK_M", 16)
+@pytest.mark.parametrize("tiles", [moe_gemv.Tiles(block_m=16), moe_gemv.Tiles(block_m=16, block_n=32, block_k=32,
+                                                                              num_warps=2, num_stages=2)])
+def test_an_expert_with_more_tokens_than_a_block_loops_over_them(tiles):
     g = torch.Generator().manual_seed(3)
     idx = torch.stack([torch.zeros(20, dtype=torch.long), torch.randint(1, 3, (20,), generator=g)], 1).to(DEV)
-    f, t = _experts("nvfp4", 3, 24, 32, seed=5)  # expert 0: all 20 tokens, two chunks of 16
-    x = torch.randn(20, 32, device=DEV)
+    f, t = _experts("nvfp4", 3, 40, 96, seed=5)  # expert 0: all 20 tokens, two chunks of 16
+    x = torch.randn(20, 96, device=DEV)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    _check(_run(f, t, (24, 32), x.to(dtype), idx, 3), _ref(f, t, (24, 32), x.to(dtype), idx, 3), TOL[dtype])
+    want = _ref(f, t, (40, 96), x.to(dtype), idx, 3)
+    _check(_run(f, t, (40, 96), x.to(dtype), idx, 3, tiles), want, TOL[dtype])
+
+
+def test_the_token_tile_follows_pairs_per_expert_not_tokens():
+    """64 tokens top-8 of 128 experts: ~4 pairs an expert, so a 16-token tile (a 64 one loaded 16x the x it
+    used); many pairs on few experts get a larger tile, capped at BLOCK_M."""
+    assert moe_gemv.default_tiles(64 * 8, 128).block_m == 16
+    assert moe_gemv.default_tiles(1 * 8, 128).block_m == 16
+    assert moe_gemv.default_tiles(256 * 8, 128).block_m == 32
+    assert moe_gemv.default_tiles(64 * 4, 32).block_m == 16  # gpt-oss-20b shape: 8 pairs an expert
+    assert moe_gemv.default_tiles(128 * 4, 32).block_m == 32  # 16 pairs an expert
+    assert moe_gemv.default_tiles(10_000, 4).block_m == moe_gemv.BLOCK_M
 
 
 def test_route_sorts_pairs_by_expert_and_pads_slots():

@@ -69,6 +69,60 @@ def _profile(q, h, e, top_k, dev, dt):
             print(ev.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
 
 
+SWEEP = ((16, 32, 64), (32, 64, 128), (128, 256), (4, 8), (3,))  # block_m, block_n, block_k, warps, stages
+
+
+def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
+    """The grouped GEMV kernel alone (gate_up then down, as a decode layer call runs them) at each decode batch,
+    over tile sizes: µs, the hit experts' bytes over that time, and each tile's largest difference from the
+    default's output. The old tile (64 tokens whatever the pairs per expert) is the baseline."""
+    import itertools
+
+    from ..kernels import moe_gemv
+
+    grid = [moe_gemv.Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
+            itertools.product(*axes)]
+    for t in batches:
+        if t > moe_gemv.MAX_TOKENS:
+            continue
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        idx, _ = _routing(t, e, top_k, dev, dt)
+        hit = idx.unique().numel()
+        rt = moe_gemv.route(idx, e)
+        gu, dn = q.stacked("gate_up_proj"), q.stacked("down_proj")
+        mid = torch.randn(idx.numel(), i, device=dev, dtype=dt)
+
+        def call(tiles):
+            a = moe_gemv.grouped_gemv(x, rt.token, rt, q.fmt, gu, q.shapes["gate_up_proj"], tiles=tiles)
+            return a, moe_gemv.grouped_gemv(mid, None, rt, q.fmt, dn, q.shapes["down_proj"], tiles=tiles)
+
+        default = moe_gemv.default_tiles(idx.numel(), e)
+        old = moe_gemv.Tiles(min(64, max(16, 1 << (t - 1).bit_length())), 64, 128, 4, 3)
+        want = [y.float() for y in call(default)]
+        times = {}
+        for tiles in dict.fromkeys([old, default] + [g for g in grid if g.block_m <= max(16, 2 * old.block_m)]):
+            try:
+                got = call(tiles)
+            except Exception as err:  # a tile the compiler refuses (shared memory): said, skipped
+                print(f"  T={t} {tiles}: {type(err).__name__}: {str(err).splitlines()[0][:80]}")
+                continue
+            d = max(((g.float() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+            times[tiles] = _timed(lambda: call(tiles), dev, 20)
+            if d > 2e-2:
+                print(f"  T={t} {tiles}: relative difference {d:.2e} from the default: wrong, dropped")
+                times.pop(tiles)
+        best = min(times, key=times.get)
+        print(f"== GEMV tiles at T={t} ({hit} experts hit, {hit * expert_bytes / 1e6:.0f} MB): "
+              f"old {times.get(old, float('nan')):.1f} µs, default {times.get(default, float('nan')):.1f} µs, "
+              f"best {times[best]:.1f} µs ({hit * expert_bytes / times[best] / 1e3:.0f} GB/s) {best}")
+        for tiles in sorted(times, key=times.get)[:8]:
+            print(f"   {times[tiles]:8.1f} µs  {tiles}")
+        for name, tiles in (("old", old), ("default", default), ("best", best)):
+            if tiles in times:
+                rec(f"T={t} gemv kernel only, {name} tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
+                    f"w{tiles.num_warps} s{tiles.num_stages}", "gemv_kernel_us", times[tiles])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -82,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch.profiler of the GEMV at T = 1 and 64 (GPU)")
     ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
     ap.add_argument("--humming", action="store_true", help="also humming-kernels' MoE GEMM (NVFP4)")
+    ap.add_argument("--sweep", action="store_true", help="the GEMV kernel alone over tile sizes at decode batches (GPU)")
     a = ap.parse_args(argv)
     from ..kernels import moe_gemv, settings
     from ..layers.quant_experts import QuantExperts
@@ -144,6 +199,11 @@ def main(argv=None) -> int:
                   f"{d_gemv:>9.2e}", flush=True)
     if a.profile and dev == "cuda":
         _profile(q, h, e, a.top_k, dev, dt)
+    if a.sweep:
+        case0 = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k}"
+        rec = (lambda c, m, v: record("moe", f"{case0} {c}", m, v, "µs", command=cmd, results_dir=rdir)) \
+            if a.record else (lambda c, m, v: None)
+        _sweep(q, h, i, e, a.top_k, [int(b) for b in a.batches.split(",")], dev, dt, expert_bytes, rec)
     return 0
 
 

@@ -49,7 +49,7 @@ from .weight_state import WeightState
 
 FMT_IDS = {"nvfp4": 0, "mxfp4": 1}
 MAX_TOKENS = MOE_GEMV_MAX_TOKENS  # decode batches (kernels/m_thresholds.py)
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128  # the largest token tile; the weight tile's rows and K
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
 _STATE: WeightState[tuple] = WeightState()
@@ -83,6 +83,28 @@ class Routing:
     slot_count: torch.Tensor   # [S] int32
     ends: torch.Tensor         # [S + 1] int32: cumulative slot counts, then P (grouped_mm's offsets)
     tokens: int                # T: no expert has more pairs (top-k picks an expert at most once a token)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tile sizes. block_m is the token tile: an expert's pairs run in chunks of it, and each
+    chunk re-reads that expert's weights, so it should cover the most pairs an expert gets."""
+
+    block_m: int = 16
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(pairs: int, num_experts: int) -> Tiles:
+    """The token tile from the mean pairs a hit expert gets (twice it, for the unlucky experts), not from T.
+
+    Why: at 64 tokens, top-8 of 128 experts, an expert has ~4 pairs, and a 64-token tile (next_pow2(T), as
+    before) made every program load 16x the activations it used: 16 KB of x per 4 KB of weights each K step.
+    An expert past the tile loops over chunks (correct; it re-reads its weights for the next chunk)."""
+    mean = -(-pairs // max(1, min(num_experts, pairs)))
+    return Tiles(block_m=min(BLOCK_M, max(16, next_pow2(2 * mean))))  # 16: tl.dot's least N
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
@@ -201,10 +223,11 @@ def _use_asm(x: torch.Tensor) -> bool:
 
 
 def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, fmt, tensors: dict[str, torch.Tensor],
-                 shape: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
+                 shape: tuple[int, int], out: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """y [P, N] in x's dtype, row p = x[rows[p]]·W_{e(p)}ᵀ for each sorted pair p in a slot (other rows
     untouched). x [M, K] with contiguous rows; rows [P] (None: x is already [P, K] in pair order);
-    tensors: the format's tensors stacked over experts; shape: one expert's (N, K)."""
+    tensors: the format's tensors stacked over experts; shape: one expert's (N, K); tiles: the launch's
+    tile sizes (None: default_tiles; benchmarks sweep others)."""
     n, k = shape
     fid, packed, scale, fac, fac_asm, mx_shift = prepare(fmt, tensors)
     g = GROUP[fid]
@@ -216,19 +239,20 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
         raise ValueError(f"x has {x.shape[-1]} features, the experts take {k}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    pairs = routing.order.numel()
-    y = out if out is not None else torch.empty(pairs, n, device=x.device, dtype=x.dtype)
     asm = _use_asm(x)
     factor = fac_asm if asm else fac
-    grid = (routing.slot_expert.numel(), cdiv(n, BLOCK_N))
-    block_k = min(BLOCK_K, max(g, next_pow2(k)))
-    block_m = min(BLOCK_M, max(16, next_pow2(routing.tokens)))  # 16: tl.dot's least N
+    pairs = routing.order.numel()
+    y = out if out is not None else torch.empty(pairs, n, device=x.device, dtype=x.dtype)
+    tiles = tiles or default_tiles(pairs, int(packed.shape[0]))
+    grid = (routing.slot_expert.numel(), cdiv(n, tiles.block_n))
+    block_k = min(tiles.block_k, max(g, next_pow2(k)))
     _build_kernel()
     _grouped_gemv_kernel[grid](
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
         FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return y
 
 
@@ -237,4 +261,5 @@ def roofline_bytes(num_hit: int, fmt_id: int, shapes: list[tuple[int, int]]) -> 
     return num_hit * sum(n * k // 2 + n * k // GROUP[fmt_id] for n, k in shapes)
 
 
-__all__ = ["route", "grouped_gemv", "supports", "prepare", "Routing", "roofline_bytes", "MAX_TOKENS"]
+__all__ = ["route", "grouped_gemv", "supports", "prepare", "Routing", "Tiles", "default_tiles", "roofline_bytes",
+           "MAX_TOKENS"]
