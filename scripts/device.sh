@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe ncu profile overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe_kernels ncu profile overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -124,6 +124,14 @@ step_moe() {  # one MoE expert layer (Qwen3-30B-A3B, NVFP4; gpt-oss-20b, MXFP4):
     --kv-cache-gb ${KV:-3.4} --json $J/moe_step.json $R --out /tmp/bs_moe
 }
 
+step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
+                     # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side
+  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
+  run moe_sweep_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
+    --inter 2880 --top-k 4 --format mxfp4
+  run moe_humming 120 python3 -m qerl.bench.moe $R --humming --batches 1,8,64,512
+}
+
 step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of a layer set (GROUPS: qkv, o,
               # gate_up, down): duration, DRAM throughput, occupancy, grid, registers, warp stalls
   TAIL=0 run ncu 400 ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \
@@ -135,8 +143,16 @@ step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of
 }
 
 step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 and bf16, batch 1 and 64);
-                  # SHRINK=1 adds the LoRA shrink's kernels, ATTENTION=1 decode attention against torch's
+                  # SHRINK=1 adds the LoRA shrink's kernels, ATTENTION=1 decode attention against torch's;
+                  # SHAPE=qwen3-30b-a3b: an MoE decode step instead (NVFP4, expert LoRA, LAYERS of it, default 8;
+                  # profile_decode_moe.json and .txt come back in $OUT/profile/)
   local skip; [ -n "${ATTENTION:-}" ] || skip=--skip-attention
+  if [ -n "${SHAPE:-}" ] && [ "$SHAPE" != qwen2.5-7b ]; then
+    TAIL=${TAIL:-90} run profile 400 python3 scripts/profile_decode.py --out $L ${skip:-} --shape $SHAPE \
+      --layers ${LAYERS:-8} --quants ${QUANTS:-nvfp4} --batches ${BATCHES:-1,64}
+    mkdir -p $OUT/profile && cp $L/profile_decode_moe.* $OUT/profile/ 2>/dev/null
+    return 0
+  fi
   TAIL=70 run profile 400 python3 scripts/profile_decode.py --out $L ${skip:-} ${SHRINK:+--shrink} \
     --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,64}
 }
