@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe ncu profile overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe_kernels ncu profile overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -122,6 +122,14 @@ step_moe() {  # one MoE expert layer (Qwen3-30B-A3B, NVFP4; gpt-oss-20b, MXFP4):
   run moe_step 400 python3 -m qerl.bench.step --shape ${SHAPE:-qwen3-30b-a3b} --prompts 8 --num-generations 8 \
     --prompt-len 256 --max-new-tokens ${NEW:-256} --micro-batch 2 --steps 1 --optim adamw_torch \
     --kv-cache-gb ${KV:-3.4} --json $J/moe_step.json $R --out /tmp/bs_moe
+}
+
+step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
+                     # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side
+  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
+  run moe_sweep_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
+    --inter 2880 --top-k 4 --format mxfp4
+  run moe_humming 120 python3 -m qerl.bench.moe $R --humming --batches 1,8,64,512
 }
 
 step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of a layer set (GROUPS: qkv, o,
