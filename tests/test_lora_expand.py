@@ -69,6 +69,25 @@ def test_supports_refuses_what_the_kernel_cannot_take():
     assert not lora_expand.supports(y, torch.zeros(4, 40, device=DEV), b, 5)   # above MAX_SEGMENTS
 
 
+@pytest.mark.parametrize("lora", [torch.bfloat16, torch.float32])
+def test_the_per_row_expert_form_reads_each_rows_own_b(lora):
+    """The MoE form (expert=, rounding="loop"): rows in no expert order, over three 16-row tiles, each
+    against b[expert[p]], as a float64 loop over the rows; a bias is refused there."""
+    g = torch.Generator().manual_seed(5)
+    p, e, n, r, dtype = 40, 6, 70, 12, DTYPES[-1]
+    expert = torch.randint(0, e, (p,), generator=g)
+    xa = torch.randn(p, r, generator=g).to(lora).float()  # the shrink's output: adapter-dtype values, fp32
+    b = torch.randn(e, n, r, generator=g).to(lora)
+    y0 = torch.randn(p, n, generator=g).to(dtype)
+    want = torch.stack([xa[i].double() @ b[expert[i]].double().T for i in range(p)]) * 1.5
+    y = lora_expand.expand_add(y0.clone().to(DEV), xa.to(DEV), b.to(DEV), 1.5, expert=expert.to(DEV),
+                               rounding="loop")
+    got = y.cpu().double() - y0.double()
+    assert ((got - want).norm() / want.norm()).item() < {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    with pytest.raises(ValueError, match="rounding"):
+        lora_expand.expand_add(y, xa.to(DEV), b.to(DEV), 1.5, bias=y[0], expert=expert.to(DEV), rounding="loop")
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.gpu
 def test_bf16_equals_per_segment_addmm_and_a_graph_sees_the_new_b():

@@ -1,4 +1,5 @@
-"""The expert LoRA term of MoE decode, per routed pair, as two Triton kernels that CUDA graphs can capture.
+"""The expert LoRA term of MoE decode, per routed pair, as two Triton launches that CUDA graphs can capture:
+the shrink here, the expand by the one LoRA expand kernel (kernels/lora_expand.py, its per-row expert form).
 
 For each token-expert pair p (moe_gemv.route's sorted order, P = T·k rows):
     y[p] += scaling · (x[row(p)]·A[e_p]ᵀ)·B[e_p]ᵀ,   A [E, r, K], B [E, N, r].
@@ -10,30 +11,33 @@ launch shapes depend on (P, r, K, N) only and the kernels read the routing on th
 no CPU tensor.
 
 How. Shrink: grid (pair, block of BLOCK_R adapter rows), each program streams its rows of A[e_p] over K
-against the pair's x row, fp32 accumulation, into s [P, r] fp32. Expand: grid (pair, block of BLOCK_N
-outputs), s[p] times its rows of B[e_p], added into y in place. Pairs of one expert are adjacent, and a
-step's hit adapters are small (Qwen3-30B-A3B, r = 32, bf16: 0.4 MB an expert for both projections,
-52 MB a layer if all 128 are hit), so re-reading an adapter per pair is cheap; no per-slot grouping. BLOCK_R is small
-so that batch 1 (8 pairs) still has r/8 programs a pair to stream A.
+against the pair's x row, fp32 accumulation, into s [P, r] fp32. Expand: lora_expand.expand_add with
+expert=e: a tile of pairs runs one dot per expert present in it against B[e], added into y in place.
+Pairs of one expert are adjacent, and a step's hit adapters are small (Qwen3-30B-A3B, r = 32, bf16:
+0.4 MB an expert for both projections, 52 MB a layer if all 128 are hit), so re-reading A per pair is
+cheap; no per-slot grouping. BLOCK_R is small so that batch 1 (8 pairs) still has r/8 programs a pair to
+stream A.
 
 Rounding follows the loop (`_project`): x in the adapter dtype, the shrink's and the expand's outputs
-rounded to the adapter dtype, then to y's dtype, times scaling, added in y's dtype; only the fp32
-accumulation order differs. Invalid pairs ("no expert", rt.valid False) compute with rt.expert's
-clamped index (in range) and produce values that the caller drops.
+rounded to the adapter dtype, then to y's dtype, times scaling, added in y's dtype (the expand's
+rounding="loop"); only the fp32 accumulation order differs. Invalid pairs ("no expert", rt.valid False)
+compute with rt.expert's clamped index (in range) and produce values that the caller drops.
 
 Status: tested on the CPU in Triton's interpreter (tests/test_moe_lora_kernel.py); the CUDA-graph
-capture test (tests/test_moe_lora_kernel_gpu.py) and the block sizes are not yet run or measured on a GPU.
+capture test (tests/test_moe_lora_kernel_gpu.py) and the block sizes (here and the expand's expert
+tiles, 16 pairs x 64 outputs) are not yet run or measured on a GPU since the expand moved into
+lora_expand.py (issue 60).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import lora_expand
 from .triton_backend import triton_runs
 from .w4_decode import cdiv, next_pow2
 
 BLOCK_R, BLOCK_K = 8, 256  # shrink: adapter rows x inputs a step
-BLOCK_N = 64               # expand: outputs a program
 # Debug aid for the CPU tests: run on CPU tensors in the Triton interpreter. Tests set it; nothing else should.
 RUN_ON_CPU_INTERPRETER = False
 _built = False  # _build() ran
@@ -48,23 +52,14 @@ def _build():
     (the CPU install has none)."""
     # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
     # its module's globals alone.
-    global _built, triton, tl, _round, _shrink_kernel, _expand_kernel
+    global _built, triton, tl, _round, _shrink_kernel
     if _built:
         return
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _round(v, DT: tl.constexpr):
-        """fp32 v rounded to DT (to nearest even), kept in fp32. bf16 by integer ops (NaN payloads aside): the
-        GPU's cvt rounds so, Triton's interpreter truncates, and the CPU tests should see the GPU's rounding."""
-        if DT == tl.bfloat16:
-            u = v.to(tl.uint32, bitcast=True)
-            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-            out = u.to(tl.float32, bitcast=True)
-        else:
-            out = v.to(DT).to(tl.float32)
-        return out
+    lora_expand._build()
+    _round = lora_expand._round  # the shrink rounds as the shared expand does
 
     @triton.jit
     def _shrink_kernel(x_ptr, rows_ptr, expert_ptr, a_ptr, s_ptr, R, K, stride_xm, stride_ae, stride_ar, stride_sm,
@@ -90,29 +85,6 @@ def _build():
         # The loop's shrink output is in the adapter dtype: round to it, keep fp32 storage.
         s = _round(acc, a_ptr.dtype.element_ty)
         tl.store(s_ptr + p.to(tl.int64) * stride_sm + offs_r, s, mask=r_mask)
-
-    @triton.jit
-    def _expand_kernel(s_ptr, expert_ptr, b_ptr, y_ptr, N, R, scaling, stride_sm, stride_be, stride_bn, stride_br,
-                       stride_ym, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-        p = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        e = tl.load(expert_ptr + p).to(tl.int64)
-        b_rows = b_ptr + e * stride_be + offs_n.to(tl.int64)[:, None] * stride_bn
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            r_mask = rr < R
-            s = tl.load(s_ptr + p.to(tl.int64) * stride_sm + rr, mask=r_mask, other=0)
-            b = tl.load(b_rows + rr[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :],
-                        other=0).to(tl.float32)
-            acc += tl.sum(b * s[None, :], axis=1)
-        # As the loop: expand output in the adapter dtype, .to(y dtype), * scaling (fp32 math, y-dtype result), y + it.
-        ydt = y_ptr.dtype.element_ty
-        d = _round(_round(_round(acc, b_ptr.dtype.element_ty), ydt) * scaling, ydt)
-        y_ptrs = y_ptr + p.to(tl.int64) * stride_ym + offs_n
-        y = tl.load(y_ptrs, mask=n_mask, other=0).to(tl.float32)
-        tl.store(y_ptrs, _round(y + d, ydt).to(ydt), mask=n_mask)  # the last .to is exact
 
     _built = True
 
@@ -146,10 +118,7 @@ def add_expert_lora(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     _shrink_kernel[(pairs, cdiv(r, block_r))](
         x, rows if rows is not None else expert, expert, a, s, r, k, x.stride(0), a.stride(0), a.stride(1),
         s.stride(0), GATHER=rows is not None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-    _expand_kernel[(pairs, cdiv(n, BLOCK_N))](
-        s, expert, b, y, n, r, float(scaling), s.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_R=min(32, next_pow2(r)), num_warps=4)
-    return y
+    return lora_expand.expand_add(y, s, b, scaling, expert=expert, rounding="loop")
 
 
 __all__ = ["add_expert_lora", "supports"]
