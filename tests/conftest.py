@@ -35,15 +35,26 @@ def cli(capsys):
     return run
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The command-line tests' model: a tiny Llama folder (128 positions) with its tokenizer."""
+def _tiny_llama(tmp_path_factory, name: str) -> Path:
+    """A tiny Llama folder (128 positions) with its tokenizer, named `name`."""
     from tiny_models import save_tiny, tiny_tokenizer
 
-    d = tmp_path_factory.mktemp("m") / "m"
+    d = tmp_path_factory.mktemp("m") / name
     save_tiny(d, "llama")
     tiny_tokenizer().save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The command-line tests' model: a tiny Llama folder (128 positions) with its tokenizer."""
+    return _tiny_llama(tmp_path_factory, "m")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The export and data-loss tests' base model: the same tiny Llama, in a folder named base."""
+    return _tiny_llama(tmp_path_factory, "base")
 
 
 @pytest.fixture(scope="module")

@@ -37,14 +37,6 @@ FIX = Path(__file__).parent / "fixtures" / "lc_tiny_llama"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "base"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
 def _random_lora(pol, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

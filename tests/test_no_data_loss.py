@@ -9,15 +9,6 @@ import json
 
 import pytest
 import torch
-from tiny_models import save_tiny, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("m") / "base"
-    save_tiny(d, "llama")
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """A `trl grpo --config` / `trl sft --config` file that lists TRL 1.16's defaults runs as it is (issue 49): a field
 of TRL's scripts that qerl's config lacks is accepted at TRL's default, named in the one-line notice; another
 value of one that would change the result is refused by name, in one line, with the nearest qerl field; one without
-an effect on the result is ignored at any value, named. The table (qerl/train/trl_table.py) is checked against TRL's own
+an effect on the result is ignored at any value, named. The table (qerl/train/trl_fields.py) is checked against TRL's own
 dataclasses where TRL is installed."""
 
 import json
@@ -19,7 +19,7 @@ def _data(tmp_path):
 
 def _defaults_file(tmp_path, model, kind, **over):
     """A config file of every field of TRL's `trl KIND` script at TRL's default, but the model, data and folder."""
-    from qerl.train.trl_table import defaults
+    from qerl.train.trl_fields import defaults
 
     d = {**defaults(kind), "model_name_or_path": str(model), "dataset_name": str(_data(tmp_path)),
          "output_dir": str(tmp_path / "run"), **over}
@@ -97,9 +97,9 @@ def test_the_api_takes_trls_defaults_and_refuses_another_value():
 
 
 def test_the_table_is_trls():
-    """The generated block equals TRL's dataclasses (regenerate: see qerl/train/trl_table.py's doc)."""
+    """The generated block equals TRL's dataclasses (regenerate: see qerl/train/trl_fields.py's doc)."""
     pytest.importorskip("trl")
-    from qerl.train import trl_table as table
+    from qerl.train import trl_fields as table
 
     generated = {}
     exec(table._generate(), {"math": __import__("math")}, generated)  # noqa: S102

@@ -1,7 +1,8 @@
 """TRL's names kept everywhere (issue 60): one rule for TRL's warm-up names (transformers 5's warmup_steps below 1
 and transformers 4's warmup_ratio) in both TRL-style configs and in TRL config files, TRL's fields that qerl's own
 configs lack sorted out alike in GRPOConfig and SFTConfig, use_peft: false said at start-up, one step numbering
-(TRL's global_step) for TRL's inputs, and no model copy left in $TMPDIR by qerl.trl."""
+(TRL's global_step) for TRL's inputs, no model copy left in $TMPDIR by qerl.trl, a model object's run named by the
+model's name_or_path (not the copy), and a qerl.trl trainer without peft_config said to train LoRA, not every weight."""
 
 import json
 import tempfile
@@ -43,7 +44,7 @@ def test_sft_config_sorts_out_trl_fields_as_grpo_config_does(capsys):
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
 def test_the_trl_configs_take_transformers_5_s_ratio_and_4_s_name_as_one_rule(kind, capsys, monkeypatch):
     from qerl.trl import GRPOConfig, SFTConfig
-    from qerl.trl import fields
+    from qerl.train import trl_fields as fields
 
     monkeypatch.setattr(fields, "_SAID", set())
     cls = {"sft": SFTConfig, "grpo": GRPOConfig}[kind]
@@ -212,3 +213,52 @@ def test_a_model_object_s_copy_is_removed_when_the_build_fails_or_is_interrupted
                     processing_class=tok, train_dataset=[{"prompt": "1+1="}])
     assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].name.startswith("qerl_trl_model_")  # it was there
     assert list(own_tmpdir.iterdir()) == []
+
+
+# ---- a model object: the run names the user's model; no peft_config: said at start-up -------------------
+
+def test_a_model_object_s_run_names_the_model_not_its_temporary_copy(tmp_path, own_tmpdir, capsys):
+    """config.yaml recorded the temporary copy's folder (gone once the trainer was built), so a resume or an
+    export from the run's record named no model; it names the model's name_or_path and notes the objects."""
+    import yaml
+
+    from qerl.sft import SFTConfig as Native
+    from qerl.trl import SFTConfig, SFTTrainer
+
+    model, tok = _model_object(tmp_path)
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2, report_to="none")
+    tr = SFTTrainer(model=model, args=args, processing_class=tok,
+                    train_dataset=[{"text": "a b c d"}, {"text": "e f g h"}])
+    tr.train()
+    saved = tmp_path / "run" / "config.yaml"
+    record = yaml.safe_load(saved.read_text())
+    assert record["model_name_or_path"] == str(tmp_path / "m")
+    assert record["in_memory"].startswith("model LlamaForCausalLM, processing_class ")
+    capsys.readouterr()
+    cfg = Native.from_yaml(saved)  # the record reads back (a resume): the note said, not a field
+    assert cfg.model_name_or_path == str(tmp_path / "m")
+    assert "in-memory objects" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_a_qerl_trl_trainer_without_peft_config_says_it_trains_lora(tmp_path, model_dir, capsys, kind):
+    """TRL fine-tunes every weight without a peft_config; qerl.trl trained LoRA on the frozen 4-bit base
+    without a word. Said as a config's use_peft: false is (one rule, trl_fields.NOT_CARRIED_OUT)."""
+    from qerl.trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+    def build(**kw):
+        if kind == "grpo":
+            args = GRPOConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=4,
+                              num_generations=4, report_to="none")
+            return GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                               args=args, train_dataset=[{"prompt": "1+1="}], **kw)
+        args = SFTConfig(output_dir=str(tmp_path / "r"), max_steps=1, per_device_train_batch_size=2)
+        return SFTTrainer(model=str(model_dir), args=args, train_dataset=[{"text": "a b"}, {"text": "c d"}], **kw)
+
+    build()
+    said = [x for x in capsys.readouterr().out.splitlines() if "full fine-tuning" in x]
+    name = {"grpo": "GRPOTrainer", "sft": "SFTTrainer"}[kind]
+    assert len(said) == 1 and said[0].startswith(f"qerl: {name}: peft_config=None (TRL's default: full fine-tuning")
+    assert "LoRA" in said[0] and "frozen 4-bit base" in said[0] and "peft_config=LoraConfig" in said[0]
+    build(peft_config={"r": 8, "lora_alpha": 16})
+    assert "full fine-tuning" not in capsys.readouterr().out

@@ -65,7 +65,7 @@ def sft_config(args):
     the defaults, or `--resume DIR`'s record."""
     from ..sft import SFTConfig
     from ..train.optim import warmup_steps
-    from ..trl.fields import TRLArgs
+    from ..train.trl_fields import TRLArgs
     from .run_config import command_line, config_file, refuse_allow_changed, resumed_config
 
     config, ov = command_line(args, {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})
@@ -94,7 +94,7 @@ def sft_config(args):
     return SFTConfig().with_overrides(ov)
 
 
-# TRL surface fields (trl/fields.TRLArgs) that `qerl sft` of a `trl sft --config` file acts on
+# TRL surface fields (train/trl_fields.TRLArgs) that `qerl sft` of a `trl sft --config` file acts on
 CARRIED_OUT = {"max_steps", "num_train_epochs", "run_name", "warmup_ratio", "resume_from_checkpoint"}
 
 
@@ -104,7 +104,7 @@ def trl_file(mapping: dict, ov: dict) -> None:
     import shlex
 
     from ..invocation import qerl_command
-    from ..trl.fields import refuse
+    from ..train.trl_fields import refuse
 
     r = mapping.get("resume_from_checkpoint")
     if r not in (None, False, ""):

@@ -4,7 +4,9 @@ TRL's scripts read their script arguments from the same file as the config: `rew
 TRL's own reward functions, `accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`,
 `get_soft_overlong_punishment`, or import paths `module.function`, looked up from the working folder
 as TRL does) and `reward_model_name_or_path` (a reward model, TRL's way). They are taken out here and
-become the run's reward functions; every other field goes to the config, under TRL's names."""
+become the run's reward functions; every other field goes to the config, under TRL's names.
+
+Not the field table (train/trl_fields.py, whose rules it applies): this is the CLI's reading of a TRL file's script."""
 
 from __future__ import annotations
 
@@ -62,11 +64,11 @@ def _imported(path: str):
 
 def split(d: dict, source: str = "config file") -> tuple[dict, ScriptRewards]:
     """(the config's fields, the script's reward arguments) of a config file's mapping. TRL's warm-up ratio
-    (warmup_steps below 1, or warmup_ratio: trl/fields.warmup_ratio's rule) becomes warmup_steps of the file's
+    (warmup_steps below 1, or warmup_ratio: train/trl_fields.warmup_ratio's rule) becomes warmup_steps of the file's
     max_steps, TRL's optimizer steps, as transformers counts it."""
-    from ..trl.fields import renamed, warmup_ratio
+    from ..train.trl_fields import renamed, warmup_ratio
 
-    d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: train/trl_table.py, when the config is built
+    d = renamed(d)  # activation_checkpointing; TRL's fields qerl lacks: sort_out, when the config is built
     names = d.pop("reward_funcs", None) or []
     if isinstance(names, str):
         names = [names]

@@ -31,7 +31,7 @@ FIELD_ALIASES = {
     "torch_dtype": "dtype",  # TRL's ModelConfig
 }
 # TRL's fields that qerl has none for (engines, precision, logging, the hub, the data loader; fields that would
-# change training): train/trl_table.py, one table of TRL 1.16's fields and defaults and the rule for each.
+# change training): train/trl_fields.py, one table of TRL 1.16's fields and defaults and the rule for each.
 AQN_SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "adaptive")
 
 
@@ -248,11 +248,11 @@ class GRPOConfig(TrainConfig):
 
 def resolve_aliases(d: dict, source: str) -> dict:
     """`d` with TRL's (and qerl's older) field names replaced by qerl's (both names of one field with two values
-    is an error) and TRL's fields that qerl has none for sorted out by train/trl_table.py's rule: without an effect,
+    is an error) and TRL's fields that qerl has none for sorted out by train/trl_fields.py's rule: without an effect,
     or at TRL's default, named in one line; another value of one that would change training refused by name."""
     import dataclasses
 
-    from ..train.trl_table import sort_out
+    from ..train.trl_fields import sort_out
 
     d = sort_out(d, "grpo", {f.name for f in dataclasses.fields(GRPOConfig)} | set(FIELD_ALIASES), source)
     out = {}

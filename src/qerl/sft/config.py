@@ -83,13 +83,13 @@ class SFTConfig(TrainConfig):
 
 
 def trl_sorted(d: dict, source: str) -> dict:
-    """`d` less TRL's fields that SFTConfig lacks, by train/trl_table.py's one rule, as GRPOConfig's
+    """`d` less TRL's fields that SFTConfig lacks, by train/trl_fields.py's one rule, as GRPOConfig's
     (rl/config.py resolve_aliases): without an effect, or at TRL's default, named in one line; another value
     of one that would change training refused by name with the nearest field (SFTConfig(warmup_ratio=0.1) was a
     raw TypeError where GRPOConfig named warmup_steps; qerl.trl's SFTConfig takes TRL's ratio)."""
     import dataclasses
 
-    from ..train.trl_table import sort_out
+    from ..train.trl_fields import sort_out
 
     return sort_out(d, "sft", {f.name for f in dataclasses.fields(SFTConfig)}, source)
 

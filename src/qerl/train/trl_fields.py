@@ -1,9 +1,13 @@
-"""TRL 1.16's config fields with their defaults, and the one rule for those qerl's configs lack.
+"""TRL's config fields and what qerl does with each: the one table for qerl.trl's GRPOConfig / SFTConfig, qerl's
+own configs (rl/config.py, sft/config.py) and `qerl train` / `qerl sft` of a TRL config file. It lives outside
+qerl.trl, whose __init__ imports the trainers, because the core configs import it.
 
 A `trl grpo --config` / `trl sft --config` file, or `qerl.trl.GRPOConfig(...)` / `SFTConfig(...)`, may hold any
 field of the dataclasses TRL's scripts parse: GRPOConfig or SFTConfig (transformers' TrainingArguments under
 TRL's _BaseConfig), ModelConfig, ScriptArguments (GRPOScriptArguments for grpo) and DatasetMixtureConfig.
-A field that qerl's config has (or has under another name) is qerl's; every other one follows `sort_out`:
+A field that qerl's config has (or has under another name: `renamed`, rl/config.py FIELD_ALIASES) is qerl's;
+those the TRL surface reads itself (TRLArgs: steps, epochs, completions table, run name, evaluation, hub) are
+taken out by `split` and ride as `cfg.trl`; every other one follows `sort_out`:
 
 - ANY_VALUE: no effect on what is trained (logging, hub, trackers, data loader, TRL's engines, precision
   flags qerl sets itself): ignored at any value, named in the one-line notice;
@@ -13,7 +17,7 @@ A field that qerl's config has (or has under another name) is qerl's; every othe
 qerl cannot import TRL at run time, so the defaults are the generated block below, written from TRL's
 dataclasses (TRL 1.16.0, transformers 5.25.0) by
 
-    PYTHONPATH=src python -m qerl.train.trl_table
+    PYTHONPATH=src python -m qerl.train.trl_fields
 
 in a Python where TRL 1.16 imports (the project's venv, or TRL's folder on PYTHONPATH), which rewrites the block
 in place and keeps the rest of the file; tests/test_trl_defaults_file.py checks the block against TRL's dataclasses.
@@ -21,7 +25,10 @@ in place and keeps the rest of the file; tests/test_trl_defaults_file.py checks 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
+from dataclasses import dataclass
 
 # transformers 4's fields that files written for it still carry (TrainingArguments 5 has none): TRL's default then
 OLDER = {"warmup_ratio": 0.0}
@@ -307,13 +314,24 @@ ANY_VALUE = frozenset("""
 """.split())
 # (the last line: read only with sync_ref_model / use_adaptive_entropy on, which are refused)
 
-# Fields whose value (the first; also unset, None) qerl does not carry out and says so in a line of its own at
-# start-up, as it trains anyway; their other value is what qerl does (named with the ignored fields)
+# TRL's full fine-tuning, asked by a field's value (the first; also unset, None) or by a trainer built without a
+# peft_config: not carried out, said in a line of its own at start-up (not_carried_out), and qerl trains anyway;
+# the field's other value is what qerl does (named with the ignored fields)
+FULL_FINE_TUNING = ("(TRL's default: full fine-tuning of every weight) is not carried out: qerl always trains a LoRA "
+                    "adapter (lora_r, lora_alpha, lora_target_modules) on the frozen 4-bit base, whose weights never "
+                    "change")
 NOT_CARRIED_OUT = {
-    "use_peft": (False, "(TRL's default: full fine-tuning of every weight) is not carried out: qerl always trains a "
-                        "LoRA adapter (lora_r, lora_alpha, lora_target_modules) on the frozen 4-bit base, whose weights "
-                        "never change; set use_peft: true to say so"),
+    "use_peft": (False, "set use_peft: true to say so"),
+    "peft_config": (None, "pass peft_config=LoraConfig(...) to say so"),  # qerl.trl's trainers (grpo.py, sft.py)
 }
+
+# qerl.trl's note in a run's config.yaml when its trainer was given in-memory objects (a model, a processing_class):
+# model_name_or_path then names where the model was loaded from, not a change made to it in memory. No config field:
+# read back (a resume, qerl evaluate) it is said in one line and dropped (sort_out)
+IN_MEMORY = "in_memory"
+IN_MEMORY_NOTE = ("model_name_or_path is the model's name_or_path, where it was loaded from (a change made to it in "
+                  "memory is not there)")
+
 
 # Fields that would change the result: (other values that change nothing, the nearest qerl field or what to do)
 NEAREST = {
@@ -343,7 +361,7 @@ NEAREST = {
     "accelerator_config": (({},), "torchrun --nproc_per_node N (qerl's data-parallel ranks)"),
     "parallelism_config": ((), "torchrun --nproc_per_node N (qerl's data-parallel ranks)"),
     "router_aux_loss_coef": ((), "none: qerl adds no router auxiliary loss"),
-    # qerl.trl's configs and TRL config files take it (trl/fields.warmup_ratio); qerl's own configs name the fix
+    # qerl.trl's configs and TRL config files take it (warmup_ratio below); qerl's own configs name the fix
     "warmup_ratio": ((None,), "warmup_steps (optimizer updates of warm-up), or qerl.trl's GRPOConfig / SFTConfig, "
                               "which take TRL's ratio"),
     # GRPO
@@ -433,12 +451,15 @@ def sort_out(d: dict, kind: str, own, source: str, also_ignored=()) -> dict:
     table = defaults(kind)  # the other script's own fields are "unknown field" (did you mean), but ANY_VALUE's
     rest, ignored, at_default, lines = {}, [], [], []
     for k, v in d.items():
-        if k in own or not (k in table or k in ANY_VALUE or k in NEAREST):
+        if k == IN_MEMORY and k not in own:  # a warning: stdout stays --print_config's file
+            print(f"qerl: {source}: {k}: {v} were given to qerl.trl as in-memory objects; {IN_MEMORY_NOTE}",
+                  file=sys.stderr, flush=True)
+        elif k in own or not (k in table or k in ANY_VALUE or k in NEAREST):
             if not (v is None and k in UNSET_IS_QERLS and k in own):
                 rest[k] = v
         elif k in NOT_CARRIED_OUT:
             if _same(v, NOT_CARRIED_OUT[k][0]) or v is None:
-                lines.append(f"qerl: {source}: {k}={v!r} {NOT_CARRIED_OUT[k][1]}")
+                lines.append(not_carried_out(k, v, source))
             else:
                 ignored.append(k)  # the value qerl carries out anyway
         elif k in ANY_VALUE:
@@ -454,6 +475,12 @@ def sort_out(d: dict, kind: str, own, source: str, also_ignored=()) -> dict:
     return rest
 
 
+def not_carried_out(name: str, value, source: str) -> str:
+    """The start-up line of TRL's full fine-tuning asked by `name` (NOT_CARRIED_OUT): one rule for a config's
+    use_peft: false and a qerl.trl trainer built without peft_config."""
+    return f"qerl: {source}: {name}={value!r} {FULL_FINE_TUNING}; {NOT_CARRIED_OUT[name][1]}"
+
+
 def notice(source: str, ignored, at_default=()) -> None:
     parts = []
     if ignored:
@@ -462,6 +489,105 @@ def notice(source: str, ignored, at_default=()) -> None:
         parts.append(f"at TRL's default (another value is refused): {', '.join(at_default)}")
     if parts:
         print(f"qerl: {source}: TRL field(s) without an effect in qerl, {'; '.join(parts)}", flush=True)
+
+
+# --- the TRL surface's own fields and TRL's other names of qerl's ------------------------------------------------
+
+TRL_EPOCHS = 3.0  # TrainingArguments' num_train_epochs default
+
+
+@dataclass
+class TRLArgs:
+    """The fields the TRL surface (qerl.trl) reads; a config carries them as `cfg.trl`."""
+    max_steps: int = -1                 # TRL's: optimizer steps (-1: num_train_epochs)
+    num_train_epochs: float = TRL_EPOCHS
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+    log_unique_prompts: bool = False
+    run_name: str | None = None
+    eval_strategy: str = "no"
+    eval_steps: float | None = None     # TRL's: None means logging_steps
+    per_device_eval_batch_size: int = 8  # TrainingArguments': completions an eval batch (TRL's eval_loss)
+    warmup_ratio: float = 0.0
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    resume_from_checkpoint: str | None = None  # TrainingArguments': read by scripts, not by Trainer
+    max_prompt_length: int | None = None       # qerl's field, when the script sets it (TRL 1.16 has none)
+
+
+RENAMED = {"activation_checkpointing": "gradient_checkpointing"}  # transformers 5's name -> qerl's field
+
+EVAL_STRATEGIES = ("no", "steps")
+
+
+def refuse(name: str, value, nearest: str) -> ValueError:
+    """A TRL argument qerl.trl does not carry out (a trainer's argument, a surface field's value), by name."""
+    return ValueError(f"{name}={value!r} is not supported by qerl; nearest: {nearest}")
+
+
+def split(kw: dict, source: str = "config") -> tuple[TRLArgs, dict]:
+    """(the TRL surface's fields, the rest for qerl's config) of a TRL config's keyword arguments."""
+    kw = dict(kw)
+    mine = {f.name: kw.pop(f.name) for f in dataclasses.fields(TRLArgs) if f.name in kw and f.name != "warmup_ratio"}
+    trl = TRLArgs(**mine)
+    if trl.max_prompt_length is not None:
+        kw["max_prompt_length"] = trl.max_prompt_length
+    kw = renamed(kw)
+    if trl.eval_strategy not in EVAL_STRATEGIES:
+        raise refuse("eval_strategy", trl.eval_strategy, "eval_strategy='steps' with eval_steps")
+    trl.warmup_ratio, kw = warmup_ratio(kw, source)
+    if trl.log_unique_prompts:
+        raise refuse("log_unique_prompts", True, "log_completions (every completion of the printed prompts)")
+    return trl, kw
+
+
+_SAID: set[str] = set()  # what is said once a process
+
+
+def warmup_ratio(kw: dict, source: str) -> tuple[float, dict]:
+    """(TRL's warm-up ratio, `kw` without it): the one rule for TRL's warm-up names, in qerl.trl's GRPOConfig
+    and SFTConfig and in `qerl train` / `qerl sft` of a TRL config file. transformers 5 writes the ratio as
+    `warmup_steps` below 1 (0.1: a tenth of the run's optimizer steps); transformers 4's `warmup_ratio` is
+    read as the same ratio, its deprecation said once. Both set is refused; a whole warmup_steps stays (optimizer
+    steps). The caller turns the ratio into steps once the run's optimizer steps are known (train/optim.py
+    warmup_steps: transformers' ceil(ratio x steps))."""
+    kw = dict(kw)
+    old = kw.pop("warmup_ratio", None)
+    steps = kw.get("warmup_steps")
+    if old is not None and (isinstance(old, bool) or not isinstance(old, (int, float)) or not 0 <= old <= 1):
+        raise ValueError(f"{source}: warmup_ratio={old!r} must be a number from 0 to 1 (the fraction of the run's "
+                         f"optimizer steps that warm up), e.g. warmup_steps: 0.1 as transformers 5 writes it")
+    ratio = 0.0
+    if isinstance(steps, float) and 0 < steps < 1:  # transformers 5: the ratio
+        ratio = kw.pop("warmup_steps")
+    if old:
+        if ratio or steps:
+            raise ValueError(f"{source}: warmup_ratio={old!r} and warmup_steps={steps!r} both set the warm-up; set "
+                             f"one (transformers 5: warmup_steps={old!r}, a float below 1, is the ratio)")
+        if "warmup_ratio" not in _SAID:
+            _SAID.add("warmup_ratio")
+            print(f"qerl: {source}: warmup_ratio is transformers 4's name, deprecated in transformers 5 (which writes "
+                  f"it warmup_steps={old!r}, a float below 1); read as that ratio of the run's optimizer steps",
+                  file=sys.stderr, flush=True)  # a warning: stdout stays --print_config's file
+        ratio = float(old)
+    return ratio, kw
+
+
+def renamed(kw: dict) -> dict:
+    """`kw` with transformers 5's names as qerl's fields (a config file's fields too); the fields qerl lacks are
+    sorted out (sort_out) where qerl's config is built."""
+    kw = dict(kw)
+    for old, new in RENAMED.items():
+        if old in kw:
+            v = kw.pop(old)
+            if v is None:  # unset, transformers 5's default: the other name decides, as in TrainingArguments
+                continue
+            if kw.get(new) is not None and kw[new] != v:
+                raise ValueError(f"{old}={v!r} and {new}={kw[new]!r}: one field under two names; set one")
+            kw[new] = v
+    return kw
 
 
 # --- the generator -----------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@
 `GRPOConfig(...)` takes TRL's field names (qerl's aliases: rl/config.py FIELD_ALIASES); TRL's fields that
 steer only TRL's engines or logging are ignored in one line; the surface's own (max_steps in optimizer
 steps, num_train_epochs, log_completions, eval_strategy, run_name, hub_model_id...) ride as `cfg.trl`
-(fields.py), and fields that would change training and that qerl lacks are refused by name. Defaults are
-qerl's except dynamic_sampling (off, as TRL has none); README.md, "Coming from TRL", lists the rest.
+(train/trl_fields.py), and fields that would change training and that qerl lacks are refused by name.
+Defaults are qerl's except dynamic_sampling (off, as TRL has none); README.md, "Coming from TRL", lists the rest.
 `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
 reward_processing_classes, callbacks, peft_config, tools, environment_factory)`: model a hub id, folder
 or transformers model; reward_funcs functions (sync or async, called as TRL calls them:
@@ -27,7 +27,8 @@ import dataclasses
 from ..rl import GRPOConfig as _Config
 from ..train.optim import warmup_steps
 from ..rl import GRPOTrainer as _Trainer
-from . import fields, steps
+from ..train import trl_fields
+from . import steps
 from .data import base_id, eval_sets, model_folder, read_rows, removes_temporary_models
 from .lora import lora_change
 from .surface import TrainerSurface
@@ -41,7 +42,7 @@ TRL_DEFAULTS = {"dynamic_sampling": False}  # TRL has none: it would change the 
 def GRPOConfig(**kw) -> _Config:  # noqa: N802 - TRL's class name, called as a constructor
     """qerl's GRPOConfig from TRL's keyword arguments (see the module's doc); TRL's own fields that the
     surface reads (max_steps in optimizer steps, num_train_epochs, log_completions, ...) ride as `cfg.trl`."""
-    trl, rest = fields.split(kw, "GRPOConfig")
+    trl, rest = trl_fields.split(kw, "GRPOConfig")
     for k, v in TRL_DEFAULTS.items():
         rest.setdefault(k, v)
     if trl.max_steps not in (-1, None):
@@ -73,8 +74,8 @@ class GRPOTrainer(TrainerSurface, steps.TRLNumbering, _Trainer):
             raise NotImplementedError("qerl.trl.GRPOTrainer: optimizers is not supported; nearest: the config's optim, "
                                       "learning_rate, lr_scheduler_type, warmup_steps")
         if rollout_func is not None:
-            raise fields.refuse("rollout_func", getattr(rollout_func, "__name__", rollout_func),
-                                "tools=[...] or environment_factory (qerl's engine runs the multi-turn rollout)")
+            raise trl_fields.refuse("rollout_func", getattr(rollout_func, "__name__", rollout_func),
+                                    "tools=[...] or environment_factory (qerl's engine runs the multi-turn rollout)")
         if reward_funcs is None:
             raise ValueError("reward_funcs: GRPOTrainer needs reward functions (a function, a reward model id, or a "
                              "list of them)")
@@ -91,13 +92,14 @@ class GRPOTrainer(TrainerSurface, steps.TRLNumbering, _Trainer):
             raise ValueError(f"args: {type(args).__name__} is not a GRPOConfig (pass qerl.trl.GRPOConfig(...) or a "
                              "mapping of its fields)")
         args = args if args is not None else GRPOConfig()
-        trl = getattr(args, "trl", None) or fields.TRLArgs(max_steps=args.max_steps)
+        trl = getattr(args, "trl", None) or trl_fields.TRLArgs(max_steps=args.max_steps)
         rows = read_rows(train_dataset, "train_dataset")
         if rows is None:
             raise ValueError("train_dataset: GRPOTrainer needs the training prompts")
         self._eval_sets = eval_sets(eval_dataset)  # TRL's evaluation: each set under eval_<name>_ when named
         eval_rows = None if self._eval_sets is None else [r for rs in self._eval_sets.values() for r in rs]
-        change = {"model_name_or_path": model_folder(model, processing_class)}
+        folder = model_folder(model, processing_class)
+        change = {"model_name_or_path": folder}
         self._base_id = base_id(model)
         from .quantization import quant_of
 
@@ -105,6 +107,8 @@ class GRPOTrainer(TrainerSurface, steps.TRLNumbering, _Trainer):
             change["quant"] = quant
         if peft_config is not None:
             change.update(lora_change(peft_config))
+        else:  # TRL would fine-tune every weight: said as a config's use_peft: false is
+            print(trl_fields.not_carried_out("peft_config", None, "GRPOTrainer"), flush=True)
         cfg = dataclasses.replace(args, **change)
         self.step_plan = plan = steps.plan(cfg, trl.max_steps, trl.num_train_epochs, len(rows), _world())
         change = {"max_steps": plan.qerl_steps}
@@ -136,6 +140,8 @@ class GRPOTrainer(TrainerSurface, steps.TRLNumbering, _Trainer):
                          environment_factory=environment_factory, callbacks=callbacks, **kw)
         self.cfg.trl = trl
         self.surface_ready()
+        if folder != str(model):  # qerl's temporary copy: the run's config names what the script gave
+            self.name_given_model(model, processing_class)
 
     # TRL's step numbering: a generation is updates_per_generation optimizer steps (steps.TRLNumbering); the
     # run loop numbers everything by them (train/loop.py global_step)

@@ -4,7 +4,7 @@ nvfp4 (said in one line); an 8-bit or other quantization is refused by name with
 
 from __future__ import annotations
 
-from .fields import refuse
+from ..train.trl_fields import refuse
 
 NEAREST = "quantization_config=None and the config's quant (nvfp4 | mxfp4 | nf4): qerl's base is always 4-bit"
 

@@ -7,7 +7,7 @@
 `SFTConfig(...)` takes TRL's field names and defaults (README: "defaults that differ" lists the rest);
 TRL's fields that only steer its data pipeline or precision are ignored in one line; those that would
 change training and that qerl lacks are taken at TRL's default (named in that line) and refused by name with the
-nearest supported field at any other value (train/trl_table.py). Data in TRL's
+nearest supported field at any other value (train/trl_fields.py). Data in TRL's
 formats: `dataset_text_field` text, prompt + completion (completion_only_loss), conversations
 (`messages`, assistant_only_loss), or rows made by `formatting_func`. A step is one optimizer update,
 as TRL's; without max_steps it trains num_train_epochs in transformers' count of steps. The step's metrics
@@ -24,8 +24,7 @@ import time
 from ..sft import SFTConfig as _Config
 from ..sft import SFTTrainer as _Trainer
 from ..train.sampler import PromptSampler
-from ..train import trl_table as table
-from . import fields
+from ..train import trl_fields as table  # (trl_fields: the function below)
 from .data import base_id, eval_sets, model_folder, read_rows, removes_temporary_models
 from .lora import lora_change
 from .surface import TrainerSurface
@@ -36,15 +35,15 @@ __all__ = ["SFTConfig", "SFTTrainer"]
 # TRL's SFTConfig defaults where qerl's own SFTConfig has another (README: defaults that differ)
 TRL_DEFAULTS = {"learning_rate": 2e-5, "packing": False, "report_to": "none", "save_total_limit": None,
                 "output_dir": "trainer_output"}
-# TRL's SFT fields that qerl's SFTConfig lacks: train/trl_table.py (ignored, at TRL's default, or refused by name)
+# TRL's SFT fields that qerl's SFTConfig lacks: train/trl_fields.py (ignored, at TRL's default, or refused by name)
 
 
-def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple[fields.TRLArgs, dict]:
+def trl_fields(kw: dict, source: str = "SFTConfig", not_carried_out=()) -> tuple[table.TRLArgs, dict]:
     """(the TRL surface's fields, qerl SFTConfig's) of TRL SFTConfig fields: renamed ones mapped, ignored ones
     said in one line, those that would change training refused by name (a `trl sft --config` file too).
-    not_carried_out: fields of the TRL surface (fields.TRLArgs) that the caller does not act on; those
+    not_carried_out: fields of the TRL surface (train/trl_fields.TRLArgs) that the caller does not act on; those
     given are named in the same ignored line."""
-    trl, rest = fields.split(kw, source)
+    trl, rest = table.split(kw, source)
     own = {f.name for f in dataclasses.fields(_Config)}
     if rest.pop("padding_free", False):
         rest["packing"] = True  # the same loss without padding: qerl's packing is padding-free
@@ -97,16 +96,16 @@ class SFTTrainer(TrainerSurface, _Trainer):
                                  ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "the config's optim"),
                                  ("preprocess_logits_for_metrics", preprocess_logits_for_metrics, "none")):
             if v is not None:
-                raise fields.refuse(name, v, nearest)
+                raise table.refuse(name, v, nearest)
         if any(o is not None for o in optimizers):
-            raise fields.refuse("optimizers", optimizers, "the config's optim, learning_rate, lr_scheduler_type")
+            raise table.refuse("optimizers", optimizers, "the config's optim, learning_rate, lr_scheduler_type")
         if isinstance(args, dict):
             args = SFTConfig(**args)
         elif args is None:
             args = SFTConfig(output_dir="trainer_output")
         elif not isinstance(args, _Config):
             raise ValueError(f"args: {type(args).__name__} is not an SFTConfig (pass qerl.trl.SFTConfig(...))")
-        trl = getattr(args, "trl", None) or fields.TRLArgs(max_steps=args.max_steps)
+        trl = getattr(args, "trl", None) or table.TRLArgs(max_steps=args.max_steps)
         rows = read_rows(train_dataset, "train_dataset", need=None)
         if rows is None:
             raise ValueError("train_dataset: SFTTrainer needs the training examples")
@@ -117,7 +116,8 @@ class SFTTrainer(TrainerSurface, _Trainer):
                                               for k, v in sets.items()}
         if trl.eval_strategy != "no" and sets is None:
             raise ValueError(f"eval_strategy={trl.eval_strategy!r} needs an eval_dataset")  # as transformers
-        change = {"model_name_or_path": model_folder(model, processing_class)}
+        folder = model_folder(model, processing_class)
+        change = {"model_name_or_path": folder}
         self._base_id = base_id(model)
         from .quantization import quant_of
 
@@ -125,6 +125,8 @@ class SFTTrainer(TrainerSurface, _Trainer):
             change["quant"] = quant
         if peft_config is not None:
             change.update(lora_change(peft_config))
+        else:  # TRL would fine-tune every weight: said as a config's use_peft: false is
+            print(table.not_carried_out("peft_config", None, "SFTTrainer"), flush=True)
         cfg = dataclasses.replace(args, **change)
         from ..train.distributed import world_size
 
@@ -137,6 +139,8 @@ class SFTTrainer(TrainerSurface, _Trainer):
         self.cfg.trl = trl
         self.eval_examples = None if sets is None else {k: self._tokenized(v) for k, v in sets.items()}
         self.surface_ready()
+        if folder != str(model):  # qerl's temporary copy: the run's config names what the script gave
+            self.name_given_model(model, processing_class)
 
     def train_step(self) -> dict:
         """qerl's step, and TRL's mean_token_accuracy on the step's examples before the update."""

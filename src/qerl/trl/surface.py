@@ -93,6 +93,32 @@ class TrainerSurface:
         """After qerl's trainer is built: trainer.model.save_pretrained writes the adapter."""
         object.__setattr__(self.model, "save_pretrained", adapter_saver(self))
 
+    def name_given_model(self, model, processing_class) -> None:
+        """After qerl's trainer is built from a temporary copy (data.model_folder; removed by now): the run's
+        config (config.yaml, a checkpoint's, the trackers') names the model the script gave, its name_or_path,
+        so a resume or an export from them finds a real model; config.yaml notes what came as in-memory objects
+        (trl_fields.IN_MEMORY), as the copy may hold changes made in memory that the name does not."""
+        from ..train import paths
+
+        name = self._base_id or f"<in-memory {type(model).__name__} without a name_or_path>"
+        self.cfg.model_name_or_path = paths.expand(name) if paths.is_local_model(name) else name
+        given = (("model", model), ("processing_class", processing_class))
+        self._in_memory = ", ".join(f"{what} {type(v).__name__}" for what, v in given
+                                    if v is not None and not isinstance(v, (str, Path)))
+
+    def _open_log(self):
+        log = super()._open_log()
+        if log is not None and getattr(self, "_in_memory", None):  # rank 0 has written config.yaml
+            import yaml
+
+            from ..train.trl_fields import IN_MEMORY, IN_MEMORY_NOTE
+
+            line = yaml.safe_dump({IN_MEMORY: self._in_memory}, default_flow_style=True, width=1000).strip()
+            path = self.out / "config.yaml"
+            path.write_text(f"{path.read_text()}# qerl.trl: given as in-memory objects; {IN_MEMORY_NOTE}\n"
+                            f"{line.removeprefix('{').removesuffix('}')}\n")
+        return log
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
               stop_after: int | None = None, **kwargs) -> TrainOutput:
         if kwargs:
