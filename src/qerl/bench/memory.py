@@ -2,6 +2,8 @@
 
     python -m qerl.bench.memory [--record]
     qerl bench memory --step-only --shape qwen3-30b-a3b [--kv-cache-gb G] [--logprob-chunk N] [--no-humming] ...
+    qerl bench memory --step-only --shape qwen3-30b-a3b --candidates [--target-gib 22] [--margin-gib 1] ...
+    qerl bench memory --fit-on SELECTOR [--predict SELECTOR ...] [--measured 'CASE=GiB' ...] [--record]
 
 SmolLM2-135M-Instruct is loaded and quantized for real (time and bytes measured).
 For Qwen2.5-7B one full decoder layer of random weights in the real shapes is
@@ -9,8 +11,10 @@ quantized and its bytes measured, times the layer count. The 14B/32B/72B rows
 come from the formats' tensor shapes (no weights are made: they are too big for
 this CPU); they are marked `from_shapes`. MoE shapes (Qwen3-30B-A3B, gpt-oss-20b/120b) get a whole
 GRPO step's projected GPU memory (bench/step_plan.py), marked `projection`, for the settings given
-(named as `qerl bench step` names them; defaults: the H100 step at ed5e22d the model is calibrated on);
---step-only prints just that (docs/moe-24gb.md: the settings for a 24 GB card).
+(named as `qerl bench step` names them; defaults: the settings of the H100 step at ed5e22d whose two peaks the
+model's allowances are read from, step_plan.FIT_RECORD); --step-only prints just that, and with --candidates
+the settings predicted under a target, ranked (bench/step_candidates.py; docs/moe-24gb.md). --fit-on reads the
+allowances off one measured step instead and predicts the others (bench/memory_fit.py): the out-of-sample check.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def measured_layer_bytes(name, fmt_name, seed=0):
 
 
 STEP_TERMS = ("experts", "attention", "dense", "kernel_copies", "lora_and_optimizer", "kv_cache", "rollout_working",
-              "update_working", "unattributed", "allocator_slack", "peak_allocated", "peak_reserved")
+              "update_working", "residual", "allocator_slack", "peak_allocated", "peak_reserved")
 
 
 def add_step_args(ap: argparse.ArgumentParser) -> None:
@@ -77,7 +81,20 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
                     help="a humming-kernels copy of each attention weight (KernelSettings.humming)")
     ap.add_argument("--humming-storage", action="store_true",
                     help="NVFP4 attention weights stored in humming's layout (KernelSettings.humming_storage): no copies")
+    ap.add_argument("--expert-inputs-kept", action=argparse.BooleanOptionalAction, default=d.expert_inputs_kept,
+                    help="the grouped experts' inputs live through the update (today's code; "
+                         "StepSettings.expert_inputs_kept); --no-expert-inputs-kept prices the fix")
     ap.add_argument("--step-only", action="store_true", help="only the MoE step projection (no SmolLM2 / 7B rows)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="with --step-only: settings predicted under --target-gib - --margin-gib, ranked")
+    ap.add_argument("--target-gib", type=float, default=None, help="peak reserved target (default: the shape's)")
+    ap.add_argument("--margin-gib", type=float, default=1.0, help="kept below the target (the model's error)")
+    ap.add_argument("--fit-on", default=None, help="the one measured step the allowances are read from (a case "
+                    "substring, @commit optional); the other steps are predicted")
+    ap.add_argument("--predict", action="append", default=[], help="with --fit-on: a step to predict (default: all)")
+    ap.add_argument("--measured", action="append", default=[],
+                    help="with --fit-on: 'CASE=GiB', a peak reserved in no record (printed, never recorded)")
+    ap.add_argument("--step-records", default="benchmarks/results/step.jsonl")
 
 
 def step_settings(args):
@@ -88,7 +105,7 @@ def step_settings(args):
                         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, micro_batch=args.micro_batch,
                         logprob_chunk=args.logprob_chunk, lora_rank=args.lora_rank, lora_dtype=args.lora_dtype,
                         optim=args.optim, expert_chunk=args.expert_chunk, humming=args.humming,
-                        humming_storage=args.humming_storage)
+                        humming_storage=args.humming_storage, expert_inputs_kept=args.expert_inputs_kept)
 
 
 def describe(st) -> str:
@@ -96,7 +113,8 @@ def describe(st) -> str:
             f"{st.kv_cache_gb} GiB {'fp8' if st.kv_bytes == 1 else 'bf16'}, micro-batch {st.micro_batch}, logprob chunk "
             f"{st.logprob_chunk}, {st.optim}, LoRA r{st.lora_rank} {st.lora_dtype}, expert chunk {st.expert_chunk}, "
             f"humming copies {'on' if st.humming and not st.humming_storage else 'off'}"
-            + (", humming's layout stored" if st.humming_storage else ""))
+            + (", humming's layout stored" if st.humming_storage else "")
+            + ("" if st.expert_inputs_kept else ", expert inputs not kept (priced: not today's code)"))
 
 
 def main(argv=None):
@@ -105,6 +123,10 @@ def main(argv=None):
     ap.add_argument("--skip-7b", action="store_true")
     add_step_args(ap)
     args = ap.parse_args(argv)
+    if args.fit_on:
+        return fit_and_predict(args)
+    if args.candidates:
+        return print_candidates(args)
     rows = []
 
     def out(case, metric, value, unit, target=None):
@@ -136,7 +158,7 @@ def main(argv=None):
                 case = f"{name} {q} from_shapes"
             out(case, "linear_bytes", b / 2**30, "GiB")
             out(case, "linear_bytes_ratio", b / bf16, "x", "<=0.30" if q == "nvfp4" and "from" not in case else None)
-    from .step_plan import MOE_SHAPES, TARGETS_GIB, plan_step
+    from .step_plan import DEFAULT_ALLOWANCES, MOE_SHAPES, TARGETS_GIB, plan_step, update_working
 
     st = step_settings(args)
     settings = describe(st)
@@ -149,12 +171,57 @@ def main(argv=None):
         out(case, "step_peak", g["peak"], "GiB", target)
         for k in STEP_TERMS:
             out(case, k, g[k], "GiB")
-    print(f"(projections: {settings}; the model in bench/step_plan.py, calibrated on the H100 step at ed5e22d; "
-          "step_peak is peak reserved, the CUDA context comes on top)")
+        if args.step_only:  # what the update's working set is made of (not recorded: its sum is a term above)
+            parts = update_working(shape, st)
+            print("   update_working = checkpoints + expert_inputs_kept + max(logits, layer): "
+                  + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in parts.items() if k != "total") + " GiB")
+    print(f"(projections: {settings}; the model in bench/step_plan.py, its allowances read off "
+          f"{DEFAULT_ALLOWANCES.fit_on}; step_peak is peak reserved, the CUDA context comes on top)")
     if args.record:
         for r in rows:
             record("memory", *r[:4], target=r[4], command="python -m qerl.bench.memory --record")
         render()
+
+
+def fit_and_predict(args) -> int:
+    """--fit-on: the allowances from one measured step, every other (or each --predict) predicted against its record."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from . import memory_fit
+
+    allow, preds = memory_fit.run(args.fit_on, args.predict, args.measured, Path(args.step_records))
+    for p in preds:
+        if p.step.commit in memory_fit.OTHER_CODE:
+            print(f"  note {p.step.name}: {memory_fit.OTHER_CODE[p.step.commit]}")
+    if args.record:
+        memory_fit.record_rows(allow, preds, "qerl bench memory " + " ".join(map(shlex.quote, sys.argv[1:])))
+        render()
+    return 0
+
+
+def print_candidates(args) -> int:
+    """--candidates: the step's settings predicted under the target with the margin, best first."""
+    from .step_candidates import candidates, step_command
+    from .step_plan import DEFAULT_ALLOWANCES, MOE_SHAPES, TARGETS_GIB
+
+    name = args.shape or "qwen3-30b-a3b"
+    shape, base = MOE_SHAPES[name], step_settings(args)
+    target = args.target_gib if args.target_gib is not None else TARGETS_GIB[name]
+    found = candidates(shape, base, target, args.margin_gib)
+    print(f"{name}: KV budget and dtype, micro-batch and logprob chunk over a grid, predicted at <= {target:g} - "
+          f"{args.margin_gib:g} GiB peak reserved (allowances from {DEFAULT_ALLOWANCES.fit_on}); the rest as "
+          f"given ({describe(base)}); best first")
+    print(f"{'#':>3} {'peak GiB':>8} {'KV GiB':>6} {'KV':>4} {'slots':>5} {'waves':>5} {'mb':>3} {'chunk':>5}  run by")
+    for i, c in enumerate(found[:20], 1):
+        st = c.settings
+        print(f"{i:>3} {c.peak_gib:8.2f} {st.kv_cache_gb:6.2f} {'fp8' if st.kv_bytes == 1 else 'bf16':>4} {c.slots:>5} "
+              f"{c.waves:>5} {st.micro_batch:>3} {st.logprob_chunk:>5}  "
+              + (step_command(shape, st, target) if c.runnable else "(fp8 KV: no bench step flag)"))
+    if not found:
+        print("  none: no setting of the grid is predicted under the target with this margin")
+    return 0
 
 
 if __name__ == "__main__":
