@@ -220,3 +220,14 @@ def test_nosplit_entries_turn_stream_k_off_and_keep_every_interval_and_tile():
     assert [e[:2] for e in out] == [[1, 8], [9, 64]]
     assert all(e[2]["use_stream_k"] is False for e in out)
     assert entries[0][2]["use_stream_k"] is True  # the heuristics' own (cached) list is not changed
+
+
+def test_a_split_k_route_on_a_k_too_short_to_split_runs_humming_without_split(card_tables):
+    """The stored list's humming_ksplit4 met a 512x256 weight on the H100 (K 256 has no 4 slices of 128): the
+    stored path raised. Both the stored path and the copies now take humming_ns there."""
+    card_tables({"card": {"nvfp4": [[None, "wgmma"]], "nvfp4_stored": [[None, "humming_ksplit4"]], "source": "s"}})
+    assert routes.pick(64, None, (512, 256), stored=True) == "humming_ns"
+    assert routes.pick(64, None, (512, 512), stored=True) == "humming_ksplit4"
+    assert routes.pick(64, None, (512, 1024), stored=True) == "humming_ksplit4"
+    assert routes.splittable("humming_ksplit2", (64, 384)) == "humming_ns"
+    assert routes.splittable("wgmma", (64, 100)) == "wgmma"

@@ -284,7 +284,7 @@ def stored_matmul(x, fmt, tensors, shape, bias=None, lora=None):
         lora, pending = start_lora(lora, x2d)
         # every M runs on humming here; the table's stored lists say in which of its modes
         route = routes.pick(x2d.shape[0], w.device, shape, stored=True)
-        if route in routes.KSPLIT and k % (routes.KSPLIT[route] * 128) == 0:
+        if route in routes.KSPLIT:  # routes.pick gave humming_ns where K does not split
             from .humming_ksplit import stored_product
 
             y = stored_product(x2d, tensors, shape, routes.KSPLIT[route], _locks(w.device))

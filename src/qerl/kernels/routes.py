@@ -158,7 +158,15 @@ def pick(m: int, device: torch.device, shape: tuple[int, int] | None = None, sto
     t = table_for(torch.cuda.get_device_name(device))
     if t is None or not (cur.humming or stored):
         return first_bucket([Bucket(m_max, name) for m_max, name in (DEFAULT_STORED if stored else DEFAULT)], m)
-    return t.pick(m, streamk=not cur.humming_deterministic, shape=shape, stored=stored)
+    return splittable(t.pick(m, streamk=not cur.humming_deterministic, shape=shape, stored=stored), shape)
+
+
+def splittable(name: str, shape: tuple[int, int] | None) -> str:
+    """A split-K name where K splits into its slices of 128, else humming without split (repeatable too): a
+    table's card-wide lists also reach shapes too short to split (K 256 into 4 slices)."""
+    if name in KSPLIT and shape is not None and shape[1] % (KSPLIT[name] * 128):
+        return "humming_ns"
+    return name
 
 
 def copied_shapes(shapes: list[tuple[int, int]], device: torch.device) -> list[tuple[int, int]]:
