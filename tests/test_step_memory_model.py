@@ -338,7 +338,9 @@ def test_logit_bytes_are_a_measured_chunk():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_expert_inputs_kept_are_what_the_grouped_forward_leaves_alive(name):
     """After a checkpointed forward (the update's), the grouped path leaves alive, over the loop path, exactly
-    the term: each layer's expert inputs (every pair's token, every pair's gated product) in bf16."""
+    the term for today's code: nothing. Before the fix its frozen matmul's closure held x, and every layer's
+    expert inputs (every pair's token, every pair's gated product) in bf16 lived to the backward: the term the
+    model still prices for records of that code (expert_inputs_kept=True)."""
     from qerl.train.levers import enable_gradient_checkpointing
 
     pol, shape = _policy(name)
@@ -355,8 +357,8 @@ def test_expert_inputs_kept_are_what_the_grouped_forward_leaves_alive(name):
             logits = pol.model(input_ids=ids).logits
             alive[grouped] = lb.now
         del logits
-    assert alive[True] - alive[False] == update_working(shape, st)["expert_inputs_kept"] > 0
-    assert update_working(shape, replace(st, expert_inputs_kept=False))["expert_inputs_kept"] == 0
+    assert alive[True] - alive[False] == update_working(shape, st)["expert_inputs_kept"] == 0
+    assert update_working(shape, replace(st, expert_inputs_kept=True))["expert_inputs_kept"] > 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -82,8 +82,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--humming-storage", action="store_true",
                     help="NVFP4 attention weights stored in humming's layout (KernelSettings.humming_storage): no copies")
     ap.add_argument("--expert-inputs-kept", action=argparse.BooleanOptionalAction, default=d.expert_inputs_kept,
-                    help="the grouped experts' inputs live through the update (today's code; "
-                         "StepSettings.expert_inputs_kept); --no-expert-inputs-kept prices the fix")
+                    help="the grouped experts' inputs live through the update (the code before its fix; "
+                         "StepSettings.expert_inputs_kept): prices what the fix saves")
     ap.add_argument("--step-only", action="store_true", help="only the MoE step projection (no SmolLM2 / 7B rows)")
     ap.add_argument("--candidates", action="store_true",
                     help="with --step-only: settings predicted under --target-gib - --margin-gib, ranked")
@@ -114,7 +114,7 @@ def describe(st) -> str:
             f"{st.logprob_chunk}, {st.optim}, LoRA r{st.lora_rank} {st.lora_dtype}, expert chunk {st.expert_chunk}, "
             f"humming copies {'on' if st.humming and not st.humming_storage else 'off'}"
             + (", humming's layout stored" if st.humming_storage else "")
-            + ("" if st.expert_inputs_kept else ", expert inputs not kept (priced: not today's code)"))
+            + (", expert inputs kept (the code before 2026-12-07's fix)" if st.expert_inputs_kept else ""))
 
 
 def main(argv=None):

@@ -30,9 +30,15 @@ _CASE = re.compile(r"^(?P<shape>\S+?)(?: (?P<layers>\d+)L)? (?P<quant>\S+) (?P<p
                    r"new(?P<new>\d+) mu(?P<mu>\d+) (?P<levers>.*)$")
 
 
-def settings_of_case(case: str) -> tuple[MoEShape, StepSettings]:
+# Commits whose MoE steps ran with the grouped path's kept expert inputs (StepSettings.expert_inputs_kept), fixed
+# after them in layers/quant_experts.py; "given" figures (--measured) are the issue's, from bc100bc.
+KEPT_INPUTS = frozenset({"e65a2ba", "ed5e22d", "bc100bc", "given"})
+
+
+def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, StepSettings]:
     """The shape and settings a `qerl bench step` case name says (its defaults where it says nothing: LoRA r32,
-    logprob chunk 1024; no KV budget: a slot for every row). ValueError for what the model does not cover."""
+    logprob chunk 1024; no KV budget: a slot for every row), and of the code at `commit` (KEPT_INPUTS).
+    ValueError for what the model does not cover."""
     m = _CASE.match(case.replace("adamw_torch (no bitsandbytes)", "adamw_torch"))
     if not m or m["shape"] not in MOE_SHAPES:
         raise ValueError(f"not an MoE step case: {case!r}")
@@ -43,7 +49,7 @@ def settings_of_case(case: str) -> tuple[MoEShape, StepSettings]:
         shape = replace(shape, layers=int(m["layers"]))
     p, g = int(m["p"]), int(m["g"])
     kw = dict(rows=p * g, prompts=p, prompt_len=int(m["pl"]), new_tokens=int(m["new"]), kv_cache_gb=None,
-              kv_rows=p * g)
+              kv_rows=p * g, expert_inputs_kept=commit in KEPT_INPUTS)
     for tok in m["levers"].split():
         if tok.startswith("mb"):
             kw["micro_batch"] = int(tok[2:])
@@ -112,7 +118,7 @@ def select(steps: list[Step], selector: str) -> Step:
 def fit(step: Step) -> Allowances:
     if step.peak_allocated is None or step.peak_reserved is None:
         raise SystemExit(f"{step.name}: a fit needs its peak_allocated and peak_reserved")
-    shape, st = settings_of_case(step.case)
+    shape, st = settings_of_case(step.case, step.commit)
     return fit_allowances(shape, st, step.peak_allocated, step.peak_reserved, step.name)
 
 
@@ -134,7 +140,7 @@ class Prediction:
 
 def predict(step: Step, allow: Allowances) -> Prediction:
     """The step's peak from its settings and `allow` alone: its own measured figure is only compared."""
-    shape, st = settings_of_case(step.case)
+    shape, st = settings_of_case(step.case, step.commit)
     p = plan_step(shape, st, allow)
     if step.peak_reserved is not None:
         return Prediction(step, "peak_reserved", p.peak_reserved / GIB, step.peak_reserved)

@@ -90,10 +90,10 @@ class StepSettings:
     prefill_chunk: int = 2048     # the engine's prefill chunk (tokens)
     expert_chunk: int = 16        # experts dequantized at once by the grouped path (QuantExperts.expert_chunk),
                                   # made again in the backward rather than saved (layers/grouped_mm.py)
-    expert_inputs_kept: bool = True  # the grouped path's frozen matmul keeps a closure over its input until the
-                                  # backward (QuantExperts._grouped_project's `lambda: self.weights(.., x.dtype)`
-                                  # holds x; ctx attributes escape checkpointing): every layer's expert inputs live
-                                  # through the update. False prices capturing the dtype alone (not the code today)
+    expert_inputs_kept: bool = False  # True: the code before the fix, whose grouped frozen matmul kept a closure over
+                                  # its input until the backward (ctx attributes escape checkpointing), so every
+                                  # layer's expert inputs lived through the update; the records measured then
+                                  # (memory_fit.KEPT_INPUTS) are read with it
     humming: bool = True          # KernelSettings.humming: a humming-kernels copy of each attention weight it
                                   # takes (the H100's routes send M > 16 to it); off, or on a card where the
                                   # copy would leave < KEEP_FREE of it free (a 24 GB card), no copy is made
@@ -311,7 +311,8 @@ def fit_allowances(s: MoEShape, st: StepSettings, peak_allocated_gib: float, pea
 # settings are StepSettings()'s. Every other measured step is out of sample (bench/memory_fit.py).
 FIT_RECORD = {"case": "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch", "commit": "ed5e22d",
               "peak_allocated": 24.537683963775635, "peak_reserved": 25.65625}
-DEFAULT_ALLOWANCES = fit_allowances(MOE_SHAPES["qwen3-30b-a3b"], StepSettings(), FIT_RECORD["peak_allocated"],
+DEFAULT_ALLOWANCES = fit_allowances(MOE_SHAPES["qwen3-30b-a3b"], StepSettings(expert_inputs_kept=True),  # ed5e22d
+                                    FIT_RECORD["peak_allocated"],
                                     FIT_RECORD["peak_reserved"], f"{FIT_RECORD['case']}@{FIT_RECORD['commit']}")
 
 

@@ -219,7 +219,8 @@ class QuantExperts(nn.Module):
     def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         from .grouped_mm import frozen_grouped_mm, grouped_mm
 
-        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, x.dtype), ends)
+        dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
+        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt), ends)
         if self.r and not self.disable_adapters:
             ids = torch.tensor(experts, device=x.device)
             a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
