@@ -262,3 +262,14 @@ def test_a_qerl_trl_trainer_without_peft_config_says_it_trains_lora(tmp_path, mo
     assert "LoRA" in said[0] and "frozen 4-bit base" in said[0] and "peft_config=LoraConfig" in said[0]
     build(peft_config={"r": 8, "lora_alpha": 16})
     assert "full fine-tuning" not in capsys.readouterr().out
+
+
+def test_a_run_folder_with_qerl_trls_in_memory_note_is_still_known_as_its_commands(tmp_path):
+    """The note is no config field: `qerl sft --resume` of such a GRPO run must still say it is a `qerl train`
+    run (run_kind), not fail on an unknown field."""
+    from qerl.cli.run_config import run_kind
+    from qerl.rl.config import GRPOConfig
+    from qerl.train.trl_fields import IN_MEMORY
+
+    (tmp_path / "config.yaml").write_text(GRPOConfig().to_yaml() + f"{IN_MEMORY}: model LlamaForCausalLM\n")
+    assert run_kind(tmp_path) == "train"

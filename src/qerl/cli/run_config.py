@@ -103,9 +103,10 @@ def run_kind(folder) -> str | None:
     from ..rl.config import GRPOConfig
     from ..sft.config import SFTConfig
     from ..train.fields import yaml_mapping
+    from ..train.trl_fields import IN_MEMORY
 
-    try:
-        keys = set(yaml_mapping(Path(folder) / "config.yaml"))
+    try:  # qerl.trl's note of in-memory objects is no field of either config
+        keys = set(yaml_mapping(Path(folder) / "config.yaml")) - {IN_MEMORY}
     except (OSError, ValueError):
         return None
     fits = [k for k, cls in (("train", GRPOConfig), ("sft", SFTConfig))
