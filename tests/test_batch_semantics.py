@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from qerl.rl import GRPOConfig
-from qerl.rl.batching import batch_plan
+from qerl.rl.batch_sizes import batch_plan
 from qerl.rl.default_run import default_run_config
 from test_distributed import _metrics, _run
 

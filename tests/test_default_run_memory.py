@@ -11,7 +11,7 @@ from tiny_models import config, tiny_tokenizer
 
 from qerl.model import random_policy
 from qerl.rl import GRPOConfig, GRPOTrainer
-from qerl.rl.batching import batch_plan
+from qerl.rl.batch_sizes import batch_plan
 from qerl.rl.default_run import CPU, GPU, default_run_config
 from qerl.tasks import get_task
 from qerl.train import levers

@@ -207,7 +207,7 @@ class GRPOConfig(TrainConfig):
         for name in ("generation_batch_size", "steps_per_generation"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, f"must be >= 1 (or null), got {getattr(self, name)}")
-        from .batching import batch_plan
+        from .batch_sizes import batch_plan
 
         batch_plan(self, world=1)  # the batch must split on one process; the trainer checks its world size
         if self.parity_check_steps < 0:
@@ -224,7 +224,7 @@ class GRPOConfig(TrainConfig):
     @property
     def updates_per_step(self) -> int:
         """Optimizer updates per step on one process (each of W ranks makes 1/W of them)."""
-        from .batching import batch_plan
+        from .batch_sizes import batch_plan
 
         return self.num_iterations * batch_plan(self, world=1).updates_per_rank
 

@@ -30,7 +30,7 @@ from ..train.profiling import Profiler
 from .advantages import rollout_batch
 from .adapter_snapshot import AdapterSnapshot
 from .aqn import AQN, AdaptiveSigma, sigma_at
-from .batching import batch_plan
+from .batch_sizes import batch_plan
 from .config import GRPOConfig
 from ..train.metrics import MetricsLog
 from .parity import ParityGate, ParityInputs

@@ -24,14 +24,14 @@ class StepPlan:
 
 
 def updates_per_generation(cfg, world: int = 1) -> int:
-    from ..rl.batching import batch_plan
+    from ..rl.batch_sizes import batch_plan
 
     return cfg.num_iterations * batch_plan(cfg, world).updates_per_rank
 
 
 def plan(cfg, max_steps: int, epochs: float, prompts: int, world: int = 1) -> StepPlan:
     """qerl's steps for TRL's max_steps (optimizer steps; -1: num_train_epochs over `prompts`)."""
-    from ..rl.batching import batch_plan
+    from ..rl.batch_sizes import batch_plan
 
     bp = batch_plan(cfg, world)
     per_gen = cfg.num_iterations * bp.updates_per_rank
