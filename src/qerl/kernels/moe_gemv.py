@@ -108,23 +108,56 @@ def default_tiles(pairs: int, num_experts: int) -> Tiles:
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort a step's pairs by expert with torch ops only (no host sync, so decode can stay asynchronous)."""
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1).clamp(0, num_experts)
-    p = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    # Not bincount: on CUDA it reads the largest index back to the host to size its output.
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))[:num_experts]
-    starts = torch.cumsum(counts, 0) - counts
-    slots = min(num_experts, p)
-    # Stable sort on "unhit": the hit experts first, in ascending order, so the slots' rows are consecutive.
-    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)[:slots]
-    slot_count = counts[slot_expert].to(torch.int32)
-    expert = flat[order]
-    ends = torch.cat([torch.cumsum(slot_count, 0, dtype=torch.int32), slot_count.new_full((1,), p)])
-    return Routing(order, order // k, expert.clamp(max=num_experts - 1), expert < num_experts,
-                   slot_expert.to(torch.int32), starts[slot_expert].to(torch.int32), slot_count, ends, p // k)
+    """Sort a step's pairs by expert with torch ops only: no host sync and no size read from the data, so
+    decode stays asynchronous and capturable in CUDA graphs. T >= 1 (supports() ensures it).
+
+    A counting sort. Why: the H100 profile of a Qwen3-30B-A3B decode step at 64 sequences (f049130,
+    benchmarks/profiles/moe_decode_qwen3_b64_f049130.txt) put the argsort version at 36 launches and 81 us
+    a MoE layer (3.9 ms of a 31.7 ms step): a radix sort of the 512 int64 keys took 27 us, a bitonic sort
+    of the unhit flags 4.5 us, the rest ~2 us launches. Here one cumsum over a one-hot of the pairs'
+    classes (expert, or E for "no expert") gives each pair's sorted position and each class's start, one
+    scatter permutes, and the slots come from a second counting sort (hit, then unhit) sharing that cumsum:
+    18 kernel-launching aten ops against the argsort version's 22, whose two sorts count one op each
+    (tests/test_moe_route.py counts them at T=64, k=8, E=128); not yet timed on a GPU. No bincount: on
+    CUDA it reads the largest index back to the host to size its output."""
+    e, k, p = num_experts, top_k_index.shape[-1], top_k_index.numel()
+    c, s, dev, i64 = e + 1, min(num_experts, p), top_k_index.device, torch.int64
+    # What the scatter moves, a column a pair (column 0 spare): the pair's index, its token, its class.
+    # Row 0 runs from -1 so that it also serves as the one-hot's class ids (-1 first) and searchsorted's values.
+    src = torch.empty(3, max(c + 1, p + s + 1), dtype=i64, device=dev)
+    ar = torch.arange(-1, src.shape[1] - 1, out=src[0])
+    torch.floor_divide(ar, k, out=src[1])
+    flat = top_k_index.reshape(-1)
+    flat = torch.clamp(flat if flat.dtype == i64 else flat.to(i64), 0, e, out=src[2, 1:p + 1])
+    # One buffer, one cumsum: the one-hot [class -1..E, pair] (class -1 matches no pair: a zero row, so
+    # that "the cumsum one element before" needs no pad), then the experts' one-hot [hit; unhit], whose
+    # cumsum, offset by the P pairs, ranks the hit experts first. int64 throughout: no casts inside the
+    # cumsum, gather, scatter or searchsorted.
+    buf = torch.empty((c + 1) * p + 2 * e, dtype=i64, device=dev)
+    hot = buf[:(c + 1) * p].view(c + 1, p)
+    torch.eq(ar[:c + 1, None], flat, out=hot)
+    two = buf[(c + 1) * p:].view(2, e)
+    torch.amax(hot[1:c], 1, out=two[0])
+    torch.eq(two[0], 0, out=two[1])
+    cs = buf.cumsum(0)
+    # The cumsum one before (class x, pair i) counts the pairs sorted before it: pair i's position where x
+    # is its class; at i = 0, class x's start (and the next class's start is x's end).
+    pos = cs.as_strided((c, p), (p, 1), p - 1).gather(0, flat.view(1, p))
+    bounds = cs.as_strided((2, c), (p, p), p - 1)  # [start; end] of each class
+    # Rows of even length: each output row starts 16-byte aligned (Triton specializes pointers on it).
+    out = torch.empty(3, p + (p & 1), dtype=i64, device=dev)[:, :p]
+    order, token, klass = out.scatter_(1, pos.expand(3, p), src[:, 1:p + 1])
+    # Slot j's expert: the column (mod E) of the (j+1)-th one of [hit; unhit], where its cumsum first
+    # passes P + j.
+    slot_expert = torch.searchsorted(cs[(c + 1) * p:], ar[p + 1:p + s + 1], right=True, out_int32=True)
+    slot_expert.remainder_(e)
+    start_end = bounds.index_select(1, slot_expert).to(torch.int32)
+    slot_count = start_end[1] - start_end[0]
+    ends = torch.full((s + 1,), p, dtype=torch.int32, device=dev)
+    torch.cumsum(slot_count, 0, dtype=torch.int32, out=ends[:s])
+    expert = klass.clamp(max=e - 1)
+    expert = expert if top_k_index.dtype == i64 else expert.to(top_k_index.dtype)
+    return Routing(order, token, expert, klass < e, slot_expert, start_end[0], slot_count, ends, p // k)
 
 
 def prepare(fmt, tensors: dict[str, torch.Tensor]) -> tuple:
