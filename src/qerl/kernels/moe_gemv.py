@@ -95,6 +95,9 @@ class Tiles:
     block_k: int = BLOCK_K  # shapes in the H100 sweep (`qerl bench moe --sweep`, f049130; benchmarks/kernels.md)
     num_warps: int = 8
     num_stages: int = 3
+    block_m_hot: int = 0  # > block_m: an expert with more pairs than block_m takes this tile instead of chunks
+                          # (skewed routing: a few experts get most tokens; each chunk decodes the weights again
+                          # and such programs finish last). 0: off; measured by `qerl bench moe --sweep --skew`
 
 
 def default_tiles(pairs: int, num_experts: int) -> Tiles:
@@ -182,7 +185,7 @@ def _build_kernel():
     (the CPU install has none)."""
     # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
     # its module's globals alone.
-    global _built, triton, tl, decode_tile, decode_even_odd_asm, _grouped_gemv_kernel
+    global _built, triton, tl, decode_tile, decode_even_odd_asm, _expert_rows, _grouped_gemv_kernel
     if _built:
         return
     import triton
@@ -191,20 +194,12 @@ def _build_kernel():
     decode_tile, decode_even_odd_asm = w4_decode.decode_tile, w4_decode.decode_even_odd_asm
 
     @triton.jit
-    def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
-                             slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
-                             FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
-                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask, K,
+                     stride_xm, stride_ym, MX_SHIFT, FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
+                     HAS_FAC: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        # one program's expert pairs, BLOCK_M at a time (each chunk decodes the weights again)
         G: tl.constexpr = 16 if FMT == 0 else 32
-        slot = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
-        start = tl.load(slot_start_ptr + slot)
-        count = tl.load(slot_count_ptr + slot)
-        rows_n = offs_n.to(tl.int64)
-        q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
-        s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
         offs_kh = tl.arange(0, BLOCK_K // 2)
         offs_kg = tl.arange(0, BLOCK_K // G)
         offs_k = tl.arange(0, BLOCK_K)
@@ -246,6 +241,35 @@ def _build_kernel():
             ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
+    @triton.jit
+    def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
+                             slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
+                             FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
+                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_M_HOT: tl.constexpr):
+        G: tl.constexpr = 16 if FMT == 0 else 32
+        slot = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+        start = tl.load(slot_start_ptr + slot)
+        count = tl.load(slot_count_ptr + slot)
+        rows_n = offs_n.to(tl.int64)
+        q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
+        s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
+        if BLOCK_M_HOT > 0:
+            if count > BLOCK_M:  # a hot expert: one wider tile, its weights decoded once
+                _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask,
+                             K, stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M_HOT, BLOCK_N,
+                             BLOCK_K)
+            else:
+                _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask,
+                             K, stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M, BLOCK_N,
+                             BLOCK_K)
+        else:
+            _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask, K,
+                         stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M, BLOCK_N, BLOCK_K)
+
     _built = True
 
 
@@ -284,8 +308,8 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
         FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, BLOCK_M_HOT=tiles.block_m_hot,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
