@@ -513,9 +513,11 @@ def test_candidate_commands_run_the_settings_predicted():
     from qerl.bench.step_candidates import candidates, step_command
 
     shape = MOE_SHAPES["qwen3-30b-a3b"]
-    found = [c for c in candidates(shape, StepSettings(humming=False, optim="adamw_8bit"), 22, 1.0) if c.runnable]
+    found = candidates(shape, StepSettings(humming=False, optim="adamw_8bit"), 22, 1.0)
     assert found and all(c.peak_gib <= 21 for c in found)
-    for c in found[:3]:
+    fp8 = [c for c in found if c.settings.kv_bytes == 1]
+    assert fp8, "an fp8 KV candidate: the grid has it, bench step runs it"
+    for c in found[:3] + fp8[:2]:
         argv = shlex.split(step_command(shape, c.settings, 22))
         assert argv[:3] == ["python", "-m", "qerl.bench.step"] and "--record" in argv
         flags = dict(zip(argv[3::2], argv[4::2]))  # flag, value pairs (the switches come last)
@@ -525,6 +527,7 @@ def test_candidate_commands_run_the_settings_predicted():
                                 micro_batch=int(flags["--micro-batch"]), gradient_checkpointing=True,
                                 logprob_chunk=int(flags["--logprob-chunk"]), kv_cache_gb=float(flags["--kv-cache-gb"]),
                                 kv_fraction=None, optim=flags["--optim"], memory_cap_gb=22.0, lengths="max",
+                                kv_cache_dtype=flags.get("--kv-cache-dtype", "auto"),
                                 max_staleness=0, moe_path="fast", humming="--no-humming" not in argv,
                                 humming_storage=False, steps=int(flags["--steps"]))
         assert settings_of_case(case_name(ns, "nvfp4"))[1] == c.settings

@@ -218,7 +218,7 @@ def print_candidates(args) -> int:
         st = c.settings
         print(f"{i:>3} {c.peak_gib:8.2f} {st.kv_cache_gb:6.2f} {'fp8' if st.kv_bytes == 1 else 'bf16':>4} {c.slots:>5} "
               f"{c.waves:>5} {st.micro_batch:>3} {st.logprob_chunk:>5}  "
-              + (step_command(shape, st, target) if c.runnable else "(fp8 KV: no bench step flag)"))
+              + step_command(shape, st, target))
     if not found:
         print("  none: no setting of the grid is predicted under the target with this margin")
     return 0

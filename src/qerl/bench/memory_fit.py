@@ -59,6 +59,8 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["kv_cache_gb"] = float(tok[2:])
         elif tok in ("adamw_torch", "adamw_8bit"):
             kw["optim"] = tok
+        elif tok == "kv-fp8":
+            kw["kv_bytes"] = 1
         elif tok == "no-humming":
             kw["humming"] = False
         elif tok == "humming-storage":

@@ -89,6 +89,8 @@ def case_name(a, quant: str) -> str:
     for key, tag in (("logprob_chunk", "chunk"), ("kv_cache_gb", "kv"), ("kv_fraction", "kv-rows")):
         if getattr(a, key, None) is not None:
             lv.append(f"{tag}{getattr(a, key):g}")
+    if getattr(a, "kv_cache_dtype", "auto") != "auto":
+        lv.append(f"kv-{a.kv_cache_dtype}")
     if getattr(a, "optim", None):
         lv.append(a.optim)
     if a.memory_cap_gb:
@@ -204,7 +206,7 @@ def _run_case(a, pol, build_s) -> dict:
             gradient_accumulation_steps=max(1, n_rows // _world() // a.micro_batch),  # one update a step
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
             gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
-            rollout_kv_cache_gb=kv_gb, optim=a.optim, dynamic_sampling=False, loss_type="dapo", aqn=aqn,
+            rollout_kv_cache_gb=kv_gb, rollout_kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"), optim=a.optim, dynamic_sampling=False, loss_type="dapo", aqn=aqn,
             # no parity gate: its 0.1-nat threshold is for trained weights. On random weights 48-80 layers
             # deep (14B-72B) the engine's and the trainer's bf16 roundings part by 0.13-0.3 nats
             # (H200, 2026-12-04), while the 7B shape passes; parity is tested on real weights (tests/)
@@ -436,6 +438,8 @@ def main(argv=None):
     ap.add_argument("--quant", default="nvfp4", help="nvfp4 | mxfp4 | nf4 | bf16 (the bf16 LoRA baseline)")
     ap.add_argument("--logprob-chunk", type=int, default=None, help="tokens per logprob chunk (default 1024)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="rollout KV budget (default: half the free memory)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="rollout KV cache values (GRPOConfig.rollout_kv_cache_dtype): fp8 holds twice the slots")
     ap.add_argument("--optim", default="adamw_8bit", help="adamw_8bit (bitsandbytes) | adamw_torch")
     ap.add_argument("--max-staleness", type=int, default=0, choices=[0, 1],
                     help="1: the next step's rollout runs during the update (GRPOConfig.max_staleness)")

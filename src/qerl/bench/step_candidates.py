@@ -21,7 +21,7 @@ MICRO_BATCH = (1, 2)
 # at 22.23 GiB reserved, its capped run reached 21.73 allocated; the model says 21.91 / 20.79), so a candidate
 # should not lean on the chunk further than a run has gone
 LOGPROB_CHUNK = (128, 256, 1024)
-KV_BYTES = (2, 1)  # bf16, fp8 (GRPOConfig.rollout_kv_cache_dtype; `qerl bench step` has no flag for it)
+KV_BYTES = (2, 1)  # bf16, fp8 (GRPOConfig.rollout_kv_cache_dtype; `qerl bench step --kv-cache-dtype fp8`)
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,6 @@ class Candidate:
     def waves(self) -> int:
         return -(-self.settings.rows // self.slots) if self.slots else 0
 
-    @property
-    def runnable(self) -> bool:
-        """`qerl bench step` can run it as it is (no flag sets an fp8 KV cache there)."""
-        return self.settings.kv_bytes == 2
 
 
 def candidates(shape: MoEShape, base: StepSettings, target_gib: float, margin_gib: float) -> list[Candidate]:
@@ -47,9 +43,8 @@ def candidates(shape: MoEShape, base: StepSettings, target_gib: float, margin_gi
         p = plan_step(shape, st)
         if p.kv_slots and p.peak_reserved / GIB <= target_gib - margin_gib:
             out.append(Candidate(st, p.peak_reserved / GIB, p.kv_slots))
-    # the step's time: fewer rollout waves, then the larger micro-batch, then the larger chunk; runnable first
-    return sorted(out, key=lambda c: (not c.runnable, c.waves, -c.settings.micro_batch, -c.settings.logprob_chunk,
-                                      c.peak_gib))
+    # the step's time: fewer rollout waves, then the larger micro-batch, then the larger chunk
+    return sorted(out, key=lambda c: (c.waves, -c.settings.micro_batch, -c.settings.logprob_chunk, c.peak_gib))
 
 
 def step_command(shape: MoEShape, st: StepSettings, cap_gib: float) -> str:
@@ -58,6 +53,8 @@ def step_command(shape: MoEShape, st: StepSettings, cap_gib: float) -> str:
              f"--num-generations {st.rows // st.prompts} --prompt-len {st.prompt_len} --max-new-tokens {st.new_tokens} "
              f"--micro-batch {st.micro_batch} --steps 1 --optim {st.optim} --kv-cache-gb {st.kv_cache_gb:g} "
              f"--logprob-chunk {st.logprob_chunk}"]
+    if st.kv_bytes == 1:
+        parts.append("--kv-cache-dtype fp8")
     if not st.humming:
         parts.append("--no-humming")
     if st.humming_storage:
