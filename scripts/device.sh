@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe_kernels ncu profile overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu profile overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -126,6 +126,17 @@ step_moe() {  # one MoE expert layer (Qwen3-30B-A3B, NVFP4; gpt-oss-20b, MXFP4):
   run moe_step 400 python3 -m qerl.bench.step --shape ${SHAPE:-qwen3-30b-a3b} --prompts 8 --num-generations 8 \
     --prompt-len 256 --max-new-tokens ${NEW:-256} --micro-batch 2 --steps 1 --optim adamw_torch \
     --kv-cache-gb ${KV:-3.4} --json $J/moe_step.json $R --out /tmp/bs_moe
+}
+
+step_moe24() {  # the 24 GB recipe's two first candidates (docs/moe-24gb.md) under --memory-cap-gb 22, then the
+               # memory model's out-of-sample error on each (fit on the ed5e22d default step)
+  local c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --micro-batch 2
+    --steps 1 --optim adamw_8bit --logprob-chunk 128 --no-humming --memory-cap-gb 22"
+  run moe24_fp8 280 python3 -m qerl.bench.step $c --kv-cache-gb 0.8 --kv-cache-dtype fp8 $R --out /tmp/bs_m24a
+  run moe24_bf16 280 python3 -m qerl.bench.step $c --kv-cache-gb 1.2 $R --out /tmp/bs_m24b
+  cat benchmarks/results/step.jsonl $OUT/results/step.jsonl > /tmp/steps.jsonl 2>/dev/null
+  python3 -m qerl.bench.memory --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" \
+    --predict kv-fp8 --predict kv1.2 --step-records /tmp/steps.jsonl 2>&1 | tail -8
 }
 
 step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
