@@ -5,6 +5,8 @@ tensors come from qerl's pure-torch repack instead: the two must be the same byt
 the same bits), NVFP4's dequantize of those bytes for the backward, and a model in qerl's MMA layout (where
 humming serves routed M from a second copy)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,14 +113,20 @@ def test_a_model_in_the_layout_keeps_one_copy_and_agrees_with_the_mma_layout():
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
 
 
-def test_engine_graphs_equal_eager_and_seeded_sampling_repeats():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_graphs_equal_eager_and_seeded_sampling_repeats(overlap):
+    """Also with KernelSettings.lora_overlap (the LoRA shrink on a side stream beside humming's GEMM, which every
+    stored weight runs): its GPU test before it may become the default."""
     pol = _policy(True)
+    ks = dataclasses.replace(settings.current(), lora_overlap=overlap)
     prompts = [list(range(100, 100 + L)) for L in (7, 30, 64)]
     greedy = SamplingParams(max_new_tokens=32, greedy=True, ignore_eos=True)
-    a = Engine(pol.model, max_len=160, max_slots=24, sync_every=8).generate(prompts, n=6, params=greedy)
-    b = Engine(pol.model, max_len=160, max_slots=24, cuda_graphs=False).generate(prompts, n=6, params=greedy)
+    a = Engine(pol.model, max_len=160, max_slots=24, sync_every=8, kernel_settings=ks).generate(prompts, n=6,
+                                                                                                params=greedy)
+    b = Engine(pol.model, max_len=160, max_slots=24, cuda_graphs=False, kernel_settings=ks).generate(
+        prompts, n=6, params=greedy)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     p = SamplingParams(max_new_tokens=32, temperature=1.0, seed=0, ignore_eos=True)
-    eng = Engine(pol.model, max_len=160, max_slots=24)
+    eng = Engine(pol.model, max_len=160, max_slots=24, kernel_settings=ks)
     c1, c2 = eng.generate(prompts, n=4, params=p), eng.generate(prompts, n=4, params=p)
     assert [c.token_ids for c in c1] == [c.token_ids for c in c2]
