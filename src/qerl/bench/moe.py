@@ -2,6 +2,7 @@
 
     python -m qerl.bench.moe [--record] [--experts 128 --hidden 2048 --inter 768 --top-k 8]   # Qwen3-30B-A3B
     qerl bench moe --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4            # gpt-oss-20b
+    qerl bench moe --sweep --batches 1,8,64 [--skew 2]     # the decode GEMV alone over tile sizes (GPU)
 
 Random weights and routing; at each token count (1 / 8 / 64 / 512 / 2048 by default): the loop (each hit expert
 dequantized, the reference), the grouped path (hit experts dequantized a chunk at a time, torch._grouped_mm;
