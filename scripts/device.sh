@@ -90,7 +90,8 @@ step_tests() {  # correctness on the GPU: every tests/*_gpu.py and every test fi
   # N=8: pytest-xdist (carry its wheel and execnet's in .whl), a file a worker: the suite is compile-bound (Triton,
   # NVRTC), over 25 min in one process. pytest is interrupted (INT) before the call's end, so its summary still prints.
   local xd; python3 -c "import xdist" 2>/dev/null && xd="-n ${N:-8} --dist loadfile"
-  TAIL=40 run pytest 570 timeout -s INT $((LIMIT - SECONDS - 25)) python3 -m pytest -q -p no:cacheprovider \
+  local t=$((LIMIT - SECONDS)); [ $t -gt 570 ] && t=570  # run()'s own cap: INT comes 25 s before its TERM
+  TAIL=40 run pytest 570 timeout -s INT $((t - 25)) python3 -m pytest -q -p no:cacheprovider \
     --tb=short -rfE ${xd:-} $files
 }
 
@@ -132,19 +133,22 @@ step_moe24() {  # the 24 GB recipe's two first candidates (docs/moe-24gb.md) und
                # memory model's out-of-sample error on each (fit on the ed5e22d default step)
   local c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --micro-batch 2
     --steps 1 --optim adamw_8bit --logprob-chunk 128 --no-humming --memory-cap-gb 22"
-  run moe24_fp8 280 python3 -m qerl.bench.step $c --kv-cache-gb 0.8 --kv-cache-dtype fp8 $R --out /tmp/bs_m24a
-  run moe24_bf16 280 python3 -m qerl.bench.step $c --kv-cache-gb 1.2 $R --out /tmp/bs_m24b
+  run moe24_fp8 260 python3 -m qerl.bench.step $c --kv-cache-gb 0.8 --kv-cache-dtype fp8 $R --out /tmp/bs_m24a
+  run moe24_bf16 260 python3 -m qerl.bench.step $c --kv-cache-gb 1.2 $R --out /tmp/bs_m24b
   cat benchmarks/results/step.jsonl $OUT/results/step.jsonl > /tmp/steps.jsonl 2>/dev/null
-  python3 -m qerl.bench.memory --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" \
-    --predict kv-fp8 --predict kv1.2 --step-records /tmp/steps.jsonl 2>&1 | tail -8
+  local at sel; at=$(python3 -c "from qerl.bench.record import commit; print(commit())")
+  for sel in "kv-fp8" "kv1.2"; do  # each on its own: a run that failed leaves the other's prediction
+    run "moe24_predict_${sel}" 40 python3 -m qerl.bench.memory --step-records /tmp/steps.jsonl \
+      --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" --predict "$sel@$at"
+  done
 }
 
 step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
                      # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side
-  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
+  run moe_sweep_qwen3 200 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
   # skewed routing (a few experts take most tokens, as the random-weight model's): the hot-expert tile
-  run moe_sweep_qwen3_skew 120 python3 -m qerl.bench.moe $R --sweep --batches 64 --skew ${SKEW:-2}
-  run moe_sweep_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
+  run moe_sweep_qwen3_skew 150 python3 -m qerl.bench.moe $R --sweep --batches 64 --skew ${SKEW:-2}
+  run moe_sweep_gptoss 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
     --inter 2880 --top-k 4 --format mxfp4
   run moe_humming 120 python3 -m qerl.bench.moe $R --humming --batches 1,8,64,512
 }

@@ -111,11 +111,11 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
         default = moe_gemv.default_tiles(idx.numel(), e)
         old = moe_gemv.Tiles(min(64, max(16, 1 << (t - 1).bit_length())), 64, 128, 4, 3)
         hot = old.block_m  # an expert has at most T pairs: a hot tile of next_pow2(T) takes it in one pass
-        if hot > 16:  # each 16-token tile again with the hot-expert tile (Tiles.block_m_hot)
-            grid = grid + [dataclasses.replace(g, block_m_hot=hot) for g in grid if g.block_m == 16]
+        tiles_t = grid + ([dataclasses.replace(g, block_m_hot=hot) for g in grid if g.block_m == 16]
+                          if hot > 16 else [])  # each 16-token tile again with the hot-expert tile
         want = [y.float() for y in call(default)]
         times = {}
-        for tiles in dict.fromkeys([old, default] + [g for g in grid if g.block_m <= max(16, 2 * old.block_m)]):
+        for tiles in dict.fromkeys([old, default] + [g for g in tiles_t if g.block_m <= max(16, 2 * old.block_m)]):
             try:
                 got = call(tiles)
             except Exception as err:  # a tile the compiler refuses (shared memory): said, skipped
@@ -126,6 +126,9 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
             if d > 2e-2:
                 print(f"  T={t} {tiles}: relative difference {d:.2e} from the default: wrong, dropped")
                 times.pop(tiles)
+        if not times:
+            print(f"== GEMV tiles at T={t}: no tile ran")
+            continue
         best = min(times, key=times.get)
         print(f"== GEMV tiles at T={t} ({hit} experts hit, {hit * expert_bytes / 1e6:.0f} MB): "
               f"old {times.get(old, float('nan')):.1f} µs, default {times.get(default, float('nan')):.1f} µs, "

@@ -197,7 +197,8 @@ def _run_case(a, pol, build_s) -> dict:
             from ..rollout.forward import ModelView
             from ..rollout.kv_cache import bytes_per_slot
 
-            per_slot = bytes_per_slot(ModelView(pol.model), a.prompt_len + 1 + a.max_new_tokens)
+            per_slot = bytes_per_slot(ModelView(pol.model), a.prompt_len + 1 + a.max_new_tokens,
+                                      getattr(a, "kv_cache_dtype", "auto"))
             kv_gb = per_slot * max(1, round(n_rows * a.kv_fraction)) * 1.0001 / 2**30
         gcfg = GRPOConfig(
             model_name_or_path=f"random:{a.shape}", quant=a.quant, lora_r=a.lora_rank, lora_alpha=2.0 * a.lora_rank,
@@ -206,7 +207,8 @@ def _run_case(a, pol, build_s) -> dict:
             gradient_accumulation_steps=max(1, n_rows // _world() // a.micro_batch),  # one update a step
             num_iterations=a.num_iterations, max_prompt_length=a.prompt_len, max_completion_length=a.max_new_tokens,
             gradient_checkpointing=a.gradient_checkpointing, logprob_chunk_size=a.logprob_chunk or 1024,
-            rollout_kv_cache_gb=kv_gb, rollout_kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"), optim=a.optim, dynamic_sampling=False, loss_type="dapo", aqn=aqn,
+            rollout_kv_cache_gb=kv_gb, rollout_kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto"),
+            optim=a.optim, dynamic_sampling=False, loss_type="dapo", aqn=aqn,
             # no parity gate: its 0.1-nat threshold is for trained weights. On random weights 48-80 layers
             # deep (14B-72B) the engine's and the trainer's bf16 roundings part by 0.13-0.3 nats
             # (H200, 2026-12-04), while the 7B shape passes; parity is tested on real weights (tests/)
