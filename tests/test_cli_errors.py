@@ -327,6 +327,31 @@ def test_a_config_file_that_is_not_utf8_names_the_file_and_line(cli, tmp_path, c
     assert rc == 2 and f"{f}:2: not UTF-8" in err and "0xe9" in err, err
 
 
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_config_file_with_a_yaml_syntax_error_is_one_line_naming_its_line(cli, tmp_path, command, no_model_load):
+    f = tmp_path / "c.yaml"
+    f.write_text("max_steps: 3\nlora_r: [1, 2\n")
+    rc, _, err = cli(command, f)
+    assert rc == 2 and f"{f} line 3 column 1: not valid YAML" in err and "fix the syntax" in err and one_line(err), err
+    assert "while parsing a flow sequence at line 2 column 9" in err
+
+
+def test_a_config_json_field_of_the_wrong_type_is_one_line_naming_the_field(cli, tmp_path, model, no_model_load):
+    import shutil
+
+    bad = tmp_path / "f"
+    shutil.copytree(model, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": "big"}))
+    rc, _, err = cli("generate", bad, "--prompt", "hi", "--device", "cpu")
+    assert rc == 2 and "config.json" in err and "fix field 'hidden_size' (now 'big')" in err and one_line(err), err
+
+
+def test_study_run_with_no_runs_at_once_is_refused(cli, tmp_path):
+    rc, _, err = cli("study", "run", "--parallel", "0", "--dry_run", "--out", tmp_path / "s")
+    assert rc == 2 and "argument --parallel: must be >= 1, got 0" in err.strip().splitlines()[-1]
+
+
 def test_sft_data_that_is_not_utf8_names_the_file_and_line(cli, model, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

@@ -41,8 +41,14 @@ def read_model_config(folder):
     try:
         return AutoConfig.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a config that contradicts itself
+        import re
+
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # transformers' validation errors span lines
+        field = re.search(r"field '(\w+)'", detail)
+        fix = (f"fix field {field[1]!r} (now {raw.get(field[1])!r})" if field and field[1] in raw
+               else "is model_type the model's own?")
         raise ValueError(f"{path}: transformers cannot read it as a {raw.get('model_type')!r} config "
-                         f"({type(e).__name__}: {e}); is model_type the model's own?"[:400]) from None
+                         f"({detail}); {fix}") from None
 
 
 def max_positions(folder) -> int | None:

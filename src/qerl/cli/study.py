@@ -9,6 +9,7 @@ HELP = "the quantization-noise study: run the arms x seeds grid, or write its re
 
 def add_arguments(p):
     from ..study import ARMS, LOSSES
+    from .argtypes import positive
 
     p.add_argument("action", choices=["run", "report"])
     p.add_argument("--out", action="append", default=None,
@@ -16,7 +17,7 @@ def add_arguments(p):
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--parallel", type=int, default=1, help="runs at once (a GPU holds many of these small runs)")
+    p.add_argument("--parallel", type=positive, default=1, help="runs at once (a GPU holds many of these small runs)")
     p.add_argument("--max-minutes", type=float, default=None, help="launch no run after this many minutes")
     p.add_argument("--stop-minutes", type=float, default=None,
                    help="stop the running runs after this many minutes (a later call resumes them from their checkpoints)")

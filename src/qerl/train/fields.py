@@ -49,8 +49,16 @@ def yaml_mapping(path) -> dict:
     path = Path(path)
     try:
         d = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # PyYAML's message spans lines (a caret under a copy of the line): one line here
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        what, context, begun = (getattr(e, k, None) for k in ("problem", "context", "context_mark"))
+        if context:  # "while parsing a flow sequence", where the unclosed bracket opened
+            at = f" at line {begun.line + 1} column {begun.column + 1}" if begun is not None else ""
+            what = f"{what}; {context}{at}" if what else f"{context}{at}"
+        what = " ".join(str(what or "").split())
+        raise ValueError(f"{path}{where}: not valid YAML ({what or ' '.join(str(e).split())}); fix the syntax "
+                         "there (a mapping of field: value)") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a mapping of field: value, got {type(d).__name__}")
     return d
