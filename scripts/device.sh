@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu profile overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -176,6 +176,17 @@ step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 
   fi
   TAIL=70 run profile 400 python3 scripts/profile_decode.py --out $L ${skip:-} ${SHRINK:+--shrink} \
     --quants ${QUANTS:-nvfp4,bf16} --batches ${BATCHES:-1,64}
+}
+
+step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): one micro-batch's forward + backward
+                         # and the optimizer step (adamw_torch, checkpointing), kernels by kind and phase (recompute
+                         # apart), per micro-batch size MBS, LAYERS of SHAPE scaled to full depth; the JSON, table
+                         # and log come back in $OUT/profile/
+  TAIL=${TAIL:-90} run profile_update 400 python3 scripts/profile_update.py --out $L --shape ${SHAPE:-qwen3-30b-a3b} \
+    --layers ${LAYERS:-4} --micro-batches ${MBS:-2,4}
+  local rc=$?
+  mkdir -p $OUT/profile && cp $L/profile_update.* $OUT/profile/ 2>/dev/null
+  return $rc
 }
 
 step_overlap() {  # decode beside the update on one GPU: each alone, in series and together (benchmarks/overlap.md);
