@@ -537,3 +537,14 @@ def test_only_errors_that_explain_themselves_lose_their_traceback():
     assert said_in_one_line(TrainingError("step 3: loss is nan"))
     assert said_in_one_line(ValueError("x")) and said_in_one_line(FileNotFoundError("x"))
     assert not said_in_one_line(RuntimeError("a bug")) and not said_in_one_line(TypeError("a bug"))
+
+
+@pytest.mark.parametrize("row, said", [({"question": "q"}, "no 'messages', 'text' or 'prompt' + 'completion'"),
+                                       ({"text": 5}, "'text' is int, not text"),
+                                       ({"messages": [{"role": "robot", "content": "x"}]}, "expected a role")])
+def test_a_bad_sft_row_is_one_line_naming_file_and_row_before_the_model_loads(cli, model, tmp_path, row, said,
+                                                                              no_model_load):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(row) + "\n")
+    rc, _, err = cli(*sft_args(model, tmp_path / "run", "--dataset_name", data))
+    assert rc == 2 and f"{data}: row 1: " in err and said in err and one_line(err), err

@@ -142,6 +142,9 @@ def run(args):
     from .preflight import earlier_run_message
 
     data_file(cfg.dataset_name)
+    from ..sft.data import check_rows
+
+    check_rows(cfg.dataset_name, dict(cfg.dataset_config), cfg.dataset_text_field)  # before the model loads
     if args.resume and cfg.max_steps > 0:  # max_steps below the run's step: nothing to train, as `qerl train`
         from .run_config import check_resume_steps
 

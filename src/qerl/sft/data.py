@@ -61,6 +61,54 @@ def load_rows(name: str, options: dict) -> list[dict]:
     return [dict(r) for r in load_dataset(name, config, split=split)]
 
 
+def check_messages(messages) -> list[dict]:
+    """A conversation's turns, each a known role with text (or tool calls): copies of them, or ValueError."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {role, content} messages")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {k}: expected a role of system, user, assistant or tool, got "
+                             f"{m.get('role') if isinstance(m, dict) else type(m).__name__!r}")
+        if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
+            raise ValueError(f"message {k} ({m['role']}): its content is not text")
+    return [dict(m) for m in messages]
+
+
+def row_format(row, text_field: str = "text") -> str:
+    """Which of TRL's formats a row is ("messages", "prompt_completion" or "text"), or ValueError saying what it
+    lacks: the one structural check, made by the tokenizer and, before the model loads, by `check_rows`."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a mapping, got {type(row).__name__}")
+    if "messages" in row:
+        check_messages(row["messages"])
+        return "messages"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    if text_field in row:
+        if not isinstance(row[text_field], str):
+            raise ValueError(f"'{text_field}' is {type(row[text_field]).__name__}, not text")
+        return "text"
+    raise ValueError(f"no 'messages', '{text_field}' or 'prompt' + 'completion' field (fields: {sorted(row)})")
+
+
+def check_rows(name: str, options: dict, text_field: str) -> None:
+    """A local dataset file's rows, checked before the model loads (minutes saved on a bad row): each row's
+    format, named by file and row (0-based, as the tokenizer names it). The file is read again when training
+    starts: small next to a model load."""
+    path = Path(str(name)).expanduser()
+    if not (path.suffix.lower() in (".jsonl", ".json", ".parquet") or os.path.lexists(path)):
+        return  # the tool task or a hub dataset: checked as the trainer reads it
+    rows = load_rows(name, options)
+    if not rows:
+        raise ValueError(f"{path}: no training rows")
+    for i, row in enumerate(rows):
+        check_text(row, f"{path}: row {i}")
+        try:
+            row_format(row, text_field)
+        except ValueError as e:
+            raise ValueError(f"{path}: row {i}: {e}") from None
+
+
 def read_utf8(path, what: str = "file") -> str:
     """A text file's content; a file that is not UTF-8 is a ValueError naming it, the line and the byte
     (a bare codec error named neither)."""
@@ -163,21 +211,13 @@ class Tokenizer:
         return out
 
     def example(self, row: dict) -> Example:
-        if not isinstance(row, dict):
-            raise ValueError(f"expected a mapping, got {type(row).__name__}")
-        if "messages" in row:
+        kind = row_format(row, self.text_field)
+        if kind == "messages":
             segs = self.conversation(row["messages"], trained=None)
-        elif "prompt" in row and "completion" in row:
+        elif kind == "prompt_completion":
             segs = self.prompt_completion(row["prompt"], row["completion"])
-        elif self.text_field in row:
-            text = row[self.text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"'{self.text_field}' is {type(text).__name__}, not text")
-            segs = [(text, True, True)]
-            segs = self._with_eos(segs)
         else:
-            raise ValueError(f"no 'messages', '{self.text_field}' or 'prompt' + 'completion' field "
-                             f"(fields: {sorted(row)})")
+            segs = self._with_eos([(row[self.text_field], True, True)])
         return self._encode(segs)
 
     # ---- the formats as (text, trained, first-of-a-plain-text) segments -------------------------
@@ -254,15 +294,7 @@ class Tokenizer:
         return segs
 
     def _check_messages(self, messages) -> list[dict]:
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list of {role, content} messages")
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ValueError(f"message {k}: expected a role of system, user, assistant or tool, got "
-                                 f"{m.get('role') if isinstance(m, dict) else type(m).__name__!r}")
-            if not isinstance(m.get("content"), str) and not m.get("tool_calls"):
-                raise ValueError(f"message {k} ({m['role']}): its content is not text")
-        return [dict(m) for m in messages]
+        return check_messages(messages)
 
     def _render(self, messages, generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
