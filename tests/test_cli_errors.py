@@ -548,3 +548,9 @@ def test_a_bad_sft_row_is_one_line_naming_file_and_row_before_the_model_loads(cl
     data.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps(row) + "\n")
     rc, _, err = cli(*sft_args(model, tmp_path / "run", "--dataset_name", data))
     assert rc == 2 and f"{data}: row 1: " in err and said in err and one_line(err), err
+
+
+@pytest.mark.parametrize("name", ["kernels", "memory", "moe", "rollout", "overlap", "cpu_rollout", "step", "scaling"])
+def test_a_bench_option_error_names_the_bench(cli, name):
+    rc, _, err = cli("bench", name, "--no-such-option")
+    assert rc == 2 and f"qerl bench {name}: error: " in err, err

@@ -81,7 +81,7 @@ def run(repeats: int = 3, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=CMD, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="qerl bench cpu_rollout", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args(argv)

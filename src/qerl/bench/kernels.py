@@ -539,7 +539,7 @@ def from_log(path: Path) -> tuple[float, dict]:
 def main(argv=None):
     from ..kernels import w4_mma, w4_wgmma
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/kernels.jsonl")
     ap.add_argument("--results-dir", "--results_dir", default=None, help="where the jsonl goes (default: ./benchmarks/results)")
     ap.add_argument("--sweep", action="store_true", help="first sweep the MMA kernel's launch shapes")

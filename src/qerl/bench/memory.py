@@ -118,7 +118,7 @@ def describe(st) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="qerl bench memory")
     ap.add_argument("--record", action="store_true", help="append the figures to benchmarks/results/memory.jsonl")
     ap.add_argument("--skip-7b", action="store_true")
     add_step_args(ap)

@@ -143,7 +143,7 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="qerl bench moe", description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)

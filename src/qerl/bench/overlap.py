@@ -254,7 +254,7 @@ def _green(dev, n_sms: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=CMD, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="qerl bench overlap", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen2.5-7b")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
     ap.add_argument("--quant", default="nvfp4")

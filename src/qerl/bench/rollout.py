@@ -219,7 +219,7 @@ def multiturn(model: str, layers, batches: list[int], prompt_len: int, new: int,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke runs)")
     ap.add_argument("--batches", default="1,8,32,128")
