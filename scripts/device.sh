@@ -145,8 +145,8 @@ step_moe24() {  # the 24 GB recipe's two first candidates (docs/moe-24gb.md) und
 
 step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
                      # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side
-  run moe_sweep_qwen3 200 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
-  # skewed routing (a few experts take most tokens, as the random-weight model's): the hot-expert tile
+  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
+  # skewed routing (a few experts take most tokens, as the random-weight model's)
   run moe_sweep_qwen3_skew 150 python3 -m qerl.bench.moe $R --sweep --batches 64 --skew ${SKEW:-2}
   run moe_sweep_gptoss 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
     --inter 2880 --top-k 4 --format mxfp4

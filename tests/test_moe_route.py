@@ -32,7 +32,7 @@ def _route_reference(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 
 
 def _assert_same(top_k_index, num_experts):
-    want, got = _route_reference(top_k_index, num_experts), moe_gemv.route(top_k_index, num_experts)
+    want, got = _route_reference(top_k_index, num_experts), moe_gemv._route_counting(top_k_index, num_experts)
     for f in dataclasses.fields(Routing):
         a, b = getattr(want, f.name), getattr(got, f.name)
         if isinstance(a, torch.Tensor):
@@ -99,7 +99,24 @@ def launching_ops(fn, top_k_index, num_experts) -> list[str]:
 
 def test_route_launches_fewer_ops_no_sort_no_host_read():
     idx = _indices(torch.Generator().manual_seed(0), 64, 8, 128, torch.int64, 0.0)  # the profiled decode step
-    old, new = launching_ops(_route_reference, idx, 128), launching_ops(moe_gemv.route, idx, 128)
+    old, new = launching_ops(_route_reference, idx, 128), launching_ops(moe_gemv._route_counting, idx, 128)
     assert len(new) < len(old), (old, new)
     # no general sort; nothing that syncs (a scalar read, nonzero, bincount's size read)
     assert not {"sort", "argsort", "_local_scalar_dense", "nonzero", "bincount", "unique"} & set(new), new
+
+
+def test_route_takes_the_counting_sort_only_when_switched_on(monkeypatch):
+    from qerl.kernels import settings
+
+    idx = torch.randint(0, 33, (16, 4), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = moe_gemv._route_counting
+    monkeypatch.setattr(moe_gemv, "_route_counting", lambda *a: calls.append(a) or real(*a))
+    want = moe_gemv.route(idx, 32)
+    assert not calls
+    with settings.use(moe_route_counting=True):
+        got = moe_gemv.route(idx, 32)
+    assert len(calls) == 1
+    for f in dataclasses.fields(want):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, f.name

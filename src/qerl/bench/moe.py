@@ -87,7 +87,6 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
     """The grouped GEMV kernel alone (gate_up then down, as a decode layer call runs them) at each decode batch,
     over tile sizes: µs, the hit experts' bytes over that time, and each tile's largest difference from the
     default's output. The old tile (64 tokens whatever the pairs per expert) is the baseline."""
-    import dataclasses
     import itertools
 
     from ..kernels import moe_gemv
@@ -110,12 +109,9 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
 
         default = moe_gemv.default_tiles(idx.numel(), e)
         old = moe_gemv.Tiles(min(64, max(16, 1 << (t - 1).bit_length())), 64, 128, 4, 3)
-        hot = old.block_m  # an expert has at most T pairs: a hot tile of next_pow2(T) takes it in one pass
-        tiles_t = grid + ([dataclasses.replace(g, block_m_hot=hot) for g in grid if g.block_m == 16]
-                          if hot > 16 else [])  # each 16-token tile again with the hot-expert tile
         want = [y.float() for y in call(default)]
         times = {}
-        for tiles in dict.fromkeys([old, default] + [g for g in tiles_t if g.block_m <= max(16, 2 * old.block_m)]):
+        for tiles in dict.fromkeys([old, default] + [g for g in grid if g.block_m <= max(16, 2 * old.block_m)]):
             try:
                 got = call(tiles)
             except Exception as err:  # a tile the compiler refuses (shared memory): said, skipped
@@ -137,9 +133,8 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
             print(f"   {times[tiles]:8.1f} µs  {tiles}")
         for name, tiles in (("old", old), ("default", default), ("best", best)):
             if tiles in times:
-                hot_m = f" hot{tiles.block_m_hot}" if tiles.block_m_hot else ""
                 rec(f"T={t} gemv kernel only, {name} tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
-                    f"w{tiles.num_warps} s{tiles.num_stages}{hot_m}", "gemv_kernel_us", times[tiles])
+                    f"w{tiles.num_warps} s{tiles.num_stages}", "gemv_kernel_us", times[tiles])
 
 
 def main(argv=None) -> int:

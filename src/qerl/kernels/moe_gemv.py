@@ -95,9 +95,6 @@ class Tiles:
     block_k: int = BLOCK_K  # shapes in the H100 sweep (`qerl bench moe --sweep`, f049130; benchmarks/kernels.md)
     num_warps: int = 8
     num_stages: int = 3
-    block_m_hot: int = 0  # > block_m: an expert with more pairs than block_m takes this tile instead of chunks
-                          # (skewed routing: a few experts get most tokens; each chunk decodes the weights again
-                          # and such programs finish last). 0: off; measured by `qerl bench moe --sweep --skew`
 
 
 def default_tiles(pairs: int, num_experts: int) -> Tiles:
@@ -111,8 +108,37 @@ def default_tiles(pairs: int, num_experts: int) -> Tiles:
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort a step's pairs by expert with torch ops only: no host sync and no size read from the data, so
-    decode stays asynchronous and capturable in CUDA graphs. T >= 1 (supports() ensures it).
+    """Sort a step's pairs by expert with torch ops only (no host sync, so decode can stay asynchronous):
+    two argsorts, or the counting sort under KernelSettings.moe_route_counting (the same Routing bit for bit)."""
+    from . import settings
+
+    if settings.current().moe_route_counting:
+        return _route_counting(top_k_index, num_experts)
+    return _route_sorted(top_k_index, num_experts)
+
+
+def _route_sorted(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).clamp(0, num_experts)
+    p = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    # Not bincount: on CUDA it reads the largest index back to the host to size its output.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))[:num_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    slots = min(num_experts, p)
+    # Stable sort on "unhit": the hit experts first, in ascending order, so the slots' rows are consecutive.
+    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)[:slots]
+    slot_count = counts[slot_expert].to(torch.int32)
+    expert = flat[order]
+    ends = torch.cat([torch.cumsum(slot_count, 0, dtype=torch.int32), slot_count.new_full((1,), p)])
+    return Routing(order, order // k, expert.clamp(max=num_experts - 1), expert < num_experts,
+                   slot_expert.to(torch.int32), starts[slot_expert].to(torch.int32), slot_count, ends, p // k)
+
+
+def _route_counting(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """route() as a counting sort: no argsort, no host sync and no size read from the data. T >= 1.
+    Off by default (KernelSettings.moe_route_counting) until its GPU tests run.
 
     A counting sort. Why: the H100 profile of a Qwen3-30B-A3B decode step at 64 sequences (f049130,
     benchmarks/profiles/moe_decode_qwen3_b64_f049130.txt) put the argsort version at 36 launches and 81 us
@@ -121,7 +147,7 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     classes (expert, or E for "no expert") gives each pair's sorted position and each class's start, one
     scatter permutes, and the slots come from a second counting sort (hit, then unhit) sharing that cumsum:
     18 kernel-launching aten ops against the argsort version's 22, whose two sorts count one op each
-    (tests/test_moe_route.py counts them at T=64, k=8, E=128); not yet timed on a GPU. No bincount: on
+    (tests/test_moe_route.py counts them at T=64, k=8, E=128); not yet run on a GPU. No bincount: on
     CUDA it reads the largest index back to the host to size its output."""
     e, k, p = num_experts, top_k_index.shape[-1], top_k_index.numel()
     c, s, dev, i64 = e + 1, min(num_experts, p), top_k_index.device, torch.int64
@@ -185,7 +211,7 @@ def _build_kernel():
     (the CPU install has none)."""
     # Module globals, not closures: Triton's interpreter (the CPU tests) runs a kernel's source against
     # its module's globals alone.
-    global _built, triton, tl, decode_tile, decode_even_odd_asm, _expert_rows, _grouped_gemv_kernel
+    global _built, triton, tl, decode_tile, decode_even_odd_asm, _grouped_gemv_kernel
     if _built:
         return
     import triton
@@ -194,12 +220,20 @@ def _build_kernel():
     decode_tile, decode_even_odd_asm = w4_decode.decode_tile, w4_decode.decode_even_odd_asm
 
     @triton.jit
-    def _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask, K,
-                     stride_xm, stride_ym, MX_SHIFT, FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
-                     HAS_FAC: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        # one program's expert pairs, BLOCK_M at a time (each chunk decodes the weights again)
+    def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
+                             slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
+                             FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
+                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         G: tl.constexpr = 16 if FMT == 0 else 32
+        slot = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+        start = tl.load(slot_start_ptr + slot)
+        count = tl.load(slot_count_ptr + slot)
+        rows_n = offs_n.to(tl.int64)
+        q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
+        s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
         offs_kh = tl.arange(0, BLOCK_K // 2)
         offs_kg = tl.arange(0, BLOCK_K // G)
         offs_k = tl.arange(0, BLOCK_K)
@@ -241,35 +275,6 @@ def _build_kernel():
             ptrs = y_ptr + pair.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
-    @triton.jit
-    def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
-                             slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
-                             FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
-                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_M_HOT: tl.constexpr):
-        G: tl.constexpr = 16 if FMT == 0 else 32
-        slot = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
-        start = tl.load(slot_start_ptr + slot)
-        count = tl.load(slot_count_ptr + slot)
-        rows_n = offs_n.to(tl.int64)
-        q_rows = q_ptr + e * N * (K // 2) + rows_n[:, None] * (K // 2)
-        s_rows = s_ptr + e * N * (K // G) + rows_n[:, None] * (K // G)
-        if BLOCK_M_HOT > 0:
-            if count > BLOCK_M:  # a hot expert: one wider tile, its weights decoded once
-                _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask,
-                             K, stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M_HOT, BLOCK_N,
-                             BLOCK_K)
-            else:
-                _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask,
-                             K, stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
-        else:
-            _expert_rows(x_ptr, rows_ptr, s_ptr, fac_ptr, y_ptr, q_rows, s_rows, e, start, count, rows_n, n_mask, K,
-                         stride_xm, stride_ym, MX_SHIFT, FMT, BF16, ASM, HAS_FAC, GATHER, BLOCK_M, BLOCK_N, BLOCK_K)
-
     _built = True
 
 
@@ -308,8 +313,8 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
         FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, BLOCK_M_HOT=tiles.block_m_hot,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return y
 
 
