@@ -33,6 +33,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode, beside it
+from profile_decode import _first_layers as first_layers  # noqa: E402  (one cut of the decoder)
 
 MEASURED_UPDATE_S = 34.6  # issue 59: Qwen3-30B-A3B, 8x8, prompt 256, new 256, mb 2, adamw_torch, ckpt (H100)
 
@@ -166,23 +168,6 @@ def tally(kernels, ranges, layers_built: int, layers_full: int) -> dict:
     return {"kinds": kinds, "phases": phases, "outside_markers_us": dropped,
             "kernel_us": sum(phases.values()),
             "top_kernels": [dict(name=nm, launches=v[0], us=v[1], kind=v[2], phase=v[3]) for nm, v in top]}
-
-
-@contextlib.contextmanager
-def first_layers(model, n):
-    """The decoder cut to its first n layers for a while (as profile_decode's _first_layers)."""
-    inner, cfg = model.model, model.config
-    keep = (inner.layers, cfg.num_hidden_layers, getattr(cfg, "layer_types", None))
-    inner.layers = torch.nn.ModuleList(list(keep[0])[:n])
-    cfg.num_hidden_layers = n
-    if keep[2] is not None:
-        cfg.layer_types = list(keep[2])[:n]
-    try:
-        yield
-    finally:
-        inner.layers, cfg.num_hidden_layers = keep[0], keep[1]
-        if keep[2] is not None:
-            cfg.layer_types = keep[2]
 
 
 @contextlib.contextmanager

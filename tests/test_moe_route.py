@@ -1,5 +1,5 @@
-"""moe_gemv.route, the counting sort of a step's token-expert pairs, against the argsort version it
-replaced (kept here as the reference): every Routing field bit-equal, dtypes included, over random
+"""moe_gemv's counting sort of a step's token-expert pairs (KernelSettings.moe_route_counting) against the
+argsort route, the default: every Routing field bit-equal, dtypes included, over random
 decode shapes with "no expert" indices; and fewer kernel-launching aten ops, no sort, nothing that
 reads the device back on the host."""
 
@@ -13,22 +13,8 @@ from qerl.kernels import moe_gemv
 from qerl.kernels.moe_gemv import Routing
 
 
-def _route_reference(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """moe_gemv.route before issue 59's counting sort (argsort by expert), unchanged."""
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1).clamp(0, num_experts)
-    p = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))[:num_experts]
-    starts = torch.cumsum(counts, 0) - counts
-    slots = min(num_experts, p)
-    slot_expert = torch.argsort((counts == 0).to(torch.uint8), stable=True)[:slots]
-    slot_count = counts[slot_expert].to(torch.int32)
-    expert = flat[order]
-    ends = torch.cat([torch.cumsum(slot_count, 0, dtype=torch.int32), slot_count.new_full((1,), p)])
-    return Routing(order, order // k, expert.clamp(max=num_experts - 1), expert < num_experts,
-                   slot_expert.to(torch.int32), starts[slot_expert].to(torch.int32), slot_count, ends, p // k)
+# The reference: the argsort route, moe_gemv's default (the GEMV's tests check it against a float64 product).
+_route_reference = moe_gemv._route_sorted
 
 
 def _assert_same(top_k_index, num_experts):
