@@ -35,22 +35,45 @@ from ..layers.qlora_linear import standalone
 def _flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, meta = {}, {"param_groups": sd["param_groups"], "state": {}}
     for idx, st in sd["state"].items():
-        m = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                key = f"state.{idx}.{k}"
-                tensors[key] = v.detach().contiguous().cpu()
-                m[k] = {"tensor": key}
-            else:
-                m[k] = {"value": v}
-        meta["state"][str(idx)] = m
+        meta["state"][str(idx)] = {k: _flatten_entry(v, f"state.{idx}.{k}", tensors) for k, v in st.items()}
     return tensors, meta
 
 
+def _flatten_entry(v, key: str, tensors: dict) -> dict:
+    """One optimizer-state entry as JSON, its tensors into `tensors` under `key`. Entries nest: bitsandbytes
+    (>= 0.48) keeps its 8-bit states, maps and absmax in one dict per parameter."""
+    if isinstance(v, torch.Tensor):
+        # a copy of its own: bitsandbytes shares one quantization map between parameters, and safetensors
+        # refuses tensors that share memory
+        tensors[key] = v.detach().to("cpu", copy=True).contiguous()
+        return {"tensor": key}
+    if isinstance(v, dict):
+        return {"dict": {str(k): _flatten_entry(x, f"{key}.{k}", tensors) for k, x in v.items()}}
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"optimizer state {key} is a {type(v).__name__}, which a checkpoint cannot hold "
+                        "(tensors, dicts and JSON values only)") from None
+    return {"value": v}
+
+
+def _unflatten_entry(m: dict, tensors: dict):
+    if "tensor" in m:
+        return tensors[m["tensor"]]
+    if "dict" in m:
+        return {k: _unflatten_entry(x, tensors) for k, x in m["dict"].items()}
+    return m["value"]
+
+
+def _tensor_keys(m: dict):
+    if "tensor" in m:
+        yield m["tensor"]
+    for x in m.get("dict", {}).values():
+        yield from _tensor_keys(x)
+
+
 def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
-    state = {}
-    for idx, m in meta["state"].items():
-        state[int(idx)] = {k: tensors[v["tensor"]] if "tensor" in v else v["value"] for k, v in m.items()}
+    state = {int(idx): {k: _unflatten_entry(v, tensors) for k, v in m.items()} for idx, m in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
@@ -124,7 +147,7 @@ def read_checkpoint(folder) -> tuple[dict, dict[str, dict]]:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for truncation
             raise CorruptCheckpoint(f"{folder / name}: unreadable ({type(e).__name__}: {e})"[:400]) from None
     try:
-        keys = {v["tensor"] for m in state["optimizer"]["state"].values() for v in m.values() if "tensor" in v}
+        keys = {k for m in state["optimizer"]["state"].values() for v in m.values() for k in _tensor_keys(v)}
     except (AttributeError, KeyError, TypeError):
         raise CorruptCheckpoint(f"{f}: its optimizer section is not what qerl writes") from None
     if not keys <= set(tensors["optimizer.safetensors"]):
