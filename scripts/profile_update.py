@@ -13,6 +13,8 @@ size of --micro-batches gets one synthetic micro-batch of that many completions 
      start; a layer's forward inside the backward is its recompute (gradient checkpointing). Kinds by name:
      expert dequantize, grouped GEMM, attention, dense W4 / LoRA / router GEMMs, logits (everything outside the
      decoder layers after them: final norm, lm_head chunks, log-softmax, loss), optimizer, elementwise, other.
+  3. one more pass with torch's sync debug mode on: the host syncs (a wait for the GPU) counted by the qerl
+     source line that made them; and the GPU's busy share of a timed pass (its kernels over its wall time).
 Per size: ms a micro-batch forward + backward, ms an optimizer step, tokens/s, kinds x phases (µs, and at full
 depth), the raw top 30 kernels; then the implied update of the whole step (rows / size passes and one
 optimizer step, as bench step's one update a step) against the measured 34.6 s (H100, mb 2).
@@ -27,6 +29,8 @@ import functools
 import json
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -346,6 +350,52 @@ def timed(p: Pass, iters: int, cuda: bool) -> tuple[float, float, float]:
     return f / iters, bw / iters, o / iters
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s text
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def stack_site(stack=None) -> str:
+    """Where a host sync came from: the innermost frame in qerl's source (path:line (function)), else the
+    innermost frame outside torch, warnings and this helper. Autograd replays its worker threads' warnings at
+    the end of backward(), so every sync of the backward and the recompute lands on that backward() call."""
+    frames = [f for f in (stack if stack is not None else traceback.extract_stack())
+              if f.name not in ("stack_site", "hook") and "/warnings.py" not in f.filename]
+    for f in reversed(frames):
+        if f.filename.startswith(SRC):
+            return f"{Path(f.filename).relative_to(SRC)}:{f.lineno} ({f.name})"
+    for f in reversed(frames):
+        if "/torch/" not in f.filename:
+            return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
+    return "(no Python frame)"
+
+
+@contextlib.contextmanager
+def host_syncs(cuda: bool):
+    """Counts the host syncs (a CUDA op that waits for the GPU: .item(), .tolist(), nonzero, a copy to the
+    host, ...) of the body by site, through torch's sync debug mode. Yields the Counter; empty on the CPU."""
+    sites = collections.Counter()
+    if not cuda:
+        yield sites
+        return
+    shown = warnings.showwarning
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING in str(message):
+            sites[stack_site()] += 1
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+
+
 def profile_size(a, tr, mb: int, log, cuda: bool) -> dict:
     from qerl.model import MOE
 
@@ -387,6 +437,14 @@ def profile_size(a, tr, mb: int, log, cuda: bool) -> dict:
         p.optimizer(marks=True)
     t = tally(profiled_kernels(prof, cuda), marker_ranges(prof), n, full)
     r.update(t)
+    # the GPU's busy share of a timed pass: kernels of the layers and head (forward, recompute, backward) over
+    # its wall time; the rest is the GPU waiting for the host
+    r["gpu_busy_pct"] = 100 * (t["kernel_us"] - t["phases"]["optimizer"]) / max(1e-9, 1e3 * fb)
+    with host_syncs(cuda) as sites:  # one more pass: the host syncs, by site
+        p.fwd_bwd()
+        p.optimizer()
+    r["host_syncs"] = sum(sites.values())
+    r["sync_sites"] = [dict(site=k, count=v) for k, v in sites.most_common(20)]
     if per_fb is None:  # one layer: the layers' share of the profiled kernel time scaled instead
         share = sum(v["us_layer"] for k, v in t["kinds"].items() if k != OPT) / max(1e-9, t["kernel_us"] -
                                                                                     t["phases"]["optimizer"])
@@ -406,6 +464,10 @@ def profile_size(a, tr, mb: int, log, cuda: bool) -> dict:
         f"ms a micro-batch, {r['ms_optimizer_full']:.1f} ms an optimizer step; the step's update ({p.passes} passes "
         f"+ 1 step): {r['update_s_full']:.2f} s ({r['tok_s_full']:.0f} tok/s) against {MEASURED_UPDATE_S} s measured "
         f"(mb 2, H100)")
+    log(f"  the GPU busy {r['gpu_busy_pct']:.0f} % of a pass ({n} layers); host syncs in one pass: {r['host_syncs']}"
+        + (" (CPU: none to count)" if not cuda else ""))
+    for x in r["sync_sites"]:
+        log(f"    {x['count']:6d}  {x['site']}")
     log(kinds_table({**r, "device": "cuda" if cuda else "cpu"}))
     log("  top 30 kernels (µs in the profiled pass, launches, [kind / phase it last ran in]):")
     for k in r["top_kernels"]:
@@ -432,14 +494,15 @@ def table(res) -> str:
            f"completion {res['completion_len']}, LoRA r{res['lora_rank']}, adamw_torch, gradient checkpointing; "
            f"measured update {MEASURED_UPDATE_S} s (H100, mb 2)"]
     out.append(f"{'mb':>3s} {'fwd ms':>8s} {'bwd ms':>8s} {'opt ms':>8s} {'tok/s':>8s} {'mb full ms':>11s} "
-               f"{'update s (full)':>16s} {'peak GiB':>9s}")
+               f"{'update s (full)':>16s} {'peak GiB':>9s} {'GPU busy':>9s} {'syncs':>6s}")
     for r in res["sizes"]:
         if not r.get("fits", True):
             out.append(f"{r['micro_batch']:3d} out of memory: {r['error'][:100]}")
             continue
         out.append(f"{r['micro_batch']:3d} {r['ms_forward']:8.2f} {r['ms_backward']:8.2f} {r['ms_optimizer']:8.2f} "
                    f"{r['tok_s_built']:8.0f} {r['ms_fwd_bwd_full']:11.1f} {r['update_s_full']:16.2f} "
-                   f"{r.get('peak_allocated_gib', float('nan')):9.2f}")
+                   f"{r.get('peak_allocated_gib', float('nan')):9.2f} {r.get('gpu_busy_pct', float('nan')):8.0f}% "
+                   f"{r.get('host_syncs', 0):6d}")
     for r in res["sizes"]:
         if r.get("fits", True):
             out += [f"\nmicro-batch {r['micro_batch']}: kernel µs by kind and phase "

@@ -69,13 +69,13 @@ def test_train_resume_and_plot(tmp_path):
 @pytest.mark.slow
 def test_the_default_run_cut_short_writes_finite_metrics_and_curves(tmp_path):
     """`qerl train` with no arguments is the embedded default run; here cut to 2 steps and 8
-    held-out problems (CI): evaluations before and after, finite metrics, the summary, the PNG."""
+    held-out problems and 16 new tokens (CI): evaluations before and after, finite metrics, the summary, the PNG."""
     import math
 
     run = tmp_path / "run"
     out = qerl("train", "--output_dir", run, "--max_steps", "2", "--aqn_stages", "2", "--eval_limit", "8",
                "--eval_num_samples", "1", "--generation_batch_size", "16", "--per_device_train_batch_size", "16",
-               "--device", "cpu")
+               "--max_completion_length", "16", "--device", "cpu")
     assert "| before | 0 |" in out.stdout and "| after | 2 |" in out.stdout and "change" in out.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]

@@ -140,15 +140,38 @@ def test_cpu_engine_batch_shrinks_as_samples_finish(base):
     assert [c.token_ids for c in out] == [c.token_ids for c in ref]
 
 
-def test_cpu_rollout_bench_compares_both_paths_and_restores_the_switch():
+def test_cpu_rollout_bench_runs_both_paths_and_restores_the_switch(base, monkeypatch):
+    """run() on a tiny model (the scripted-clock test below checks its arithmetic): both paths generate, each
+    round is logged, and the fold switch is back to its value after."""
+    from types import SimpleNamespace
+
     from qerl.bench import cpu_rollout
 
+    pol = policy(base, rank=4)
+    randomize_lora(pol.model)
+    cfg = SimpleNamespace(max_completion_length=6, temperature=1.0, max_prompt_length=8, num_generations=2)
+    monkeypatch.setattr(cpu_rollout, "_setup", lambda: (cfg, pol, [[5, 6, 7], [8, 9]]))
     lines = []
+    before = settings.current().fold_and_pack
     res = cpu_rollout.run(repeats=1, log=lines.append)
-    assert settings.current().fold_and_pack is True
+    assert settings.current().fold_and_pack is before
     for k in ("plain", "folded"):
-        assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 32 * 48
+        assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 2 * 2 * 6
     assert any("plain" in x for x in lines) and any("folded" in x for x in lines)
+
+
+@pytest.mark.slow
+def test_cpu_rollout_bench_setup_is_the_default_runs():
+    """_setup builds the default run's policy (its config, adapters moved off zero) and 4 of its prompts."""
+    from qerl.bench import cpu_rollout
+    from qerl.rl.default_run import default_run_config
+
+    cfg, pol, prompts = cpu_rollout._setup()
+    want = default_run_config("cpu")
+    assert (cfg.model_name_or_path, cfg.quant, cfg.lora_r) == (want.model_name_or_path, want.quant, want.lora_r)
+    assert len(prompts) == 4 and all(0 < len(x) <= cfg.max_prompt_length for x in prompts)
+    bs = [p for n, p in pol.model.named_parameters() if n.endswith("lora_B.weight")]
+    assert bs and all(b.abs().sum() > 0 for b in bs)
 
 
 def test_cpu_rollout_bench_arithmetic_on_a_scripted_clock(base, monkeypatch):

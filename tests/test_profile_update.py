@@ -84,6 +84,35 @@ def test_cpu_run_writes_the_profile(pu, tmp_path):
         assert r["kinds"][pu.GMM]["backward"] > 0
         assert pu.HEAD in r["kinds"] and pu.OPT in r["kinds"]
         assert 0 < len(r["top_kernels"]) <= 30
+        assert r["host_syncs"] == 0 and r["sync_sites"] == []  # the CPU has none to count
+        assert r["gpu_busy_pct"] > 0
     txt = (tmp_path / "profile_update.txt").read_text()
     assert "grouped GEMM" in txt and "update s (full)" in txt
     assert (tmp_path / "profile_update.log").exists()
+
+
+def test_a_host_sync_is_put_on_the_qerl_line_that_made_it(pu):
+    """The site is the innermost frame in qerl's source; else the innermost frame outside torch; warnings'
+    own frames and the hook never count."""
+    import traceback
+
+    def fs(path, line, name):
+        return traceback.FrameSummary(path, line, name)
+
+    src = pu.SRC
+    stack = [fs("/x/scripts/profile_update.py", 10, "fwd_bwd"), fs(f"{src}/qerl/train/update.py", 88, "logprobs"),
+             fs(f"{src}/qerl/layers/quant_experts.py", 223, "_grouped_forward"),
+             fs("/venv/site-packages/torch/_tensor.py", 5, "tolist"), fs("/usr/lib/python3.12/warnings.py", 1, "warn"),
+             fs("/x/scripts/profile_update.py", 99, "hook")]
+    assert pu.stack_site(stack) == "qerl/layers/quant_experts.py:223 (_grouped_forward)"
+    outside = [fs("/x/scripts/profile_update.py", 298, "fwd_bwd"), fs("/venv/site-packages/torch/autograd/g.py", 1, "b")]
+    assert pu.stack_site(outside) == "profile_update.py:298 (fwd_bwd)"
+    assert pu.stack_site([fs("/venv/lib/torch/x.py", 1, "f")]) == "(no Python frame)"
+
+
+def test_host_syncs_counts_nothing_on_the_cpu(pu):
+    import torch
+
+    with pu.host_syncs(False) as sites:
+        torch.ones(3).sum().item()
+    assert not sites
