@@ -385,14 +385,15 @@ def host_syncs(cuda: bool):
         else:
             shown(message, category, filename, lineno, file, line)
 
+    prev = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=".*" + SYNC_WARNING)  # every sync; other filters as they were
         warnings.showwarning = hook
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield sites
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(prev)
             warnings.showwarning = shown
 
 
@@ -439,7 +440,9 @@ def profile_size(a, tr, mb: int, log, cuda: bool) -> dict:
     r.update(t)
     # the GPU's busy share of a timed pass: kernels of the layers and head (forward, recompute, backward) over
     # its wall time; the rest is the GPU waiting for the host
-    r["gpu_busy_pct"] = 100 * (t["kernel_us"] - t["phases"]["optimizer"]) / max(1e-9, 1e3 * fb)
+    # (kernels of two streams at once count twice; on the CPU there is no GPU: NaN)
+    r["gpu_busy_pct"] = (100 * (t["kernel_us"] - t["phases"]["optimizer"]) / max(1e-9, 1e3 * fb)) if cuda \
+        else float("nan")
     with host_syncs(cuda) as sites:  # one more pass: the host syncs, by site
         p.fwd_bwd()
         p.optimizer()

@@ -55,5 +55,5 @@ def test_a_state_entry_no_checkpoint_can_hold_is_named(tmp_path):
     _step(pol, opt)
     opt.state[params[0]]["odd"] = object()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    with pytest.raises(TypeError, match=r"optimizer state state\.0\.odd is a object"):
+    with pytest.raises(TypeError, match=r"optimizer state state\.0\.odd is of type object"):
         save_checkpoint(tmp_path / "run", 1, pol.model, opt, sched, {"data": {}})

@@ -152,9 +152,9 @@ def test_cpu_rollout_bench_runs_both_paths_and_restores_the_switch(base, monkeyp
     cfg = SimpleNamespace(max_completion_length=6, temperature=1.0, max_prompt_length=8, num_generations=2)
     monkeypatch.setattr(cpu_rollout, "_setup", lambda: (cfg, pol, [[5, 6, 7], [8, 9]]))
     lines = []
-    before = settings.current().fold_and_pack
-    res = cpu_rollout.run(repeats=1, log=lines.append)
-    assert settings.current().fold_and_pack is before
+    with settings.use(fold_and_pack=False):  # run()'s last case sets True: a leak would show here
+        res = cpu_rollout.run(repeats=1, log=lines.append)
+        assert settings.current().fold_and_pack is False
     for k in ("plain", "folded"):
         assert res[k]["median_s"] > 0 and 0 < res[k]["new_tokens"] <= 2 * 2 * 6
     assert any("plain" in x for x in lines) and any("folded" in x for x in lines)

@@ -85,7 +85,7 @@ def test_cpu_run_writes_the_profile(pu, tmp_path):
         assert pu.HEAD in r["kinds"] and pu.OPT in r["kinds"]
         assert 0 < len(r["top_kernels"]) <= 30
         assert r["host_syncs"] == 0 and r["sync_sites"] == []  # the CPU has none to count
-        assert r["gpu_busy_pct"] > 0
+        assert r["gpu_busy_pct"] != r["gpu_busy_pct"]  # NaN: no GPU
     txt = (tmp_path / "profile_update.txt").read_text()
     assert "grouped GEMM" in txt and "update s (full)" in txt
     assert (tmp_path / "profile_update.log").exists()
@@ -116,3 +116,28 @@ def test_host_syncs_counts_nothing_on_the_cpu(pu):
     with pu.host_syncs(False) as sites:
         torch.ones(3).sum().item()
     assert not sites
+
+
+def test_host_syncs_counts_each_sync_warning_by_site_and_restores_the_hooks(pu, monkeypatch):
+    """The CUDA branch with torch's sync debug mode stubbed: each sync warning is counted at the line that
+    raised it, other warnings still reach showwarning, and the mode and showwarning are restored."""
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: shown.append(str(a[0])))
+    before = warnings.showwarning
+    with pu.host_syncs(True) as sites:
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else entirely")
+    assert modes == ["warn", 0]
+    assert warnings.showwarning is before
+    assert sum(sites.values()) == 3 and len(sites) == 1
+    (site,) = sites
+    assert site.startswith("test_profile_update.py:") and site.endswith("(test_host_syncs_counts_each_sync_warning_by_site_and_restores_the_hooks)")
+    assert shown == ["something else entirely"]

@@ -43,6 +43,8 @@ def _flatten_entry(v, key: str, tensors: dict) -> dict:
     """One optimizer-state entry as JSON, its tensors into `tensors` under `key`. Entries nest: bitsandbytes
     (>= 0.48) keeps its 8-bit states, maps and absmax in one dict per parameter."""
     if isinstance(v, torch.Tensor):
+        if key in tensors:  # keys join with '.': a nested key holding one could name another entry's tensor
+            raise ValueError(f"optimizer state {key}: two entries flatten to this name")
         # a copy of its own: bitsandbytes shares one quantization map between parameters, and safetensors
         # refuses tensors that share memory
         tensors[key] = v.detach().to("cpu", copy=True).contiguous()
@@ -52,7 +54,7 @@ def _flatten_entry(v, key: str, tensors: dict) -> dict:
     try:
         json.dumps(v)
     except (TypeError, ValueError):
-        raise TypeError(f"optimizer state {key} is a {type(v).__name__}, which a checkpoint cannot hold "
+        raise TypeError(f"optimizer state {key} is of type {type(v).__name__}, which a checkpoint cannot hold "
                         "(tensors, dicts and JSON values only)") from None
     return {"value": v}
 
