@@ -180,10 +180,11 @@ step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 
 
 step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): one micro-batch's forward + backward
                          # and the optimizer step (adamw_torch, checkpointing), kernels by kind and phase (recompute
-                         # apart), per micro-batch size MBS, LAYERS of SHAPE scaled to full depth; the JSON, table
-                         # and log come back in $OUT/profile/
+                         # apart), per micro-batch size MBS, LAYERS of SHAPE scaled to full depth, the host syncs by
+                         # site; ECHUNK=1024: experts dequantized at once by MiB (KernelSettings.moe_expert_chunk_mib);
+                         # the JSON, table and log come back in $OUT/profile/
   TAIL=${TAIL:-90} run profile_update 400 python3 scripts/profile_update.py --out $L --shape ${SHAPE:-qwen3-30b-a3b} \
-    --layers ${LAYERS:-4} --micro-batches ${MBS:-2,4}
+    --layers ${LAYERS:-4} --micro-batches ${MBS:-2,4} ${ECHUNK:+--expert-chunk-mib $ECHUNK}
   local rc=$?
   mkdir -p $OUT/profile && cp $L/profile_update.* $OUT/profile/ 2>/dev/null
   return $rc

@@ -252,7 +252,8 @@ def build_trainer(a, dev):
         loss_type="dapo", aqn=True, parity_check_steps=0, learning_rate=1e-5, save_steps=10**9, report_to="none",
         output_dir=str(Path(a.out) / "run"), seed=a.seed)
     tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
-                     kernel_settings=KernelSettings(moe_grouped=True, moe_gemv=True),
+                     kernel_settings=KernelSettings(moe_grouped=True, moe_gemv=True,
+                                                    moe_expert_chunk_mib=a.expert_chunk_mib),
                      train_dataset=random_prompts(a.prompts * 4, a.prompt_len, pol.config.vocab_size, a.seed))
     return tr, pol, build_s
 
@@ -529,6 +530,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5, help="timed passes")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25, help="the trainer's rollout KV (unused here)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-chunk-mib", type=int, default=None,
+                    help="KernelSettings.moe_expert_chunk_mib (default: 16 experts a chunk)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
@@ -552,6 +555,7 @@ def main(argv=None):
     res = dict(shape=a.shape, device=torch.cuda.get_device_name(0) if cuda else "cpu", quant=a.quant,
                lora_rank=a.lora_rank, prompts=a.prompts, num_generations=a.num_generations, prompt_len=a.prompt_len,
                completion_len=a.completion_len, optim=tr.optim_name, gradient_checkpointing=True, build_s=build_s,
+               expert_chunk_mib=a.expert_chunk_mib,
                measured_update_s=MEASURED_UPDATE_S, warmup=a.warmup, iters=a.iters, sizes=[])
     log(f"{res['device']}: {a.shape} {a.quant}, {a.layers} layers built, LoRA r{a.lora_rank}, {tr.optim_name}, "
         f"built in {build_s:.1f} s")

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .step_plan import GIB, MOE_SHAPES, Allowances, MoEShape, StepSettings, fit_allowances, plan_step
+from .step_plan import (BF16, GIB, MOE_SHAPES, Allowances, MoEShape, StepSettings, expert_shapes, fit_allowances,
+                        plan_step)
 
 TOLERANCE_PCT = 5.0
 # Records whose code differs from today's in a way the model does not price (printed beside their error)
@@ -65,6 +66,8 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["humming"] = False
         elif tok == "humming-storage":
             kw["humming_storage"] = True
+        elif m_chunk := re.fullmatch(r"echunk(\d+)mib", tok):  # KernelSettings.moe_expert_chunk_mib, bf16 weights
+            kw["expert_chunk"] = max(1, (int(m_chunk[1]) << 20) // (max(o * i for o, i in expert_shapes(shape)) * BF16))
         elif tok in ("ckpt", "steady") or re.fullmatch(r"cap[\d.]+GiB", tok):
             pass  # checkpointing is what the model assumes; a cap and the steady mean move no term
         else:

@@ -110,6 +110,8 @@ def case_name(a, quant: str) -> str:
         lv.append("no-humming")
     if getattr(a, "humming_storage", False):
         lv.append("humming-storage")
+    if getattr(a, "expert_chunk_mib", None):
+        lv.append(f"echunk{a.expert_chunk_mib}mib")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -220,7 +222,8 @@ def _run_case(a, pol, build_s) -> dict:
         fast_moe = getattr(a, "moe_path", "fast") == "fast"
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
                          kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe,
-                                                        humming=getattr(a, "humming", True)),
+                                                        humming=getattr(a, "humming", True),
+                                                        moe_expert_chunk_mib=getattr(a, "expert_chunk_mib", None)),
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
@@ -451,6 +454,9 @@ def main(argv=None):
     ap.add_argument("--humming", action=argparse.BooleanOptionalAction, default=True,
                     help="route the M buckets humming-kernels won on this card to it (KernelSettings.humming): a "
                          "second copy of each attention weight it takes; --no-humming keeps qerl's own kernels")
+    ap.add_argument("--expert-chunk-mib", type=int, default=None,
+                    help="MoE: the grouped path dequantizes as many hit experts at once as fit this many MiB "
+                         "(KernelSettings.moe_expert_chunk_mib; default 16 experts a chunk)")
     ap.add_argument("--humming-storage", action="store_true",
                     help="store NVFP4 in humming-kernels' layout (KernelSettings.humming_storage): one copy of each "
                          "weight, humming at every M, the backward dequantizing from it")

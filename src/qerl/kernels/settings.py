@@ -78,6 +78,14 @@ class KernelSettings:
     projection (False: transformers' loop, one dequantize and matmul per hit expert). H100, one Qwen3-30B-A3B
     expert layer at 2048 tokens: 4.7 ms against the loop's 94.8 (`qerl bench moe`, 2026-12-06).
     A module's own `grouped` (True/False) overrides this."""
+    moe_expert_chunk_mib: int | None = None
+    """The grouped path dequantizes as many hit experts at once as fit this many MiB (the larger projection's
+    weights, in the activations' dtype) instead of QuantExperts.expert_chunk (16). A training micro-batch hits
+    every expert, and each chunk costs its own launches and host syncs: a Qwen3-30B-A3B layer's 128 experts take
+    8 chunks at 16, 1 at 1024 MiB (805 MB of bf16 gate|up weights, freed after each matmul); on the CPU, with the
+    dequantize as one op, a 128-expert forward issues 266 non-view ops at 16 a chunk and 42 at 128, the backward
+    306 and 40. The H200 profile of the update (b8030c1) found the GPU busy 28 % of the time. Off (None) until a
+    GPU run measures it: `qerl bench step --expert-chunk-mib N`, scripts/profile_update.py --expert-chunk-mib N."""
     moe_gemv: bool = True
     """No-grad MoE forwards of few tokens (CUDA, T <= moe_gemv.MAX_TOKENS, `kernels` on) run each expert
     projection as one grouped 4-bit GEMV over the hit experts (kernels/moe_gemv.py) instead of dequantizing

@@ -206,8 +206,9 @@ class QuantExperts(nn.Module):
         hit = [e for e in counts.nonzero()[:, 0].tolist() if e < self.num_experts]  # E: "no expert", sorted last
         tok_all, w_all = order // k, wts.reshape(-1)[order]
         ys = []
-        for c in range(0, len(hit), self.expert_chunk):
-            experts = hit[c:c + self.expert_chunk]
+        chunk = self.chunk_experts(h.dtype)
+        for c in range(0, len(hit), chunk):
+            experts = hit[c:c + chunk]
             lo, hi = int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]])
             group_ends = (torch.cumsum(counts[experts], 0)).to(torch.int32)
             x = h[tok_all[lo:hi]]
@@ -215,6 +216,17 @@ class QuantExperts(nn.Module):
             y = self._grouped_project("down_proj", experts, self.glu(y), group_ends)
             ys.append((y * w_all[lo:hi, None]).to(h.dtype))
         return _sum_pairs(ys, order, t, k, h)
+
+    def chunk_experts(self, dtype: torch.dtype) -> int:
+        """Hit experts the grouped path dequantizes at once: KernelSettings.moe_expert_chunk_mib's budget over
+        one expert's larger projection in `dtype`, at least 1; without a budget, expert_chunk."""
+        from ..kernels import settings
+
+        mib = settings.current().moe_expert_chunk_mib
+        if not mib:
+            return self.expert_chunk
+        per = max(n * k for n, k in self.shapes.values()) * torch.empty((), dtype=dtype).element_size()
+        return max(1, (mib << 20) // per)
 
     def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         from .grouped_mm import frozen_grouped_mm, grouped_mm
