@@ -31,6 +31,12 @@ def add_arguments(p):
     add_config_arguments(p)
 
 
+def in_file(msg: str, options_from: dict[str, str]) -> str:
+    """A dataset's option error, prefixed by the config file that set the options (options_from: field -> file)."""
+    field = next((f for f in sorted(options_from, key=len, reverse=True) if msg.startswith(f)), None)
+    return f"{options_from[field]}: {msg}" if field else msg
+
+
 def train_config(args):
     """The GRPOConfig of the command line (cli/run_config.py): CONFIG.yaml (a `trl grpo --config` file too, its
     reward functions in args.trl_rewards), or the embedded default run, or `--resume DIR`'s record."""
@@ -55,6 +61,9 @@ def train_config(args):
         from .trl_config import split
 
         fields, args.trl_rewards = split(mapping, str(config))  # a `trl grpo --config` file's reward_funcs
+        # the dataset options the file set (and the command line did not): a task's error names the file
+        args.options_from = {f: str(config) for f in ("dataset_config", "eval_dataset_config") if f in fields
+                             and f not in ov}
         epochs = None
         if args.trl_rewards and fields.get("max_steps", -1) in (-1, None) and "max_steps" not in ov:
             # TRL's max_steps -1 (its default): num_train_epochs (TRL's default 3) over the data decides
@@ -214,7 +223,10 @@ def run(args):
         if getattr(args, "trl_record", None) is not None:
             check_reward_sources(args.trl_record, cfg.output_dir)
     else:
-        task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
+        try:
+            task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
+        except ValueError as e:
+            raise ValueError(in_file(str(e), getattr(args, "options_from", {}))) from None
     with interruptible() as stop:
         trainer = None
         try:

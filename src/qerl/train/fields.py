@@ -41,7 +41,13 @@ def typed(cls, d: dict, source: str, convert=None):
             near = difflib.get_close_matches(k, fields, n=1)
             raise ValueError(f"{source}: unknown field '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
     convert = convert or coerce  # a config's own coercion where its fields need one (SFTConfig)
-    return cls(**{k: convert(fields[k], v, source) for k, v in d.items()})
+    values = {k: convert(fields[k], v, source) for k, v in d.items()}
+    try:
+        return cls(**values)
+    except ValueError as e:  # a value the config's checks refuse: name the file it came from
+        if source in ("config", "command line") or str(e).startswith(f"{source}:"):
+            raise
+        raise ValueError(f"{source}: {e}") from None
 
 
 def yaml_mapping(path) -> dict:
