@@ -238,6 +238,15 @@ def test_a_model_object_s_run_names_the_model_not_its_temporary_copy(tmp_path, o
     cfg = Native.from_yaml(saved)  # the record reads back (a resume): the note said, not a field
     assert cfg.model_name_or_path == str(tmp_path / "m")
     assert "in-memory objects" in capsys.readouterr().err
+    note = [x for x in saved.read_text().splitlines() if "in-memory objects" in x or x.startswith("in_memory:")]
+    assert len(note) == 2
+    # a resume from the command line rewrites config.yaml: the note stays, once
+    from qerl.cli import main
+
+    assert main(["sft", "--resume", str(tmp_path / "run"), "--max_steps", "2"]) == 0
+    assert [x for x in saved.read_text().splitlines() if "in-memory objects" in x or x.startswith("in_memory:")] \
+        == note
+    assert yaml.safe_load(saved.read_text())["max_steps"] == 2
 
 
 @pytest.mark.parametrize("kind", ["grpo", "sft"])

@@ -39,6 +39,7 @@ from .metrics import MetricsLog, read_rows
 from .optim import step_optimizer
 from .parts import TrainParts
 from .trainer_state import log_entry, new_state, summary_entry
+from .trl_fields import in_memory_note
 
 
 class TrainLoop:
@@ -256,8 +257,11 @@ class TrainLoop:
             return None
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(cfg.to_yaml())
         continuing = self._resumed_from is not None or self.step > 0  # a resume, or train() called again
+        path = self.out / "config.yaml"
+        # a resume keeps qerl.trl's in-memory note: the run's model may hold changes its name does not
+        note = in_memory_note(path.read_text()) if continuing and path.exists() else ""
+        path.write_text(cfg.to_yaml() + note)
         log = MetricsLog(self.out, cfg.report_to, resume_step=self.global_step if continuing else None,
                          config=cfg.to_dict(), run_name=self.run_name())
         if continuing and not self.state.log_history and log.path.exists():

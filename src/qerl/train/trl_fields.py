@@ -331,6 +331,17 @@ NOT_CARRIED_OUT = {
 IN_MEMORY = "in_memory"
 IN_MEMORY_NOTE = ("model_name_or_path is the model's name_or_path, where it was loaded from (a change made to it in "
                   "memory is not there)")
+IN_MEMORY_COMMENT = "# qerl.trl: given as in-memory objects; "
+
+
+def in_memory_note(config_yaml: str) -> str:
+    """The in-memory note's lines (its comment and `in_memory: ...`) in a run's config.yaml text, else ''."""
+    lines = config_yaml.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"{IN_MEMORY}:"):
+            comment = lines[i - 1] + "\n" if i and lines[i - 1].startswith(IN_MEMORY_COMMENT) else ""
+            return f"{comment}{line}\n"
+    return ""
 
 
 # Fields that would change the result: (other values that change nothing, the nearest qerl field or what to do)

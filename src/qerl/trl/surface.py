@@ -111,12 +111,14 @@ class TrainerSurface:
         if log is not None and getattr(self, "_in_memory", None):  # rank 0 has written config.yaml
             import yaml
 
-            from ..train.trl_fields import IN_MEMORY, IN_MEMORY_NOTE
+            from ..train.trl_fields import IN_MEMORY, IN_MEMORY_COMMENT, IN_MEMORY_NOTE, in_memory_note
 
             line = yaml.safe_dump({IN_MEMORY: self._in_memory}, default_flow_style=True, width=1000).strip()
             path = self.out / "config.yaml"
-            path.write_text(f"{path.read_text()}# qerl.trl: given as in-memory objects; {IN_MEMORY_NOTE}\n"
-                            f"{line.removeprefix('{').removesuffix('}')}\n")
+            text = path.read_text()
+            if not in_memory_note(text):  # a resume kept it already
+                field = line.removeprefix("{").removesuffix("}")
+                path.write_text(f"{text}{IN_MEMORY_COMMENT}{IN_MEMORY_NOTE}\n{field}\n")
         return log
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
