@@ -98,3 +98,21 @@ def test_bench_step_names_the_budget_in_its_case_and_the_model_reads_it_back(mib
     assert ("echunk512mib" in label) == (mib == 512)
     _, st = settings_of_case(label)
     assert st.expert_chunk == (16 if mib is None else (512 << 20) // (1536 * 2048 * BF16))
+
+
+def test_host_chunks_bound_each_chunk_as_the_device_counts_do():
+    """_host_chunks against the default path's arithmetic on the device tensors, "no expert" pairs included."""
+    from qerl.layers.quant_experts import _host_chunks
+
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randint(0, 13, (90,), generator=g)  # 12 experts and the "no expert" index 12
+    flat[flat == 5] = 4  # an expert with no pairs between hit ones
+    counts = torch.bincount(flat.sort().values, minlength=12)
+    ends = torch.cumsum(counts, 0)
+    hit = [e for e in counts.nonzero()[:, 0].tolist() if e < 12]
+    got = list(_host_chunks(counts, 12, 4, torch.device("cpu")))
+    assert [c[0] for c in got] == [hit[i:i + 4] for i in range(0, len(hit), 4)]
+    for experts, lo, hi, group_ends, ids in got:
+        assert (lo, hi) == (int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]]))
+        assert torch.equal(group_ends, torch.cumsum(counts[experts], 0).to(torch.int32))
+        assert ids.tolist() == experts

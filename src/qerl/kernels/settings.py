@@ -84,7 +84,8 @@ class KernelSettings:
     every expert, and each chunk costs its own launches and host syncs: a Qwen3-30B-A3B layer's 128 experts take
     8 chunks at 16, 1 at 1024 MiB (805 MB of bf16 gate|up weights, freed after each matmul); on the CPU, with the
     dequantize as one op, a 128-expert forward issues 266 non-view ops at 16 a chunk and 42 at 128, the backward
-    306 and 40. The H200 profile of the update (b8030c1) found the GPU busy 28 % of the time. Off (None) until a
+    306 and 40. Its chunks' bounds come from one read of the counts, not two host syncs a chunk. The H200
+    profile of the update (b8030c1) found the GPU busy 28 % of the time. Off (None) until a
     GPU run measures it: `qerl bench step --expert-chunk-mib N`, scripts/profile_update.py --expert-chunk-mib N."""
     moe_gemv: bool = True
     """No-grad MoE forwards of few tokens (CUDA, T <= moe_gemv.MAX_TOKENS, `kernels` on) run each expert

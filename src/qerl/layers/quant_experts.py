@@ -202,11 +202,20 @@ class QuantExperts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        ends = torch.cumsum(counts, 0)
-        hit = [e for e in counts.nonzero()[:, 0].tolist() if e < self.num_experts]  # E: "no expert", sorted last
         tok_all, w_all = order // k, wts.reshape(-1)[order]
         ys = []
         chunk = self.chunk_experts(h.dtype)
+        from ..kernels import settings
+
+        if settings.current().moe_expert_chunk_mib:  # the budgeted chunks: bounds from one read of the counts
+            for experts, lo, hi, group_ends, ids in _host_chunks(counts, self.num_experts, chunk, h.device):
+                x = h[tok_all[lo:hi]]
+                y = self._grouped_project("gate_up_proj", experts, x, group_ends, ids)
+                y = self._grouped_project("down_proj", experts, self.glu(y), group_ends, ids)
+                ys.append((y * w_all[lo:hi, None]).to(h.dtype))
+            return _sum_pairs(ys, order, t, k, h)
+        ends = torch.cumsum(counts, 0)
+        hit = [e for e in counts.nonzero()[:, 0].tolist() if e < self.num_experts]  # E: "no expert", sorted last
         for c in range(0, len(hit), chunk):
             experts = hit[c:c + chunk]
             lo, hi = int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]])
@@ -228,13 +237,14 @@ class QuantExperts(nn.Module):
         per = max(n * k for n, k in self.shapes.values()) * torch.empty((), dtype=dtype).element_size()
         return max(1, (mib << 20) // per)
 
-    def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor,
+                         ids: torch.Tensor | None = None) -> torch.Tensor:
         from .grouped_mm import frozen_grouped_mm, grouped_mm
 
         dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
         y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt), ends)
         if self.r and not self.disable_adapters:
-            ids = torch.tensor(experts, device=x.device)
+            ids = torch.tensor(experts, device=x.device) if ids is None else ids
             a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
             s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
             y = y + (grouped_mm(s, b.transpose(-2, -1), ends)).to(y.dtype) * self.scaling
@@ -277,6 +287,23 @@ class QuantExperts(nn.Module):
             y = y + grouped_mm(s, b.transpose(-2, -1), rt.ends).to(y.dtype) * self.scaling
         bias = self.bias(proj)
         return y if bias is None else y + bias[rt.expert]
+
+
+def _host_chunks(counts: torch.Tensor, num_experts: int, chunk: int, device):
+    """(experts, lo, hi, group ends, expert ids) of each chunk of at most `chunk` hit experts, pairs sorted by
+    expert: the bounds from one read of the counts (a host sync) instead of two a chunk, the small index tensors
+    copied to the device without waiting for it. Pairs of the "no expert" index (num_experts) are left out."""
+    n = counts.tolist()[:num_experts]
+    starts = [0]
+    for c in n:
+        starts.append(starts[-1] + c)
+    hit = [e for e, c in enumerate(n) if c]
+    for i in range(0, len(hit), chunk):
+        experts = hit[i:i + chunk]
+        lo, hi = starts[experts[0]], starts[experts[-1] + 1]
+        ends = [starts[e + 1] - lo for e in experts]
+        yield (experts, lo, hi, torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True),
+               torch.tensor(experts).to(device, non_blocking=True))
 
 
 def _sum_pairs(ys: list[torch.Tensor], order: torch.Tensor, t: int, k: int, h: torch.Tensor) -> torch.Tensor:
