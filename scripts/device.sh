@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -188,6 +188,20 @@ step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): 
   local rc=$?
   mkdir -p $OUT/profile && cp $L/profile_update.* $OUT/profile/ 2>/dev/null
   return $rc
+}
+
+step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 at a time (the default) against a byte
+                    # budget (KernelSettings.moe_expert_chunk_mib=ECHUNK, default 1024): the update's profile (host
+                    # syncs, GPU busy share) and the Qwen3-30B-A3B step at micro-batch 8, each both ways
+  local e=${ECHUNK:-1024} c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256
+    --micro-batch 8 --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
+  TAIL=40 run profile_update_e16 200 python3 scripts/profile_update.py --out $L/e16 --layers 4 --micro-batches 8
+  TAIL=40 run profile_update_e$e 200 python3 scripts/profile_update.py --out $L/e$e --layers 4 --micro-batches 8 \
+    --expert-chunk-mib $e
+  mkdir -p $OUT/profile && for d in e16 e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
+  run moe_step_e16 200 python3 -m qerl.bench.step $c --json $J/moe_e16.json $R --out /tmp/bs_e16
+  run moe_step_e$e 200 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
+  compare moe_e$e moe_e16 ""
 }
 
 step_overlap() {  # decode beside the update on one GPU: each alone, in series and together (benchmarks/overlap.md);

@@ -68,3 +68,35 @@ def test_grouped_path_equals_the_loop_on_the_gpu(family, tmp_path):
         with torch.no_grad():
             out.append(pol.model(ids).logits)
     assert torch.allclose(out[0], out[1], atol=1e-4, rtol=1e-4), (out[0] - out[1]).abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_path):
+    """KernelSettings.moe_expert_chunk_mib (bounds from one read of the counts, index tensors copied without
+    waiting): logits and expert-LoRA gradients of the grouped path as with 16 experts a chunk (here 2, so
+    the default takes several chunks and the budget one)."""
+    from qerl.kernels import settings
+
+    pol = _policy(family, tmp_path)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.2)
+    for m in pol.model.modules():
+        if isinstance(m, QuantExperts):
+            m.grouped, m.expert_chunk = True, 2
+    ids = torch.arange(3, 67, device="cuda").view(2, 32)
+    out = []
+    for mib in (None, 256):
+        pol.model.zero_grad()
+        with settings.use(moe_expert_chunk_mib=mib):
+            logits = pol.model(ids).logits
+            logits.float().logsumexp(-1).sum().backward()
+        torch.cuda.synchronize()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in pol.model.named_parameters()
+                                      if "experts.lora" in n and p.grad is not None}))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4, rtol=1e-4), (out[0][0] - out[1][0]).abs().max()
+    assert out[0][1] and out[0][1].keys() == out[1][1].keys()
+    for n, gr in out[0][1].items():
+        assert torch.allclose(out[1][1][n], gr, atol=1e-4, rtol=1e-3), n

@@ -423,6 +423,7 @@ def record_case(res: dict, command: str, results_dir: Path, peak_target: str | N
 def compare(a_path: str, b_path: str, target: str | None, metric: str, command: str, results_dir: Path | None,
             log=print) -> float | None:
     """Speedup of case A over case B: B's time over A's (step time, or rollout time with --metric rollout_s)."""
+    target = target or None  # device.sh passes "" for no target
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     a, b = (x[0] if isinstance(x, list) else x for x in (a, b))  # a lever sweep: the case as given
     if not (a.get("fits") and b.get("fits")) or a.get(metric) is None or b.get(metric) is None:
