@@ -191,17 +191,19 @@ step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): 
 }
 
 step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 at a time (the default) against a byte
-                    # budget (KernelSettings.moe_expert_chunk_mib=ECHUNK, default 1024): the update's profile (host
-                    # syncs, GPU busy share) and the Qwen3-30B-A3B step at micro-batch 8, each both ways
+                    # budget (KernelSettings.moe_expert_chunk_mib=ECHUNK, default 1024): the Qwen3-30B-A3B step at
+                    # micro-batch 8 both ways (the budget first), then the update's profile both ways (host syncs,
+                    # GPU busy share)
   local e=${ECHUNK:-1024} c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256
     --micro-batch 8 --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
-  TAIL=40 run profile_update_e16 200 python3 scripts/profile_update.py --out $L/e16 --layers 4 --micro-batches 8
-  TAIL=40 run profile_update_e$e 200 python3 scripts/profile_update.py --out $L/e$e --layers 4 --micro-batches 8 \
+  rm -f $J/moe_e$e.json $J/moe_edef.json
+  run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
+  run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
+  compare moe_e$e moe_edef ""
+  TAIL=30 run profile_update_e$e 130 python3 scripts/profile_update.py --out $L/e$e --layers 4 --micro-batches 8 \
     --expert-chunk-mib $e
-  mkdir -p $OUT/profile && for d in e16 e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
-  run moe_step_e16 200 python3 -m qerl.bench.step $c --json $J/moe_e16.json $R --out /tmp/bs_e16
-  run moe_step_e$e 200 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
-  compare moe_e$e moe_e16 ""
+  TAIL=30 run profile_update_edef 130 python3 scripts/profile_update.py --out $L/edef --layers 4 --micro-batches 8
+  mkdir -p $OUT/profile && for d in edef e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
 }
 
 step_overlap() {  # decode beside the update on one GPU: each alone, in series and together (benchmarks/overlap.md);

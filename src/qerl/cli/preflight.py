@@ -127,7 +127,9 @@ def preflight(cfg, make_task=None):
             try:
                 name, rows = cfg.eval_dataset_name, get_task(cfg.eval_dataset_name, **cfg.eval_dataset_config).eval
             except ValueError as e:  # the task names its options dataset_config: here they are eval_dataset_config's
-                raise ValueError(f"eval_{e}" if str(e).startswith("dataset_config") else str(e)) from None
+                if not str(e).startswith("dataset_config"):
+                    raise
+                raise ValueError(f"eval_{e}") from None
         if not rows:
             raise ValueError(f"dataset {name!r} has no held-out problems ({len(task.train)} training rows), and "
                              "the config evaluates (eval_on_start / eval_on_end / eval_steps): set "

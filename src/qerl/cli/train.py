@@ -226,7 +226,10 @@ def run(args):
         try:
             task = preflight(cfg)  # the device, the model's config and positions, the data: before the model loads
         except ValueError as e:
-            raise ValueError(in_file(str(e), getattr(args, "options_from", {}))) from None
+            said = in_file(str(e), getattr(args, "options_from", {}))
+            if said == str(e):
+                raise
+            raise ValueError(said) from None
     with interruptible() as stop:
         trainer = None
         try:

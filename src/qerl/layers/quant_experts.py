@@ -244,14 +244,17 @@ class QuantExperts(nn.Module):
         dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
         y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt), ends)
         if self.r and not self.disable_adapters:
-            ids = torch.tensor(experts, device=x.device) if ids is None else ids
-            a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
+            lora_ids = torch.tensor(experts, device=x.device) if ids is None else ids
+            a, b = self.lora_A[proj][lora_ids], self.lora_B[proj][lora_ids]  # [c, r, K], [c, N, r]
             s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
             y = y + (grouped_mm(s, b.transpose(-2, -1), ends)).to(y.dtype) * self.scaling
         bias = self.bias(proj)
         if bias is not None:
-            rows = torch.repeat_interleave(torch.tensor(experts, device=x.device),
-                                           torch.diff(ends, prepend=ends.new_zeros(1)))
+            if ids is None:
+                rows = torch.repeat_interleave(torch.tensor(experts, device=x.device),
+                                               torch.diff(ends, prepend=ends.new_zeros(1)))
+            else:  # the budgeted chunks: no wait for the device (the output's size is the rows given)
+                rows = torch.repeat_interleave(ids, torch.diff(ends, prepend=ends.new_zeros(1)), output_size=x.shape[0])
             y = y + bias[rows]
         return y
 
