@@ -71,7 +71,7 @@ def test_grouped_path_equals_the_loop_on_the_gpu(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_path):
+def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_path, monkeypatch):
     """KernelSettings.moe_expert_chunk_mib (bounds from one read of the counts, index tensors copied without
     waiting): logits and expert-LoRA gradients of the grouped path as with 16 experts a chunk (here 2, so
     the default takes several chunks and the budget one)."""
@@ -87,8 +87,16 @@ def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_
         if isinstance(m, QuantExperts):
             m.grouped, m.expert_chunk = True, 2
     ids = torch.arange(3, 67, device="cuda").view(2, 32)
+    calls, project = [], QuantExperts._grouped_project
+
+    def counted(self, *a, **k):
+        calls[-1] += 1
+        return project(self, *a, **k)
+
+    monkeypatch.setattr(QuantExperts, "_grouped_project", counted)
     out = []
     for mib in (None, 256):
+        calls.append(0)
         pol.model.zero_grad()
         with settings.use(moe_expert_chunk_mib=mib):
             logits = pol.model(ids).logits
@@ -96,6 +104,7 @@ def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_
         torch.cuda.synchronize()
         out.append((logits.detach(), {n: p.grad.clone() for n, p in pol.model.named_parameters()
                                       if "experts.lora" in n and p.grad is not None}))
+    assert calls[1] < calls[0]  # the budget took fewer, larger chunks
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4, rtol=1e-4), (out[0][0] - out[1][0]).abs().max()
     assert out[0][1] and out[0][1].keys() == out[1][1].keys()
     for n, gr in out[0][1].items():
