@@ -30,6 +30,16 @@ def evaluated_args(model, out, *extra):
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def model_with_config(model, folder, **fields):
+    """A copy of the model folder with these config.json fields changed."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return folder
+
+
 # ---- tracebacks before ------------------------------------------------------------------------------
 def test_a_lone_surrogate_in_a_jsonl_names_file_line_and_field(cli, tmp_path, model, no_model_load):
     rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
@@ -54,13 +64,7 @@ def test_float16_on_the_cpu_is_refused_before_loading(cli, tmp_path, model, no_m
 
 @pytest.mark.parametrize("command", ["generate", "train", "export"])
 def test_a_llama_config_relabelled_falcon_is_named(cli, tmp_path, model, command, no_model_load):
-    import shutil
-
-    bad = tmp_path / "f"
-    shutil.copytree(model, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg.update(model_type="falcon", architectures=["FalconForCausalLM"])
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = model_with_config(model, tmp_path / "f", model_type="falcon", architectures=["FalconForCausalLM"])
     args = {"generate": ["generate", bad, "--prompt", "hi", "--device", "cpu"],
             "train": evaluated_args(bad, tmp_path / "run"), "export": ["export", bad, tmp_path / "out"]}[command]
     rc, _, err = cli(*args)
@@ -68,12 +72,7 @@ def test_a_llama_config_relabelled_falcon_is_named(cli, tmp_path, model, command
 
 
 def test_a_model_type_that_contradicts_the_config_is_named(cli, tmp_path, model, no_model_load):
-    import shutil
-
-    bad = tmp_path / "f"
-    shutil.copytree(model, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
+    bad = model_with_config(model, tmp_path / "f", model_type="falcon")
     rc, _, err = cli("generate", bad, "--prompt", "hi", "--device", "cpu")
     assert rc == 2 and "transformers cannot read it as a 'falcon' config" in err and one_line(err)
 
@@ -337,12 +336,7 @@ def test_a_config_file_with_a_yaml_syntax_error_is_one_line_naming_its_line(cli,
 
 
 def test_a_config_json_field_of_the_wrong_type_is_one_line_naming_the_field(cli, tmp_path, model, no_model_load):
-    import shutil
-
-    bad = tmp_path / "f"
-    shutil.copytree(model, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": "big"}))
+    bad = model_with_config(model, tmp_path / "f", hidden_size="big")
     rc, _, err = cli("generate", bad, "--prompt", "hi", "--device", "cpu")
     assert rc == 2 and "config.json" in err and "fix field 'hidden_size' (now 'big')" in err and one_line(err), err
 

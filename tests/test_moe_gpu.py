@@ -33,14 +33,19 @@ def _policy(family, root):
                        device="cuda", dtype=torch.float32, progress=False)
 
 
+def _randomize_lora_b(model, seed: int):
+    """B away from zero, so the adapters change the outputs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.2)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_engine_greedy_equals_hf_generate_on_the_gpu(family, tmp_path):
     pol = _policy(family, tmp_path)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.2)
+    _randomize_lora_b(pol.model, seed=1)
     got = engine_greedy(pol.model)
     assert got == [hf_greedy(pol.model, p) for p in PROMPTS]
 
@@ -78,11 +83,7 @@ def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_
     from qerl.kernels import settings
 
     pol = _policy(family, tmp_path)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.2)
+    _randomize_lora_b(pol.model, seed=2)
     for m in pol.model.modules():
         if isinstance(m, QuantExperts):
             m.grouped, m.expert_chunk = True, 2
