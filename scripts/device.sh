@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks goss14 ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -200,10 +200,26 @@ step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 
   run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
   run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
   compare moe_e$e moe_edef ""
+  [ -n "${NOPROF:-}" ] && return 0  # NOPROF=1: the two steps only
   TAIL=30 run profile_update_e$e 130 python3 scripts/profile_update.py --out $L/e$e --layers 4 --micro-batches 8 \
     --expert-chunk-mib $e
   TAIL=30 run profile_update_edef 130 python3 scripts/profile_update.py --out $L/edef --layers 4 --micro-batches 8
   mkdir -p $OUT/profile && for d in edef e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
+}
+
+step_goss14() {  # issue 59: gpt-oss-20b's GRPO step (8x8, prompt 256, 256 new) under --memory-cap-gb 14: the input
+                # embedding in NVFP4 (TrainConfig.embed_4bit), fp8 KV 0.5 GiB, micro-batch 2, logprob chunk 128, the
+                # experts dequantized 128 MiB at a time, no humming copies, adamw_8bit (carry bitsandbytes' wheel);
+                # then the memory model's out-of-sample error on it (fit on the ed5e22d Qwen3 default step)
+  run goss14 200 python3 -m qerl.bench.step --shape gpt-oss-20b --prompts 8 --num-generations 8 --prompt-len 256 \
+    --max-new-tokens 256 --micro-batch 2 --steps 1 --optim adamw_8bit --logprob-chunk 128 --no-humming \
+    --kv-cache-gb 0.5 --kv-cache-dtype fp8 --expert-chunk-mib 128 --embed-4bit --memory-cap-gb ${CAP:-14} $R \
+    --out /tmp/bs_goss14
+  cat benchmarks/results/step.jsonl $OUT/results/step.jsonl > /tmp/steps.jsonl 2>/dev/null
+  local at; at=$(python3 -c "from qerl.bench.record import commit; print(commit())")
+  run goss14_predict 40 python3 -m qerl.bench.memory --step-records /tmp/steps.jsonl \
+    --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" \
+    --predict "embed4bit@$at"
 }
 
 step_overlap() {  # decode beside the update on one GPU: each alone, in series and together (benchmarks/overlap.md);

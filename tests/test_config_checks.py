@@ -60,6 +60,7 @@ BAD = [
     ("ddp_backend", "mpi"),
     ("run_name", " "),
     ("lm_head_4bit", "maybe"),
+    ("embed_4bit", "maybe"),
 ]
 
 

@@ -128,3 +128,21 @@ def test_two_engines_replaying_at_once_agree_with_each_alone():
     torch.cuda.synchronize()
     for name in out:
         assert [c.token_ids for c in out[name]] == [c.token_ids for c in alone]
+
+
+def test_the_4bit_embedding_in_graphs_equals_eager_and_the_dequantized_table():
+    """embed_4bit (layers/quant_embed.py): the lookup is captured in the decode graphs (no host copy) and gives
+    the tokens an nn.Embedding holding its dequantized table gives."""
+    from qerl.layers.quant_embed import quantize_embedding
+
+    pol, ref = _policy("nvfp4"), _policy("nvfp4")
+    ref.model.load_state_dict(pol.model.state_dict())
+    q = quantize_embedding(pol.model)
+    with torch.no_grad():
+        ref.model.get_input_embeddings().weight.copy_(q.weight)
+    prompts = [list(range(100, 100 + L)) for L in (7, 30, 64)]
+    a = Engine(pol.model, max_len=160, max_slots=24, sync_every=8).generate(prompts, n=6, params=GREEDY)
+    assert a.stats.graphs_captured > 0
+    b = Engine(pol.model, max_len=160, max_slots=24, cuda_graphs=False).generate(prompts, n=6, params=GREEDY)
+    r = Engine(ref.model, max_len=160, max_slots=24, sync_every=8).generate(prompts, n=6, params=GREEDY)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b] == [c.token_ids for c in r]

@@ -81,6 +81,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
                     help="a humming-kernels copy of each attention weight (KernelSettings.humming)")
     ap.add_argument("--humming-storage", action="store_true",
                     help="NVFP4 attention weights stored in humming's layout (KernelSettings.humming_storage): no copies")
+    ap.add_argument("--embed-4bit", action="store_true",
+                    help="the input embedding in NVFP4 (TrainConfig.embed_4bit; a tied one is refused)")
     ap.add_argument("--expert-inputs-kept", action=argparse.BooleanOptionalAction, default=d.expert_inputs_kept,
                     help="the grouped experts' inputs live through the update (the code before its fix; "
                          "StepSettings.expert_inputs_kept): prices what the fix saves")
@@ -105,7 +107,8 @@ def step_settings(args):
                         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, micro_batch=args.micro_batch,
                         logprob_chunk=args.logprob_chunk, lora_rank=args.lora_rank, lora_dtype=args.lora_dtype,
                         optim=args.optim, expert_chunk=args.expert_chunk, humming=args.humming,
-                        humming_storage=args.humming_storage, expert_inputs_kept=args.expert_inputs_kept)
+                        humming_storage=args.humming_storage, expert_inputs_kept=args.expert_inputs_kept,
+                        embed_4bit=args.embed_4bit)
 
 
 def describe(st) -> str:
@@ -114,6 +117,7 @@ def describe(st) -> str:
             f"{st.logprob_chunk}, {st.optim}, LoRA r{st.lora_rank} {st.lora_dtype}, expert chunk {st.expert_chunk}, "
             f"humming copies {'on' if st.humming and not st.humming_storage else 'off'}"
             + (", humming's layout stored" if st.humming_storage else "")
+            + (", the embedding in NVFP4" if st.embed_4bit else "")
             + (", expert inputs kept (the code before 2026-12-07's fix)" if st.expert_inputs_kept else ""))
 
 

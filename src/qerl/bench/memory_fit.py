@@ -66,6 +66,8 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["humming"] = False
         elif tok == "humming-storage":
             kw["humming_storage"] = True
+        elif tok == "embed4bit":
+            kw["embed_4bit"] = True
         elif m_chunk := re.fullmatch(r"echunk(\d+)mib", tok):  # KernelSettings.moe_expert_chunk_mib, bf16 weights
             kw["expert_chunk"] = max(1, (int(m_chunk[1]) << 20) // (max(o * i for o, i in expert_shapes(shape)) * BF16))
         elif tok in ("ckpt", "steady") or re.fullmatch(r"cap[\d.]+GiB", tok):

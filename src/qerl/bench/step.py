@@ -112,6 +112,8 @@ def case_name(a, quant: str) -> str:
         lv.append("humming-storage")
     if getattr(a, "expert_chunk_mib", None):
         lv.append(f"echunk{a.expert_chunk_mib}mib")
+    if getattr(a, "embed_4bit", False):
+        lv.append("embed4bit")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -159,6 +161,10 @@ def build_policy(a):
     with settings.use(humming_storage=getattr(a, "humming_storage", False)):  # the layout is chosen at load
         pol = random_policy(cfg, a.quant, lora_rank=a.lora_rank, device=dev,
                             dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=a.seed)
+    if getattr(a, "embed_4bit", False):
+        from ..layers.quant_embed import quantize_embedding
+
+        quantize_embedding(pol.model)
     pol.tokenizer = synthetic_tokenizer(cfg.vocab_size)
     return pol, time.perf_counter() - t0
 
@@ -458,6 +464,8 @@ def main(argv=None):
     ap.add_argument("--expert-chunk-mib", type=int, default=None,
                     help="MoE: the grouped path dequantizes as many hit experts at once as fit this many MiB "
                          "(KernelSettings.moe_expert_chunk_mib; default 16 experts a chunk)")
+    ap.add_argument("--embed-4bit", action="store_true",
+                    help="the frozen input embedding in NVFP4 (TrainConfig.embed_4bit): 3/4 of its bytes saved")
     ap.add_argument("--humming-storage", action="store_true",
                     help="store NVFP4 in humming-kernels' layout (KernelSettings.humming_storage): one copy of each "
                          "weight, humming at every M, the backward dequantizing from it")

@@ -99,6 +99,7 @@ class StepSettings:
                                   # copy would leave < KEEP_FREE of it free (a 24 GB card), no copy is made
     humming_storage: bool = False  # KernelSettings.humming_storage: the attention weights it takes stored in
                                   # humming's layout (formats/nvfp4_humming.py), so humming needs no copies
+    embed_4bit: bool = False      # TrainConfig.embed_4bit: the input embedding in NVFP4 (layers/quant_embed.py)
     runtime_bytes: int = GIB // 2  # CUDA context and libraries: outside torch's count (not in peak_reserved)
 
     @property
@@ -289,6 +290,8 @@ def plan_step(s: MoEShape, st: StepSettings = StepSettings(), allow: Allowances 
     experts = s.layers * s.experts * sum(exp_fmt.nbytes(sh) for sh in expert_shapes(s))
     attention = s.layers * sum(attn_fmt.nbytes(sh) for sh in attention_shapes(s))
     dense = counts["dense"] * BF16
+    if st.embed_4bit and not s.tied_embeddings:  # (a tied table is refused: quant_embed.quantize_embedding)
+        dense += attn_fmt.nbytes((s.vocab, s.hidden)) - s.vocab * s.hidden * BF16
     copies = s.layers * sum(n * k * 9 // 16 for n, k in humming_copy_shapes(s)) if st.humming and not st.humming_storage else 0
     slots = kv_slots(s, st)
     kv = slots * kv_slot_bytes(s, st)

@@ -22,6 +22,7 @@ from ..layers.fused_group import row_split
 from ..layers.qlora_linear import standalone
 from ..layers.quant_experts import QuantExperts
 from .atomic import SHARD_BYTES, atomic_folder, entries, write_sharded
+from .export import quant_heads
 from .safetensors_reader import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str, dtype: torch.dtype |
                           ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(tensors to write, ignore list) as llm-compressor writes them for the same model: the packed layers'
     bytes, every other tensor dense in `dtype` (the base's; None: as held), and ignore = the Linear modules
-    left dense (the base's own, e.g. lm_head, and the layers kept in bf16), by their full names.
+    left dense (the base's own, e.g. lm_head, and the layers kept in bf16), by their full names. A 4-bit head
+    (lm_head_4bit) is packed under lm_head, as llm-compressor writes a quantized head.
     LoRA factors are not included, nor listed: they are not modules of the base."""
     from ..layers.quant_experts import QuantExperts
 
@@ -78,6 +80,7 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str, dtype: torch.dtype |
     out: dict[str, torch.Tensor] = {}
     ignore: list[str] = []
     owned: set[str] = set()
+    heads = quant_heads(model)
     for name, m in model.named_modules():
         if any(name.startswith(o + ".") for o in owned):
             continue  # inside a layer of ours: its LoRA factors (nn.Linear) are no module of the base
@@ -86,11 +89,13 @@ def compressed_state_dict(model: torch.nn.Module, fmt: str, dtype: torch.dtype |
             out.update(_expert_tensors(model, name, m, fmt))
         elif isinstance(m, QLoRALinear):
             owned.add(name)
+            head = name in heads
+            name = heads.get(name, name)  # a 4-bit head (lm_head.layer) as the Linear it replaces: lm_head
             if m.fmt.name == fmt:  # in the checkpoint's byte order (the layer may keep a kernel's)
                 for k, t in m.checkpoint_tensors().items():
                     out[f"{name}.{k}"] = t
-            elif m.fmt.name == "bf16":
-                out[f"{name}.weight"] = dense(m.dequantized_weight(m.dtype))
+            elif m.fmt.name == "bf16" or head:  # a head in another format (NVFP4 in an MXFP4 policy): the
+                out[f"{name}.weight"] = dense(m.dequantized_weight(m.dtype))  # values it computes with, dense
                 ignore.append(name)
             else:
                 raise ValueError(f"{name}: layer is {m.fmt.name}; a {fmt} checkpoint cannot hold it")
@@ -172,6 +177,8 @@ def save_compressed(policy, out_dir: str | Path, fmt: str | None = None) -> Path
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = str(dtype).removeprefix("torch.")  # the tensors' dtype, not the one the policy computed in
     cfg["quantization_config"] = quantization_config(fmt, ignore)
+    if quant_heads(model):  # a tied model's 4-bit head is a copy of the table, no longer the embedding itself
+        cfg["tie_word_embeddings"] = False
     with atomic_folder(out_dir) as tmp:
         write_sharded(tmp, entries(tensors))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))

@@ -50,8 +50,19 @@ def _entries(model: nn.Module, dtype: torch.dtype) -> list[TensorEntry]:
     return _entries_of(model, dtype, owned, experts)
 
 
+def quant_heads(model: nn.Module) -> dict[str, str]:
+    """{"lm_head.layer": "lm_head"}: the QLoRALinear inside each 4-bit head (lm_head_4bit, layers/quant_head.py)
+    by the name checkpoints give the head. QuantHead is qerl's wrapper: transformers, vLLM and llm-compressor
+    read the head under `lm_head`, so a writer naming it by the module path (lm_head.layer.weight) wrote a head
+    no loader reads (transformers drew a random one in its place)."""
+    from ..layers.quant_head import QuantHead
+
+    return {f"{n}.layer": n for n, m in model.named_modules() if isinstance(m, QuantHead)}
+
+
 def _entries_of(model, dtype, owned, experts) -> list[TensorEntry]:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    heads = quant_heads(model)
     out: list[TensorEntry] = []
     emitted: set[str] = set()
 
@@ -70,10 +81,11 @@ def _entries_of(model, dtype, owned, experts) -> list[TensorEntry]:
             if mod in emitted:
                 continue
             emitted.add(mod)
-            layer = owned[mod]
-            out.append(TensorEntry(f"{mod}.weight", layer.weight_shape, dtype, lambda m=layer: _merged_weight(m, dtype)))
+            layer, name = owned[mod], heads.get(mod, mod)  # a 4-bit head: the dequantized head the policy used
+            out.append(TensorEntry(f"{name}.weight", layer.weight_shape, dtype,
+                                   lambda m=layer: _merged_weight(m, dtype)))
             if layer.bias is not None:
-                out.append(TensorEntry(f"{mod}.bias", (layer.out_features,), dtype, lambda m=layer: cast(m.bias)))
+                out.append(TensorEntry(f"{name}.bias", (layer.out_features,), dtype, lambda m=layer: cast(m.bias)))
             continue
         if any(key.startswith(o + ".") for o in owned):  # e.g. lora_A.weight under a QLoRALinear
             continue
@@ -130,6 +142,8 @@ def _dense_config(model: nn.Module, dtype: torch.dtype):
     if not getattr(cfg, "architectures", None):
         cfg.architectures = [type(model).__name__]
     cfg.dtype = dtype
+    if quant_heads(model):  # a tied model's 4-bit head is a copy of the table, no longer the embedding itself
+        cfg.tie_word_embeddings = False
     return cfg
 
 

@@ -19,6 +19,7 @@ from ..layers import QLoRALinear
 from ..layers.qlora_linear import standalone
 from ..layers.quant_experts import PROJECTIONS, QuantExperts
 from .atomic import atomic_folder, entries, write_sharded
+from .export import quant_heads
 from .safetensors_reader import CheckpointError
 
 # gpt-oss's own list: what its MXFP4 label leaves dense
@@ -40,7 +41,9 @@ def mxfp4_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[f"{name}.{proj}_scales"] = t["weight_scale"]
             if q.bias(proj) is not None:
                 out[f"{name}.{proj}_bias"] = q.bias(proj)
+    heads = quant_heads(model)
     for name, m in linears.items():
+        name = heads.get(name, name)  # a 4-bit head (lm_head.layer): lm_head.weight, the values the policy used
         out[f"{name}.weight"] = m.dequantized_weight(m.dtype)
         if m.bias is not None:
             out[f"{name}.bias"] = m.bias.detach()
@@ -64,6 +67,8 @@ def save_mxfp4_experts(policy, out_dir: str | Path) -> Path:
     if (src / "config.json").is_file():  # the source's own label (its modules_to_not_convert) when it had one
         label = json.loads((src / "config.json").read_text()).get("quantization_config") or label
     cfg["quantization_config"] = label
+    if quant_heads(model):  # a tied model's 4-bit head is a copy of the table, no longer the embedding itself
+        cfg["tie_word_embeddings"] = False
     with atomic_folder(out_dir) as tmp:
         write_sharded(tmp, entries(tensors))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))

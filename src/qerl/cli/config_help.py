@@ -13,7 +13,7 @@ import typing
 
 GROUPS = {
     "model": ("model_name_or_path", "quant", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-              "train_norms", "dtype", "lora_dtype", "device", "trust_remote_code", "modules_to_not_convert", "lm_head_4bit"),
+              "train_norms", "dtype", "lora_dtype", "device", "trust_remote_code", "modules_to_not_convert", "lm_head_4bit", "embed_4bit"),
     "data": ("dataset_name", "dataset_config", "system_prompt", "prompt_suffix", "max_prompt_length"),
     "generation": ("num_generations", "generation_batch_size", "max_completion_length", "temperature", "top_p", "top_k",
                    "dynamic_sampling", "max_resample_rounds", "rollout_kv_cache_gb", "rollout_kv_cache_dtype",

@@ -19,7 +19,7 @@ DESCRIPTION = (HELP + ". Rows are conversations (messages), plain text or prompt
                "`qerl train --model_name_or_path OUTPUT_DIR/adapter` or PEFT.")
 GROUPS = {
     "model": ("model_name_or_path", "quant", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "dtype",
-              "lora_dtype", "device", "trust_remote_code", "modules_to_not_convert", "lm_head_4bit"),
+              "lora_dtype", "device", "trust_remote_code", "modules_to_not_convert", "lm_head_4bit", "embed_4bit"),
     "data": ("dataset_name", "dataset_config", "dataset_text_field", "max_length", "packing", "assistant_only_loss",
              "completion_only_loss"),
     "optimization": ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",

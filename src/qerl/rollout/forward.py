@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..kernels import dispatch
 from ..layers.fused_group import project
+from ..layers.quant_embed import table_device_dtype
 from ..model.family import UnsupportedModelError, family_of_model, llama_norm_classes
 from . import attention, rope_kv
 from .kv_cache import dequantize
@@ -170,11 +171,11 @@ class ModelView:
 
     @property
     def device(self):
-        return self.embed.weight.device
+        return table_device_dtype(self.embed)[0]
 
     @property
     def dtype(self):
-        return self.embed.weight.dtype
+        return table_device_dtype(self.embed)[1]
 
     def rope_tables(self, max_len: int) -> "RopeTables":
         """cos, sin [max_len, rotary dims] per rotary table, from the model's own rotary module (its
@@ -421,7 +422,7 @@ def _mlp(view, ops, mlp, x):
 def fused_attention_ok(view: ModelView) -> bool:
     """Whether decode can use the fused rotary+KV-write and split-KV attention kernels (CUDA,
     power-of-two head size; Qwen3's q/k norms sit between projection and rotary, so not there)."""
-    probe = view.embed.weight
+    probe = torch.empty(0, device=view.device)
     return view.plain_attention and rope_kv.supports(probe, view.head_dim)
 
 

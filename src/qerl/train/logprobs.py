@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..layers.quant_embed import table_device_dtype
+
 
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0):
     """Right-padded prompt+completion ids [B, T], attention mask [B, T], the index of the
@@ -60,7 +62,7 @@ def completion_logprobs(model, ids, att, pos, targets, mask, temperature: float 
     pos [B, L]: the index of the hidden state predicting each target, in row `rows` [B, L] of the
     model's output (default: row b for completion b, as pad_batch lays them out). Packed rows
     (train/packing.py) pass their own position_ids and a prepared 4D mask as `att`."""
-    dev = model.get_input_embeddings().weight.device
+    dev = table_device_dtype(model.get_input_embeddings())[0]
     ids, att, pos, targets, mask = (x.to(dev) for x in (ids, att, pos, targets, mask))
     kw = {} if position_ids is None else {"position_ids": position_ids.to(dev), "use_cache": False}
     hidden = model.model(input_ids=ids, attention_mask=att, **kw).last_hidden_state  # [rows, T, D]

@@ -173,4 +173,8 @@ def load_configured_policy(cfg: TrainConfig, device, dtype, progress: bool):
         from ..layers.quant_head import quantize_lm_head
 
         quantize_lm_head(policy.model)
+    if cfg.embed_4bit:
+        from ..layers.quant_embed import quantize_embedding
+
+        quantize_embedding(policy.model)
     return policy

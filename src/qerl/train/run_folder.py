@@ -224,8 +224,8 @@ def refuse_or_clear(folder, overwrite: bool, inputs: list[RunInput] | None = Non
 # ---- the run's record ---------------------------------------------------------------------------------
 RECORD = "run_record.json"  # beside config.yaml: what a config cannot hold (a TRL config file's script arguments)
 # the fields that define what a run is: a resume that changes one is refused unless allowed by name
-IDENTITY = ("model_name_or_path", "quant", "modules_to_not_convert", "lm_head_4bit", "lora_r", "lora_alpha",
-            "lora_target_modules", "dataset_name", "dataset_config", "seed")
+IDENTITY = ("model_name_or_path", "quant", "modules_to_not_convert", "lm_head_4bit", "embed_4bit", "lora_r",
+            "lora_alpha", "lora_target_modules", "dataset_name", "dataset_config", "seed")
 ALLOW_HELP = (f"with --resume: continue although FIELD differs from the run's record (comma-separated or "
               f"repeated). A resume continues on the record (config.yaml, run_record.json); a changed "
               f"{', '.join(IDENTITY)} (or another base model or quant) is refused unless allowed here; other "
