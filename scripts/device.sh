@@ -193,11 +193,12 @@ step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): 
 step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 at a time (the default) against a byte
                     # budget (KernelSettings.moe_expert_chunk_mib=ECHUNK, default 1024): the Qwen3-30B-A3B step at
                     # micro-batch 8 both ways (the budget first), then the update's profile both ways (host syncs,
-                    # GPU busy share)
+                    # GPU busy share); ROUTE=1: the budgeted step also routes decode by the counting sort
+                    # (KernelSettings.moe_route_counting: its rollout_s against the default's)
   local e=${ECHUNK:-1024} c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256
     --micro-batch 8 --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
   rm -f $J/moe_e$e.json $J/moe_edef.json
-  run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
+  run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e ${ROUTE:+--moe-route-counting} --json $J/moe_e$e.json $R --out /tmp/bs_e$e
   run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
   compare moe_e$e moe_edef ""
   [ -n "${NOPROF:-}" ] && return 0  # NOPROF=1: the two steps only

@@ -50,12 +50,16 @@ def test_engine_greedy_equals_hf_generate_on_the_gpu(family, tmp_path):
     assert got == [hf_greedy(pol.model, p) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("counting", [False, True], ids=["argsort", "counting"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_engine_greedy_from_cuda_graphs_equals_hf_generate(family, tmp_path):
+def test_engine_greedy_from_cuda_graphs_equals_hf_generate(family, counting, tmp_path):
+    """counting: the decode's routes by the counting sort (KernelSettings.moe_route_counting), captured too."""
+    from qerl.kernels.settings import KernelSettings
     from qerl.rollout import Engine, SamplingParams
 
     pol = _policy(family, tmp_path)
-    eng = Engine(pol.model, max_len=128, max_slots=3, sync_every=4, cuda_graphs=True)
+    eng = Engine(pol.model, max_len=128, max_slots=3, sync_every=4, cuda_graphs=True,
+                 kernel_settings=KernelSettings(moe_route_counting=counting))
     outs = eng.generate(PROMPTS, n=1, params=SamplingParams(max_new_tokens=NEW, greedy=True, ignore_eos=True))
     assert eng.runner.graphs_captured > 0
     assert [c.token_ids for c in outs] == [hf_greedy(pol.model, p) for p in PROMPTS]

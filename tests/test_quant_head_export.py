@@ -137,14 +137,55 @@ def test_a_head_in_a_kernel_layout_is_written_in_the_checkpoint_layout(tmp_path)
     torch.testing.assert_close(got, ref, rtol=0, atol=0.02 * ref.abs().max())
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError,
-                   reason="qerl's loader (model/load.py) reads lm_head only as a dense lm_head.weight")
-def test_qerl_reads_back_the_compressed_head(tmp_path):
-    """transformers reads the packed head (above); qerl's own loader does not yet: it refuses the folder."""
-    save_tiny(tmp_path / "base", "qwen2")
+@pytest.mark.parametrize("tied", [False, True])
+def test_qerl_reads_back_the_compressed_head(tmp_path, tied):
+    """qerl's own loader reads the packed head as the policy's QuantHead, the same bytes: the same logits."""
+    save_tiny(tmp_path / "base", "llama" if tied else "qwen2", tie_word_embeddings=tied)
     pol = head4_policy(tmp_path / "base", rank=0, dtype=torch.bfloat16)
     again = load_policy(save_compressed(pol, tmp_path / "ct"), "auto", lora_rank=0, progress=False)
+    assert isinstance(again.model.lm_head, QuantHead) and not again.model.lm_head.layer.r
+    assert torch.equal(again.model.lm_head.weight, pol.model.lm_head.weight)
     assert torch.equal(logits(again.model), logits(pol.model))
+
+
+def test_qerl_reads_the_packed_head_of_a_config_that_still_ties_it(tmp_path):
+    """A folder whose config says tie_word_embeddings but holds a packed head: the head is those bytes, never
+    re-tied to the embedding table."""
+    save_tiny(tmp_path / "base", "llama", tie_word_embeddings=True)
+    pol = head4_policy(tmp_path / "base", rank=0, dtype=torch.bfloat16)
+    out = save_compressed(pol, tmp_path / "ct")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    again = load_policy(out, "auto", lora_rank=0, progress=False)
+    assert torch.equal(again.model.lm_head.weight, pol.model.lm_head.weight)
+    assert torch.equal(logits(again.model), logits(pol.model))
+
+
+def _rewrite(folder, change):
+    """The folder's single safetensors file with `change(tensors)` applied."""
+    from safetensors.torch import save_file
+
+    sd = load_file(folder / "model.safetensors")
+    change(sd)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda sd: sd.__setitem__("lm_head.weight_scale", sd["lm_head.weight_scale"][:, :-1].contiguous()),
+     "tensor 'lm_head.weight_scale' has shape"),
+    (lambda sd: sd.__setitem__("lm_head.weight_scale", sd["lm_head.weight_scale"].view(torch.uint8)),
+     "tensor 'lm_head.weight_scale' is torch.uint8"),
+    (lambda sd: sd.__setitem__("lm_head.weight_packed", sd["lm_head.weight_packed"][:-16].contiguous()),
+     "tensor 'lm_head.weight_packed' holds a head of [144, 64]"),
+    (lambda sd: sd.pop("lm_head.weight_global_scale"), "missing tensor lm_head.weight_global_scale"),
+])
+def test_a_bad_packed_head_is_refused_naming_the_file_and_tensor(tmp_path, change, words):
+    save_tiny(tmp_path / "base", "qwen2")
+    out = save_compressed(head4_policy(tmp_path / "base", rank=0, dtype=torch.bfloat16), tmp_path / "ct")
+    _rewrite(out, change)
+    with pytest.raises(CheckpointError) as e:
+        load_policy(out, "auto", lora_rank=0, progress=False)
+    assert str(e.value).startswith(str(out)) and words in str(e.value), e.value
 
 
 def test_mxfp4_compressed_writes_a_4bit_nvfp4_head_dense_and_ignored(tmp_path):
@@ -178,3 +219,10 @@ def test_gpt_oss_mxfp4_layout_writes_the_4bit_head_as_lm_head_weight(tmp_path):
     assert_head_is_the_4bit_one(hf, pol, stock["lm_head.weight"])
     ref = logits(pol.model)
     torch.testing.assert_close(logits(hf), ref, rtol=0, atol=0.02 * ref.abs().max())
+
+
+def test_keeping_a_packed_head_in_bf16_is_refused(tmp_path):
+    save_tiny(tmp_path / "base", "qwen2")
+    out = save_compressed(head4_policy(tmp_path / "base", rank=0, dtype=torch.bfloat16), tmp_path / "ct")
+    with pytest.raises(ValueError, match="modules_to_not_convert: lm_head is quantized in"):
+        load_policy(out, "auto", lora_rank=0, progress=False, modules_to_not_convert=["lm_head"])

@@ -70,7 +70,7 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["embed_4bit"] = True
         elif m_chunk := re.fullmatch(r"echunk(\d+)mib", tok):  # KernelSettings.moe_expert_chunk_mib, bf16 weights
             kw["expert_chunk"] = max(1, (int(m_chunk[1]) << 20) // (max(o * i for o, i in expert_shapes(shape)) * BF16))
-        elif tok in ("ckpt", "steady") or re.fullmatch(r"cap[\d.]+GiB", tok):
+        elif tok in ("ckpt", "steady", "route-counting") or re.fullmatch(r"cap[\d.]+GiB", tok):
             pass  # checkpointing is what the model assumes; a cap and the steady mean move no term
         else:
             raise ValueError(f"{case!r}: {tok!r} is a setting the model does not cover")

@@ -114,6 +114,8 @@ def case_name(a, quant: str) -> str:
         lv.append(f"echunk{a.expert_chunk_mib}mib")
     if getattr(a, "embed_4bit", False):
         lv.append("embed4bit")
+    if getattr(a, "moe_route_counting", False):
+        lv.append("route-counting")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -229,7 +231,8 @@ def _run_case(a, pol, build_s) -> dict:
         tr = GRPOTrainer(gcfg, policy=pol, reward_funcs=[synthetic_verifier], progress=False,
                          kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe,
                                                         humming=getattr(a, "humming", True),
-                                                        moe_expert_chunk_mib=getattr(a, "expert_chunk_mib", None)),
+                                                        moe_expert_chunk_mib=getattr(a, "expert_chunk_mib", None),
+                                                        moe_route_counting=getattr(a, "moe_route_counting", False)),
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
@@ -464,6 +467,8 @@ def main(argv=None):
     ap.add_argument("--expert-chunk-mib", type=int, default=None,
                     help="MoE: the grouped path dequantizes as many hit experts at once as fit this many MiB "
                          "(KernelSettings.moe_expert_chunk_mib; default 16 experts a chunk)")
+    ap.add_argument("--moe-route-counting", action="store_true",
+                    help="MoE decode routes by a counting sort (KernelSettings.moe_route_counting), not two argsorts")
     ap.add_argument("--embed-4bit", action="store_true",
                     help="the frozen input embedding in NVFP4 (TrainConfig.embed_4bit): 3/4 of its bytes saved")
     ap.add_argument("--humming-storage", action="store_true",

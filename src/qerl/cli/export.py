@@ -77,10 +77,18 @@ def _run(args):
     # fp32 compute so the merge W + s·B·A is exact before the final cast
     policy = load_policy(args.model, quant, lora_rank=0, device=device, dtype=torch.float32,
                          modules_to_not_convert=keep or None)
+    # the run's 4-bit head / embedding (its config.yaml): the export holds the values the policy trained with
+    four_bit, record = run_4bit_options(args.adapter) if args.adapter else ({}, None)
+    if four_bit:
+        quantize_as_trained(policy.model, **four_bit)
     if args.adapter:
         load_adapter(policy, args.adapter)
     out = export_merged(policy, args.output_dir, dtype=getattr(torch, args.dtype))
     print(f"wrote merged {args.dtype} model to {out}")
+    if four_bit:
+        what = [n for n in ("lm_head_4bit", "embed_4bit") if four_bit[n]]
+        print(f"the run's {' and '.join(what)} (recorded in {record}): written as the dequantized 4-bit values the "
+              "policy trained with")
     if keep:
         from ..model.projections import keep_in_bf16
 
@@ -89,6 +97,53 @@ def _run(args):
         print(f"merged from their bf16 weights, as the run kept them (modules_to_not_convert {keep}, recorded in "
               f"{Path(args.adapter) / 'qerl_adapter.json'}): {len(kept)} layers, e.g. {kept[0] if kept else '-'}; "
               f"the rest from their {quant} rounding")
+
+
+def run_4bit_options(adapter) -> tuple[dict, object]:
+    """({lm_head_4bit, embed_4bit, dtype}, the config.yaml read) of the run an adapter folder belongs to
+    (RUN/adapter or RUN/checkpoint-N/adapter; PEFT's files have no field for them), ({}, None) when neither
+    option is on or the adapter is outside a run. dtype: the run's compute dtype, which NVFP4's scales
+    round in (fp32 weights give other bytes than the bf16 ones training quantized)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..train.fields import yaml_mapping
+    from ..train.parts import resolve_device_dtype
+    from .run_config import run_kind
+
+    a = Path(adapter).resolve()
+    for run in (a.parent, a.parent.parent) if a.name == "adapter" else ():
+        if (run / "config.yaml").is_file() and run_kind(run) is not None:
+            cfg = yaml_mapping(run / "config.yaml")
+            opts = {k: cfg.get(k) is True for k in ("lm_head_4bit", "embed_4bit")}
+            if not any(opts.values()):
+                return {}, None
+            dt = SimpleNamespace(device=str(cfg.get("device", "auto")), dtype=str(cfg.get("dtype", "auto")))
+            dtype = resolve_device_dtype(dt)[1] if dt.dtype == "auto" else getattr(torch, dt.dtype)
+            return {**opts, "dtype": dtype}, run / "config.yaml"
+    return {}, None
+
+
+def quantize_as_trained(model, lm_head_4bit: bool, embed_4bit: bool, dtype) -> None:
+    """Apply the run's lm_head_4bit / embed_4bit as load_configured_policy did, each quantized from its weights
+    in the run's compute dtype. A head already 4-bit (read packed from a compressed-tensors base) is kept."""
+    import torch
+    from torch import nn
+
+    from ..layers.quant_embed import QuantEmbedding, quantize_embedding
+    from ..layers.quant_head import QuantHead, quantize_lm_head
+
+    for on, module, quantize, done in ((lm_head_4bit, lambda: model.lm_head, quantize_lm_head, QuantHead),
+                                       (embed_4bit, model.get_input_embeddings, quantize_embedding, QuantEmbedding)):
+        m = module()
+        if not on or isinstance(m, done):
+            continue
+        if m.weight.dtype != dtype:  # this module's own copy: a table tied to the head keeps the model's dtype
+            m.weight = nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+        with torch.no_grad():
+            quantize(model)
 
 
 def check_same_base(model: str, adapter: str, allow_other: bool) -> None:

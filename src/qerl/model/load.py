@@ -193,6 +193,12 @@ def load_policy(
                 model.get_submodule(f"model.layers.{i}.{family.experts.path}").add_lora(experts_lora, alpha, dtype)
 
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    if ckpt_fmt and "lm_head.weight_packed" in ckpt:  # a quantized head (lm_head_4bit, or llm-compressor's)
+        if keep("lm_head"):
+            raise ValueError(f"modules_to_not_convert: lm_head is quantized in {folder} (a compressed-tensors "
+                             "checkpoint); only its own ignore list keeps layers in bf16 there")
+        done.update(_load_packed_head(model, ckpt, fmt, ignore, dtype, device))
+        tied = False  # the head is its own packed bytes, not the embedding table
     for name, t in list(model.state_dict(keep_vars=True).items()):
         if name in done or ".lora_" in name or not t.is_meta:
             continue
@@ -219,6 +225,27 @@ def load_policy(
     model.eval()
     return Policy(model, tokenizer, folder, quant, lora_rank, alpha, lora_dropout,
                   targets + (("experts",) if experts_lora else ()), fallback, tuple(modules_to_not_convert or ()))
+
+
+def _load_packed_head(model, ckpt, fmt, ignore, dtype, device) -> set[str]:
+    """model.lm_head as the QuantHead the packed lm_head tensors hold (the head a policy with lm_head_4bit
+    computed with, written by save_compressed; or llm-compressor's quantized head); returns the keys read.
+    Missing tensors, or shapes and dtypes the format does not store, are refused naming file and tensor."""
+    from ..checkpoint.compressed_tensors import layer_shape
+    from ..layers.quant_head import QuantHead
+
+    want = tuple(model.lm_head.weight.shape)
+    if tuple(layer_shape(ckpt, "lm_head")) != want:
+        raise CheckpointError(f"{ckpt.path_of('lm_head.weight_packed')}: tensor 'lm_head.weight_packed' holds a head "
+                              f"of {list(layer_shape(ckpt, 'lm_head'))} (weight_packed "
+                              f"{list(ckpt.shape('lm_head.weight_packed'))}, two codes a byte); the config gives "
+                              f"{list(want)}")
+    if "lm_head.bias" in ckpt:
+        raise CheckpointError(f"{ckpt.path_of('lm_head.bias')}: tensor 'lm_head.bias' beside a packed head; qerl's "
+                              "4-bit head has no bias")
+    (layer,), _ = load_compressed_group(ckpt, ["lm_head"], fmt, ignore, dict(dtype=dtype), device, False)
+    model.lm_head = QuantHead(layer)  # frozen, no LoRA: as quantize_lm_head leaves it
+    return {f"lm_head.{k}" for k in fmt.expected_shapes((1, fmt.block_size))}
 
 
 def install_module(model, module: str, q) -> None:
