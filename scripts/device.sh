@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks goss14 ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -206,6 +206,16 @@ step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 
     --expert-chunk-mib $e
   TAIL=30 run profile_update_edef 130 python3 scripts/profile_update.py --out $L/edef --layers 4 --micro-batches 8
   mkdir -p $OUT/profile && for d in edef e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
+}
+
+step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by the counting sort
+               # (KernelSettings.moe_route_counting) against the default two argsorts, the counting sort first
+  local c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --micro-batch 8
+    --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
+  rm -f $J/moe_route.json $J/moe_edef.json
+  run moe_step_route 150 python3 -m qerl.bench.step $c --moe-route-counting --json $J/moe_route.json $R --out /tmp/bs_rc
+  run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
+  compare moe_route moe_edef ""
 }
 
 step_goss14() {  # issue 59: gpt-oss-20b's GRPO step (8x8, prompt 256, 256 new) under --memory-cap-gb 14: the input

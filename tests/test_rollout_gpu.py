@@ -135,7 +135,9 @@ def test_the_4bit_embedding_in_graphs_equals_eager_and_the_dequantized_table():
     the tokens an nn.Embedding holding its dequantized table gives."""
     from qerl.layers.quant_embed import quantize_embedding
 
-    pol, ref = _policy("nvfp4"), _policy("nvfp4")
+    cfg = qwen25_config("qwen2.5-0.5b", 4)
+    cfg.tie_word_embeddings = False  # (a tied table is refused: the head keeps it)
+    pol, ref = (random_policy(cfg, "nvfp4", lora_rank=16, device="cuda", std=0.05, progress=False) for _ in "ab")
     ref.model.load_state_dict(pol.model.state_dict())
     q = quantize_embedding(pol.model)
     with torch.no_grad():
