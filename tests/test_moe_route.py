@@ -1,5 +1,5 @@
-"""moe_gemv's counting sort of a step's token-expert pairs (KernelSettings.moe_route_counting) against the
-argsort route, the default: every Routing field bit-equal, dtypes included, over random
+"""moe_gemv's counting sort of a step's token-expert pairs (KernelSettings.moe_route_counting, the default) against
+the argsort route: every Routing field bit-equal, dtypes included, over random
 decode shapes with "no expert" indices; and fewer kernel-launching aten ops, no sort, nothing that
 reads the device back on the host."""
 
@@ -91,17 +91,17 @@ def test_route_launches_fewer_ops_no_sort_no_host_read():
     assert not {"sort", "argsort", "_local_scalar_dense", "nonzero", "bincount", "unique"} & set(new), new
 
 
-def test_route_takes_the_counting_sort_only_when_switched_on(monkeypatch):
+def test_route_takes_the_counting_sort_by_default_and_the_argsorts_when_switched_off(monkeypatch):
     from qerl.kernels import settings
 
     idx = torch.randint(0, 33, (16, 4), generator=torch.Generator().manual_seed(1))
     calls = []
     real = moe_gemv._route_counting
     monkeypatch.setattr(moe_gemv, "_route_counting", lambda *a: calls.append(a) or real(*a))
-    want = moe_gemv.route(idx, 32)
+    with settings.use(moe_route_counting=False):
+        want = moe_gemv.route(idx, 32)
     assert not calls
-    with settings.use(moe_route_counting=True):
-        got = moe_gemv.route(idx, 32)
+    got = moe_gemv.route(idx, 32)
     assert len(calls) == 1
     for f in dataclasses.fields(want):
         a, b = getattr(want, f.name), getattr(got, f.name)

@@ -67,11 +67,13 @@ class KernelSettings:
     """CPU rollouts: fold unshrunk adapters into the cached dequantized weights and pack them for oneDNN."""
     ptx_decode: bool = True
     """The Triton kernels decode NVFP4/MXFP4 with inline PTX for bf16 (False: the portable decode)."""
-    moe_route_counting: bool = False
+    moe_route_counting: bool = True
     """MoE decode sorts its token-expert pairs by a counting sort (kernels/moe_gemv._route_counting: no argsort;
-    the same routing bit for bit, tests/test_moe_route.py) instead of two argsorts. The H100 profile put the
-    argsort version at 81 µs and 36 launches a Qwen3-30B-A3B layer at 64 sequences, a radix sort 27 µs of it.
-    Off until its GPU tests (CUDA graphs) have run with it on."""
+    the same routing bit for bit, tests/test_moe_route.py) instead of two argsorts (False). The H100 profile put
+    the argsort version at 81 µs and 36 launches a Qwen3-30B-A3B layer at 64 sequences, a radix sort 27 µs of it.
+    H100 at 9b635f0, one GRPO step each (`qerl bench step`, 8x8, 256 new): rollout 1.08x on Qwen3-30B-A3B
+    (2707 against 2507 tok/s, mb 8) and 1.03x on gpt-oss-20b (2879 against 2788, mb 4); its CUDA-graph test
+    against HF generate passed on both (tests/test_moe_gpu.py, H100, 700f1db)."""
     moe_grouped: bool = True
     """MoE forwards on CUDA (`kernels` on) take QuantExperts' grouped path: tokens sorted by expert, the hit
     experts dequantized a chunk at a time in one launch (kernels/moe_dequant.py), one torch._grouped_mm per
@@ -85,8 +87,10 @@ class KernelSettings:
     8 chunks at 16, 1 at 1024 MiB (805 MB of bf16 gate|up weights, freed after each matmul); on the CPU, with the
     dequantize as one op, a 128-expert forward issues 266 non-view ops at 16 a chunk and 42 at 128, the backward
     306 and 40. Its chunks' bounds come from one read of the counts, not two host syncs a chunk. The H200
-    profile of the update (b8030c1) found the GPU busy 28 % of the time. Off (None) until a
-    GPU run measures it: `qerl bench step --expert-chunk-mib N`, scripts/profile_update.py --expert-chunk-mib N."""
+    profile of the update (b8030c1) found the GPU busy 28 % of the time. Measured, it is not a speed path: H100 at
+    700f1db, the Qwen3-30B-A3B step at mb 8 with 1024 MiB took 30.5 s against 20.3 (update 17.5 against 11.0,
+    logprob 7.0 against 2.6). It stays as a memory option: a small budget bounds the dequantized chunk below 16
+    experts (gpt-oss-20b's 14 GiB step runs at 128 MiB: docs/moe-24gb.md). None: 16 experts a chunk."""
     moe_gemv: bool = True
     """No-grad MoE forwards of few tokens (CUDA, T <= moe_gemv.MAX_TOKENS, `kernels` on) run each expert
     projection as one grouped 4-bit GEMV over the hit experts (kernels/moe_gemv.py) instead of dequantizing
