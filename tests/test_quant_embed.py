@@ -35,6 +35,10 @@ def test_a_lookup_gives_the_nvfp4_rows_of_the_table():
     ids = torch.randint(0, 96, (3, 7), generator=G)
     assert torch.equal(q(ids), table[ids])
     assert torch.equal(q.weight, table)
+    # model.to(dtype) moves the rows' dtype with it (the packed bytes stay)
+    q.to(torch.bfloat16)
+    assert q(ids).dtype == torch.bfloat16 and torch.equal(q(ids), table[ids].to(torch.bfloat16))
+    assert q.weight_packed.dtype == torch.uint8
     # the 4-bit rounding of the table, not the table
     rel = float((table - emb.weight).detach().norm() / emb.weight.detach().norm())
     assert 0 < rel < 0.15

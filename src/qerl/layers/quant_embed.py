@@ -26,11 +26,14 @@ class QuantEmbedding(nn.Module):
                  embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = packed.shape[0], packed.shape[1] * 2
-        self.dtype = dtype
+        # the rows' dtype, as an empty float buffer: model.to(dtype) converts it with the model's other tensors
+        self.register_buffer("dtype_probe", torch.empty(0, dtype=dtype, device=packed.device), persistent=False)
         # scales as bytes: gathering rows of a float8 tensor is not supported on every device
         self.register_buffer("weight_packed", packed, persistent=False)
         self.register_buffer("weight_scale", scale.view(torch.uint8), persistent=False)
-        self.register_buffer("weight_global_scale", global_scale.to(torch.float32).reshape(1), persistent=False)
+        # the global scale's float32 bits: model.to(bf16) converts float buffers, which would round it
+        self.register_buffer("weight_global_scale_bits", global_scale.to(torch.float32).reshape(1).view(torch.int32),
+                             persistent=False)
         # the E2M1 values on the table's device, made once: a lookup inside a CUDA graph copies nothing in
         self.register_buffer("values", E2M1_VALUES.to(packed.device), persistent=False)
         # Gemma's scaled embedding multiplies its rows by sqrt(hidden) inside the module
@@ -59,7 +62,8 @@ class QuantEmbedding(nn.Module):
         codes = unpack_codes(self.weight_packed[ids]).int()  # int32 indices: half of long's transient
         scale = self.weight_scale[ids].view(torch.float8_e4m3fn).to(torch.float32)
         vals = self.values[codes].unflatten(-1, (self.embedding_dim // 16, 16))
-        return (vals * (scale / self.weight_global_scale).unsqueeze(-1)).flatten(-2).to(dtype or self.dtype)
+        gs = self.weight_global_scale_bits.view(torch.float32)
+        return (vals * (scale / gs).unsqueeze(-1)).flatten(-2).to(dtype or self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.rows(ids)
@@ -76,6 +80,10 @@ class QuantEmbedding(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.weight_packed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dtype_probe.dtype
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, fmt=nvfp4 (frozen)"
