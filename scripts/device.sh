@@ -51,6 +51,8 @@ KERNEL_MODES=(
   humming_lora32_overlap  # the same, the LoRA shrink on a side stream (KernelSettings.lora_overlap)
   wgmma_lora32            # wgmma with LoRA r32
 )
+# the capped record the memory model's capped slack is read from (bench/step_plan.py CAPPED_FIT_RECORD)
+CAPPED_FIT="qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt chunk128 kv0.8 kv-fp8 adamw_8bit cap22GiB no-humming@b8030c1"
 S7="--shape qwen2.5-7b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 2048"
 
 run() {  # name, seconds, command...: output to $L/<name>.log, its end printed; the time capped by what is left
@@ -137,9 +139,10 @@ step_moe24() {  # the 24 GB recipe's two first candidates (docs/moe-24gb.md) und
   run moe24_bf16 260 python3 -m qerl.bench.step $c --kv-cache-gb 1.2 $R --out /tmp/bs_m24b
   cat benchmarks/results/step.jsonl $OUT/results/step.jsonl > /tmp/steps.jsonl 2>/dev/null
   local at sel; at=$(python3 -c "from qerl.bench.record import commit; print(commit())")
-  for sel in "kv-fp8" "kv1.2"; do  # each on its own: a run that failed leaves the other's prediction
+  for sel in "kv1.2"; do  # the fp8 recipe is not predicted: its b8030c1 run is the capped slack's fit
     run "moe24_predict_${sel}" 40 python3 -m qerl.bench.memory --step-records /tmp/steps.jsonl \
-      --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" --predict "$sel@$at"
+      --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" \
+      --fit-capped-on "$CAPPED_FIT" --predict "$sel@$at"
   done
 }
 
@@ -193,12 +196,11 @@ step_profile_update() {  # where an MoE GRPO update's time goes (issue 59 §2): 
 step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 at a time (the default) against a byte
                     # budget (KernelSettings.moe_expert_chunk_mib=ECHUNK, default 1024): the Qwen3-30B-A3B step at
                     # micro-batch 8 both ways (the budget first), then the update's profile both ways (host syncs,
-                    # GPU busy share); ROUTE=1: the budgeted step also routes decode by the counting sort
-                    # (KernelSettings.moe_route_counting: its rollout_s against the default's)
+                    # GPU busy share)
   local e=${ECHUNK:-1024} c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256
     --micro-batch 8 --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
   rm -f $J/moe_e$e.json $J/moe_edef.json
-  run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e ${ROUTE:+--moe-route-counting} --json $J/moe_e$e.json $R --out /tmp/bs_e$e
+  run moe_step_e$e 150 python3 -m qerl.bench.step $c --expert-chunk-mib $e --json $J/moe_e$e.json $R --out /tmp/bs_e$e
   run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
   compare moe_e$e moe_edef ""
   [ -n "${NOPROF:-}" ] && return 0  # NOPROF=1: the two steps only
@@ -208,14 +210,15 @@ step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 
   mkdir -p $OUT/profile && for d in edef e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
 }
 
-step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by the counting sort
-               # (KernelSettings.moe_route_counting) against the default two argsorts, the counting sort first
+step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by the default counting sort
+               # (KernelSettings.moe_route_counting) against two argsorts (--moe-route-argsort), the default first
   local c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --micro-batch 8
     --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
-  rm -f $J/moe_route.json $J/moe_edef.json
-  run moe_step_route 150 python3 -m qerl.bench.step $c --moe-route-counting --json $J/moe_route.json $R --out /tmp/bs_rc
-  run moe_step_edef 150 python3 -m qerl.bench.step $c --json $J/moe_edef.json $R --out /tmp/bs_edef
-  compare moe_route moe_edef ""
+  rm -f $J/moe_route.json $J/moe_argsort.json
+  run moe_step_route 150 python3 -m qerl.bench.step $c --json $J/moe_route.json $R --out /tmp/bs_rc
+  run moe_step_argsort 150 python3 -m qerl.bench.step $c --moe-route-argsort --json $J/moe_argsort.json $R \
+    --out /tmp/bs_as
+  compare moe_route moe_argsort ""
 }
 
 step_goss14() {  # issue 59: gpt-oss-20b's GRPO step (8x8, prompt 256, 256 new) under --memory-cap-gb 14: the input
@@ -230,6 +233,7 @@ step_goss14() {  # issue 59: gpt-oss-20b's GRPO step (8x8, prompt 256, 256 new) 
   local at; at=$(python3 -c "from qerl.bench.record import commit; print(commit())")
   run goss14_predict 40 python3 -m qerl.bench.memory --step-records /tmp/steps.jsonl \
     --fit-on "qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d" \
+    --fit-capped-on "$CAPPED_FIT" \
     --predict "embed4bit@$at"
 }
 

@@ -57,9 +57,17 @@ def test_quantized_bytes_equal_what_the_loader_allocates(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(TARGETS_GIB))
-def test_projected_step_fits_its_target(name):
-    from qerl.bench.step_plan import FITS_SETTINGS
+def test_each_target_has_a_measured_step_within_it(name):
+    """The recipe of each target is a step that ran: its record's peak reserved is within the target, and the
+    settings its case names are a setting the model takes (read back from the case, as bench step wrote it)."""
+    from pathlib import Path
 
-    g = plan_step(MOE_SHAPES[name], FITS_SETTINGS[name]).gib()
-    assert g["peak"] <= TARGETS_GIB[name]
+    from qerl.bench import memory_fit as mf
+    from qerl.bench.step_plan import FITS_RECORDS
+
+    step = mf.select(mf.load_steps(Path(__file__).parents[1] / "benchmarks/results/step.jsonl"), FITS_RECORDS[name])
+    assert step.peak_reserved is not None and step.peak_reserved <= TARGETS_GIB[name], step
+    shape, st = mf.settings_of_case(step.case, step.commit)
+    assert shape == MOE_SHAPES[name]
+    g = plan_step(shape, st).gib()
     assert g["experts"] > 0.8 * g["weights"]  # an MoE's memory is its experts: where 4 bits pay

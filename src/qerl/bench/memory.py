@@ -3,7 +3,8 @@
     python -m qerl.bench.memory [--record]
     qerl bench memory --step-only --shape qwen3-30b-a3b [--kv-cache-gb G] [--logprob-chunk N] [--no-humming] ...
     qerl bench memory --step-only --shape qwen3-30b-a3b --candidates [--target-gib 22] [--margin-gib 1] ...
-    qerl bench memory --fit-on SELECTOR [--predict SELECTOR ...] [--measured 'CASE=GiB' ...] [--record]
+    qerl bench memory --fit-on SELECTOR [--fit-capped-on SELECTOR] [--predict SELECTOR ...] [--measured 'CASE=GiB' ...]
+        [--record]
 
 SmolLM2-135M-Instruct is loaded and quantized for real (time and bytes measured).
 For Qwen2.5-7B one full decoder layer of random weights in the real shapes is
@@ -14,7 +15,8 @@ GRPO step's projected GPU memory (bench/step_plan.py), marked `projection`, for 
 (named as `qerl bench step` names them; defaults: the settings of the H100 step at ed5e22d whose two peaks the
 model's allowances are read from, step_plan.FIT_RECORD); --step-only prints just that, and with --candidates
 the settings predicted under a target, ranked (bench/step_candidates.py; docs/moe-24gb.md). --fit-on reads the
-allowances off one measured step instead and predicts the others (bench/memory_fit.py): the out-of-sample check.
+allowances off one measured step instead and predicts the others (bench/memory_fit.py): the out-of-sample check;
+--fit-capped-on reads the slack of runs under a memory cap off one capped step.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
                     help="NVFP4 attention weights stored in humming's layout (KernelSettings.humming_storage): no copies")
     ap.add_argument("--embed-4bit", action="store_true",
                     help="the input embedding in NVFP4 (TrainConfig.embed_4bit; a tied one is refused)")
+    ap.add_argument("--memory-cap-gb", type=float, default=None,
+                    help="the step runs under this cap (moves no term; the allocator's slack is the capped one)")
     ap.add_argument("--expert-inputs-kept", action=argparse.BooleanOptionalAction, default=d.expert_inputs_kept,
                     help="the grouped experts' inputs live through the update (the code before its fix; "
                          "StepSettings.expert_inputs_kept): prices what the fix saves")
@@ -93,6 +97,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--margin-gib", type=float, default=1.0, help="kept below the target (the model's error)")
     ap.add_argument("--fit-on", default=None, help="the one measured step the allowances are read from (a case "
                     "substring, @commit optional); the other steps are predicted")
+    ap.add_argument("--fit-capped-on", default=None, help="with --fit-on: the one measured step under a memory cap "
+                    "(capNGiB) the capped slack is read from; capped steps are predicted with it")
     ap.add_argument("--predict", action="append", default=[], help="with --fit-on: a step to predict (default: all)")
     ap.add_argument("--measured", action="append", default=[],
                     help="with --fit-on: 'CASE=GiB', a peak reserved in no record (printed, never recorded)")
@@ -108,7 +114,7 @@ def step_settings(args):
                         logprob_chunk=args.logprob_chunk, lora_rank=args.lora_rank, lora_dtype=args.lora_dtype,
                         optim=args.optim, expert_chunk=args.expert_chunk, humming=args.humming,
                         humming_storage=args.humming_storage, expert_inputs_kept=args.expert_inputs_kept,
-                        embed_4bit=args.embed_4bit)
+                        embed_4bit=args.embed_4bit, memory_cap_gb=args.memory_cap_gb)
 
 
 def describe(st) -> str:
@@ -118,6 +124,7 @@ def describe(st) -> str:
             f"humming copies {'on' if st.humming and not st.humming_storage else 'off'}"
             + (", humming's layout stored" if st.humming_storage else "")
             + (", the embedding in NVFP4" if st.embed_4bit else "")
+            + (f", under a {st.memory_cap_gb:g} GiB cap" if st.memory_cap_gb is not None else "")
             + (", expert inputs kept (the code before 2026-12-07's fix)" if st.expert_inputs_kept else ""))
 
 
@@ -180,11 +187,15 @@ def main(argv=None):
             print("   update_working = checkpoints + expert_inputs_kept + max(logits, layer): "
                   + ", ".join(f"{k} {v / 2**30:.3f}" for k, v in parts.items() if k != "total") + " GiB")
     print(f"(projections: {settings}; the model in bench/step_plan.py, its allowances read off "
-          f"{DEFAULT_ALLOWANCES.fit_on}; step_peak is peak reserved, the CUDA context comes on top)")
+          f"{fits_text(DEFAULT_ALLOWANCES)}; step_peak is peak reserved, the CUDA context comes on top)")
     if args.record:
         for r in rows:
             record("memory", *r[:4], target=r[4], command="python -m qerl.bench.memory --record")
         render()
+
+
+def fits_text(allow) -> str:
+    return allow.fit_on + (f" (the capped slack off {allow.capped_fit_on})" if allow.capped_fit_on else "")
 
 
 def fit_and_predict(args) -> int:
@@ -195,7 +206,8 @@ def fit_and_predict(args) -> int:
 
     from . import memory_fit
 
-    allow, preds = memory_fit.run(args.fit_on, args.predict, args.measured, Path(args.step_records))
+    allow, preds = memory_fit.run(args.fit_on, args.predict, args.measured, Path(args.step_records),
+                                  fit_capped_on=args.fit_capped_on)
     for p in preds:
         if p.step.commit in memory_fit.OTHER_CODE:
             print(f"  note {p.step.name}: {memory_fit.OTHER_CODE[p.step.commit]}")
@@ -215,14 +227,14 @@ def print_candidates(args) -> int:
     target = args.target_gib if args.target_gib is not None else TARGETS_GIB[name]
     found = candidates(shape, base, target, args.margin_gib)
     print(f"{name}: KV budget and dtype, micro-batch and logprob chunk over a grid, predicted at <= {target:g} - "
-          f"{args.margin_gib:g} GiB peak reserved (allowances from {DEFAULT_ALLOWANCES.fit_on}); the rest as "
-          f"given ({describe(base)}); best first")
+          f"{args.margin_gib:g} GiB peak reserved, run under that cap (allowances from "
+          f"{fits_text(DEFAULT_ALLOWANCES)}); the rest as given ({describe(base)}); best first")
     print(f"{'#':>3} {'peak GiB':>8} {'KV GiB':>6} {'KV':>4} {'slots':>5} {'waves':>5} {'mb':>3} {'chunk':>5}  run by")
     for i, c in enumerate(found[:20], 1):
         st = c.settings
         print(f"{i:>3} {c.peak_gib:8.2f} {st.kv_cache_gb:6.2f} {'fp8' if st.kv_bytes == 1 else 'bf16':>4} {c.slots:>5} "
               f"{c.waves:>5} {st.micro_batch:>3} {st.logprob_chunk:>5}  "
-              + step_command(shape, st, target))
+              + step_command(shape, st))
     if not found:
         print("  none: no setting of the grid is predicted under the target with this margin")
     return 0

@@ -1,13 +1,14 @@
 """The step memory model checked out of sample: its allowances read off ONE measured step, the others predicted.
 
     qerl bench memory --fit-on 'qwen3-30b-a3b nvfp4 8x8 prompt256 new256 mu1 mb2 ckpt kv3.4 adamw_torch@ed5e22d' \
-        [--predict SELECTOR ...] [--measured 'CASE=GiB' ...] [--record]
+        [--fit-capped-on SELECTOR] [--predict SELECTOR ...] [--measured 'CASE=GiB' ...] [--record]
 
 Records are `qerl bench step` rows of MoE shapes in benchmarks/results/step.jsonl with a peak figure; a
 selector is a substring of a case, optionally `@commit`, that names one (case, commit). The step's settings
 are read back from its case name (bench/step.py case_name). A prediction compares peak_reserved where the
 record has it, else peak_allocated. --measured adds a figure that is in no record (e.g. one an issue
-reports): it is printed, labelled so, and never recorded.
+reports): it is printed, labelled so, and never recorded. --fit-capped-on reads the slack of runs under a memory
+cap (a `capNGiB` case) off one capped step: a capped record is predicted with it, the others with --fit-on's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .step_plan import (BF16, GIB, MOE_SHAPES, Allowances, MoEShape, StepSettings, expert_shapes, fit_allowances,
-                        plan_step)
+                        plan_step, with_capped_slack)
 
 TOLERANCE_PCT = 5.0
 # Records whose code differs from today's in a way the model does not price (printed beside their error)
@@ -70,8 +71,10 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["embed_4bit"] = True
         elif m_chunk := re.fullmatch(r"echunk(\d+)mib", tok):  # KernelSettings.moe_expert_chunk_mib, bf16 weights
             kw["expert_chunk"] = max(1, (int(m_chunk[1]) << 20) // (max(o * i for o, i in expert_shapes(shape)) * BF16))
-        elif tok in ("ckpt", "steady", "route-counting") or re.fullmatch(r"cap[\d.]+GiB", tok):
-            pass  # checkpointing is what the model assumes; a cap and the steady mean move no term
+        elif m_cap := re.fullmatch(r"cap([\d.]+)GiB", tok):  # moves no term: picks the allocator's slack
+            kw["memory_cap_gb"] = float(m_cap[1])
+        elif tok in ("ckpt", "steady", "route-counting", "route-argsort"):
+            pass  # checkpointing is what the model assumes; the steady mean moves no term
         else:
             raise ValueError(f"{case!r}: {tok!r} is a setting the model does not cover")
     return shape, StepSettings(**kw)
@@ -118,7 +121,7 @@ def select(steps: list[Step], selector: str) -> Step:
     hits = exact or hits
     if len(hits) != 1:
         names = "\n  ".join(s.name for s in hits) or "(none)"
-        raise SystemExit(f"--fit-on/--predict {selector!r} names {len(hits)} records, not one:\n  {names}")
+        raise SystemExit(f"selector {selector!r} names {len(hits)} records, not one:\n  {names}")
     return hits[0]
 
 
@@ -127,6 +130,16 @@ def fit(step: Step) -> Allowances:
         raise SystemExit(f"{step.name}: a fit needs its peak_allocated and peak_reserved")
     shape, st = settings_of_case(step.case, step.commit)
     return fit_allowances(shape, st, step.peak_allocated, step.peak_reserved, step.name)
+
+
+def fit_capped(step: Step, allow: Allowances) -> Allowances:
+    """`allow` with the capped slack read off `step`, a run under a memory cap (its case names capNGiB)."""
+    if step.peak_allocated is None or step.peak_reserved is None:
+        raise SystemExit(f"{step.name}: a fit needs its peak_allocated and peak_reserved")
+    if settings_of_case(step.case, step.commit)[1].memory_cap_gb is None:
+        raise SystemExit(f"--fit-capped-on {step.name}: its case names no memory cap (capNGiB), so its slack is not "
+                         "a capped run's")
+    return with_capped_slack(allow, step.peak_allocated, step.peak_reserved, step.name)
 
 
 @dataclass
@@ -161,15 +174,24 @@ def given(text: str) -> Step:
     return Step(case, "given", None, float(value), source="given on the command line (in no record)")
 
 
-def run(fit_on: str, predict_sel: list[str], measured: list[str], path: Path, log=print) -> tuple[Allowances, list]:
+def run(fit_on: str, predict_sel: list[str], measured: list[str], path: Path, log=print,
+        fit_capped_on: str | None = None) -> tuple[Allowances, list]:
     steps = load_steps(path)
     base = select(steps, fit_on)
     allow = fit(base)
-    targets = [select(steps, s) for s in predict_sel] if predict_sel else [s for s in steps if s is not base]
+    capped = select(steps, fit_capped_on) if fit_capped_on else None
+    if capped is not None:
+        allow = fit_capped(capped, allow)
+    fits = [base, capped]  # neither fit record is predicted: both are in sample
+    targets = [select(steps, s) for s in predict_sel] if predict_sel else [s for s in steps if s not in fits]
     targets += [given(m) for m in measured]
     log(f"fit on {base.name}: peak allocated {base.peak_allocated:.2f}, reserved {base.peak_reserved:.2f} GiB -> "
         f"residual {allow.residual / GIB:.3f} GiB, allocator slack {allow.slack / GIB:.3f} GiB")
-    preds = [predict(s, allow) for s in targets if s is not base]
+    if capped is not None:
+        log(f"capped fit on {capped.name}: peak allocated {capped.peak_allocated:.2f}, reserved "
+            f"{capped.peak_reserved:.2f} GiB -> capped allocator slack {allow.capped_slack / GIB:.3f} GiB "
+            "(records with a cap)")
+    preds = [predict(s, allow) for s in targets if s not in fits]
     log(f"{'predicted step':<78} {'metric':<15} {'pred':>7} {'meas':>7} {'err %':>7}  <=5%")
     for p in preds:
         src = "" if p.step.commit != "given" else "   (given: in no record)"
@@ -182,9 +204,10 @@ def record_rows(allow: Allowances, preds: list, command: str) -> None:
     """One row per recorded step predicted (given figures are not recorded): |error| against the 5 % target."""
     from .record import record
 
+    fits = allow.fit_on + (f" capped {allow.capped_fit_on}" if allow.capped_fit_on else "")
     for p in preds:
         if p.step.commit == "given":
             continue
-        record("memory", f"fit {allow.fit_on} predict {p.step.name}", f"{p.metric}_error_pct", abs(p.error_pct), "%",
+        record("memory", f"fit {fits} predict {p.step.name}", f"{p.metric}_error_pct", abs(p.error_pct), "%",
                target=f"<={TOLERANCE_PCT:g}", command=command, mode="out-of-sample check",
                note=f"predicted {p.predicted:.3f} GiB, measured {p.measured:.3f} GiB (signed {p.error_pct:+.2f} %)")

@@ -5,7 +5,9 @@ Kept: predicted peak reserved <= target - margin (the margin covers the model's 
 largest under-prediction of a comparable step is gpt-oss-20b's -0.88 GiB, bench/memory_fit.py). Ranked by
 what the step's time depends on: rollout waves (64 rows through fewer KV slots decode in more rounds), then
 micro-batch (packed: 2 completions share their prompt's tokens), then the logprob chunk, then the predicted
-peak. The optimizer is the one asked for (bench step's default, adamw_8bit, where bitsandbytes runs).
+peak. The optimizer is the one asked for (bench step's default, adamw_8bit, where bitsandbytes runs). A candidate
+runs under the target as its memory cap (step_command), so it is predicted with the capped slack
+(StepSettings.memory_cap_gb; Allowances.capped_slack).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Candidate:
 def candidates(shape: MoEShape, base: StepSettings, target_gib: float, margin_gib: float) -> list[Candidate]:
     out = []
     for kv, kvb, mb, chunk in itertools.product(KV_GB, KV_BYTES, MICRO_BATCH, LOGPROB_CHUNK):
-        st = replace(base, kv_cache_gb=kv, kv_bytes=kvb, micro_batch=mb, logprob_chunk=chunk)
+        st = replace(base, kv_cache_gb=kv, kv_bytes=kvb, micro_batch=mb, logprob_chunk=chunk, memory_cap_gb=target_gib)
         p = plan_step(shape, st)
         if p.kv_slots and p.peak_reserved / GIB <= target_gib - margin_gib:
             out.append(Candidate(st, p.peak_reserved / GIB, p.kv_slots))
@@ -47,8 +49,8 @@ def candidates(shape: MoEShape, base: StepSettings, target_gib: float, margin_gi
     return sorted(out, key=lambda c: (c.waves, -c.settings.micro_batch, -c.settings.logprob_chunk, c.peak_gib))
 
 
-def step_command(shape: MoEShape, st: StepSettings, cap_gib: float) -> str:
-    """The `python -m qerl.bench.step` line that runs a candidate under the cap (scripts/device.sh step_moe's flags)."""
+def step_command(shape: MoEShape, st: StepSettings) -> str:
+    """The `python -m qerl.bench.step` line that runs a candidate under its cap (scripts/device.sh step_moe's flags)."""
     parts = [f"python -m qerl.bench.step --shape {shape.name} --prompts {st.prompts} "
              f"--num-generations {st.rows // st.prompts} --prompt-len {st.prompt_len} --max-new-tokens {st.new_tokens} "
              f"--micro-batch {st.micro_batch} --steps 1 --optim {st.optim} --kv-cache-gb {st.kv_cache_gb:g} "
@@ -59,5 +61,7 @@ def step_command(shape: MoEShape, st: StepSettings, cap_gib: float) -> str:
         parts.append("--no-humming")
     if st.humming_storage:
         parts.append("--humming-storage")
-    parts.append(f"--memory-cap-gb {cap_gib:g} --record")
+    if st.memory_cap_gb is not None:
+        parts.append(f"--memory-cap-gb {st.memory_cap_gb:g}")
+    parts.append("--record")
     return " ".join(parts)
