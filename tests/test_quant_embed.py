@@ -122,3 +122,25 @@ def test_a_run_trains_with_the_4bit_embedding_and_the_parity_gate_on(cli, model,
     assert rc == 0, err
     assert (tmp_path / "run" / "checkpoint-1").is_dir()
     assert len(made) == 1 and isinstance(made[0], QuantEmbedding)
+
+
+def test_rows_in_chunks_equal_rows_at_once(monkeypatch):
+    import qerl.layers.quant_embed as qe
+
+    q = QuantEmbedding.from_embedding(_embedding())
+    ids = torch.randint(0, 96, (3, 7), generator=G)
+    whole = q(ids)
+    monkeypatch.setattr(qe, "ROWS_AT_ONCE", 5)  # 21 ids: four chunks of 5 and one of 1
+    assert torch.equal(q(ids), whole)
+
+
+def test_with_a_4bit_head_the_embedding_is_quantized_without_dequantizing_the_head(monkeypatch):
+    from qerl.layers.quant_head import QuantHead, quantize_lm_head
+
+    pol = _policy()
+    quantize_lm_head(pol.model)
+    made = []
+    real = QuantHead.weight.fget
+    monkeypatch.setattr(QuantHead, "weight", property(lambda self: made.append(1) or real(self)))
+    quantize_embedding(pol.model)
+    assert isinstance(pol.model.get_input_embeddings(), QuantEmbedding) and not made

@@ -602,3 +602,31 @@ def test_bench_memory_fit_on_prints_the_out_of_sample_prediction(capsys):
     row = [x for x in out.splitlines() if x.startswith("gpt-oss-120b nvfp4")]
     assert len(row) == 1 and row[0].split()[-5] == "peak_reserved" and row[0].split()[-1] == "yes"
     assert "residual" in out and "slack" in out
+
+
+def test_a_candidates_command_keeps_its_expert_chunk_and_4bit_embedding():
+    """step_command of the gpt-oss-20b 14 GiB recipe's settings: the flags bench step reads back to the same
+    settings (the expert chunk as MiB, the embedding in 4 bits, the cap)."""
+    import argparse
+    import shlex
+
+    from qerl.bench import memory_fit as mf
+    from qerl.bench.step import case_name
+    from qerl.bench.step_candidates import step_command
+    from qerl.bench.step_plan import FITS_RECORDS
+
+    step = mf.select(mf.load_steps(STEP), FITS_RECORDS["gpt-oss-20b"])
+    shape, st = mf.settings_of_case(step.case)
+    argv = shlex.split(step_command(shape, st))
+    assert "--embed-4bit" in argv and "--expert-chunk-mib" in argv
+    flag = lambda f: argv[argv.index(f) + 1]  # noqa: E731
+    ns = argparse.Namespace(shape=flag("--shape"), layers=None, prompts=int(flag("--prompts")),
+                            num_generations=int(flag("--num-generations")), prompt_len=int(flag("--prompt-len")),
+                            max_new_tokens=int(flag("--max-new-tokens")), num_iterations=1,
+                            micro_batch=int(flag("--micro-batch")), gradient_checkpointing=True,
+                            logprob_chunk=int(flag("--logprob-chunk")), kv_cache_gb=float(flag("--kv-cache-gb")),
+                            kv_fraction=None, optim=flag("--optim"), memory_cap_gb=float(flag("--memory-cap-gb")),
+                            lengths="max", kv_cache_dtype=flag("--kv-cache-dtype"), max_staleness=0, moe_path="fast",
+                            humming="--no-humming" not in argv, humming_storage=False,
+                            expert_chunk_mib=int(flag("--expert-chunk-mib")), embed_4bit=True, steps=1)
+    assert mf.settings_of_case(case_name(ns, "nvfp4"))[1] == st

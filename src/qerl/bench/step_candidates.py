@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from .step_plan import GIB, MoEShape, StepSettings, plan_step
+from .step_plan import BF16, GIB, MoEShape, StepSettings, expert_shapes, plan_step
 
 KV_GB = (0.25, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2)
 MICRO_BATCH = (1, 2)
@@ -61,6 +61,11 @@ def step_command(shape: MoEShape, st: StepSettings) -> str:
         parts.append("--no-humming")
     if st.humming_storage:
         parts.append("--humming-storage")
+    if st.expert_chunk != StepSettings().expert_chunk:  # bench step budgets chunks in MiB of bf16 weights
+        mib = -(-st.expert_chunk * max(o * i for o, i in expert_shapes(shape)) * BF16 // 2**20)
+        parts.append(f"--expert-chunk-mib {mib}")
+    if st.embed_4bit:
+        parts.append("--embed-4bit")
     if st.memory_cap_gb is not None:
         parts.append(f"--memory-cap-gb {st.memory_cap_gb:g}")
     parts.append("--record")

@@ -21,6 +21,9 @@ from ..formats import get_format
 from ..formats.e2m1 import E2M1_VALUES, unpack_codes
 
 
+ROWS_AT_ONCE = 4096  # ids dequantized at a time: 4096 x 2880 (gpt-oss) x 8 bytes ~ 94 MB of fp32 intermediates
+
+
 class QuantEmbedding(nn.Module):
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype,
                  embed_scale: torch.Tensor | None = None):
@@ -58,12 +61,19 @@ class QuantEmbedding(nn.Module):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized rows of `ids` (any shape) -> [*ids.shape, embedding_dim], as NVFP4's dequantize
-        gives them (formats/nvfp4.py), without the table's other rows."""
-        codes = unpack_codes(self.weight_packed[ids]).int()  # int32 indices: half of long's transient
-        scale = self.weight_scale[ids].view(torch.float8_e4m3fn).to(torch.float32)
-        vals = self.values[codes].unflatten(-1, (self.embedding_dim // 16, 16))
+        gives them (formats/nvfp4.py), without the table's other rows. In chunks of ROWS_AT_ONCE ids: the fp32
+        intermediates take ~8 bytes an element, a whole prefill's tokens at once would be a large transient."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=dtype or self.dtype, device=self.device)
         gs = self.weight_global_scale_bits.view(torch.float32)
-        return (vals * (scale / gs).unsqueeze(-1)).flatten(-2).to(dtype or self.dtype)
+        for i in range(0, flat.numel(), ROWS_AT_ONCE):  # shapes fixed by ids' size: the same steps in a graph
+            part = flat[i:i + ROWS_AT_ONCE]
+            codes = unpack_codes(self.weight_packed[part]).int()  # int32 indices: half of long's transient
+            vals = self.values[codes].unflatten(-1, (self.embedding_dim // 16, 16))
+            del codes
+            scale = self.weight_scale[part].view(torch.float8_e4m3fn).to(torch.float32).div_(gs)
+            out[i:i + ROWS_AT_ONCE] = vals.mul_(scale.unsqueeze(-1)).flatten(-2)
+        return out.view(*ids.shape, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.rows(ids)
@@ -100,7 +110,9 @@ def quantize_embedding(model: nn.Module, fmt_name: str = "nvfp4") -> QuantEmbedd
     if isinstance(emb, QuantEmbedding):
         return emb
     head = getattr(model, "lm_head", None)
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(head, "weight", None) is emb.weight:
+    # the head's own parameter, not `.weight`: a 4-bit head (lm_head_4bit, applied first) would dequantize itself whole
+    head_w = head._parameters.get("weight") if isinstance(head, nn.Module) else None
+    if getattr(model.config, "tie_word_embeddings", False) or head_w is emb.weight:
         raise ValueError("embed_4bit: this model ties its lm_head to the input embedding (tie_word_embeddings), "
                          "so the bf16 table stays for the head and 4 bits would save nothing; use lm_head_4bit "
                          "or neither")
