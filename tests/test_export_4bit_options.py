@@ -1,6 +1,11 @@
 """`qerl export` of a run trained with lm_head_4bit / embed_4bit: the merged model holds the 4-bit head's and
-the 4-bit embedding's dequantized values the policy trained with (read from the run's config.yaml), so
-transformers' AutoModelForCausalLM gives the trained policy's logits; a run without them exports as before."""
+the 4-bit embedding's dequantized values the policy trained with (recorded beside the adapter in
+qerl_adapter.json, else read from the run's config.yaml), so transformers' AutoModelForCausalLM gives the
+trained policy's logits, wherever the adapter folder was copied; a run without them exports as before."""
+
+import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ from cli_runs import sft_args, train_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from qerl.checkpoint.checksums import write_checksums
 from qerl.checkpoint.peft_adapter import load_adapter
 from qerl.cli import main
 from qerl.layers.quant_embed import QuantEmbedding
@@ -100,3 +106,83 @@ def test_a_run_without_the_options_exports_as_before(cli, model, runs, tmp_path)
     base = load_file(model / "model.safetensors")
     for k in ("lm_head.weight", "model.embed_tokens.weight"):  # the base's dense head and table, untouched
         assert torch.equal(sd[k], base[k].float()), k
+
+
+# ---- the options travel with the adapter folder (qerl_adapter.json) ----------------------------------------
+
+
+def export(cli, adapter, out):
+    """`qerl export OUT --adapter ADAPTER --dtype float32`: (stdout, the merged model's tensors)."""
+    rc, text, err = cli("export", out, "--adapter", adapter, "--dtype", "float32")
+    assert rc == 0, err
+    return text, load_file(out / "model.safetensors")
+
+
+def same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind,dtype", [("train", "bfloat16"), ("sft", "float32")])
+def test_the_adapter_records_the_options_and_the_dtype_they_were_quantized_from(runs, kind, dtype):
+    for adapter in (runs[kind] / "adapter", runs[kind] / "checkpoint-1" / "adapter"):
+        info = json.loads((adapter / "qerl_adapter.json").read_text())
+        assert (info["lm_head_4bit"], info["embed_4bit"], info["compute_dtype"]) == (True, True, dtype), info
+    plain = json.loads((runs["plain"] / "adapter" / "qerl_adapter.json").read_text())
+    assert not {"lm_head_4bit", "embed_4bit", "compute_dtype"} & plain.keys(), plain
+
+
+@pytest.mark.parametrize("kind", ["train", "sft"])
+def test_an_adapter_copied_out_of_its_run_exports_the_same_model(cli, model, runs, tmp_path, kind):
+    run = runs[kind]
+    text, here = export(cli, run / "adapter", tmp_path / "in_place")
+    assert "lm_head_4bit and embed_4bit" in text and str(run / "config.yaml") in text, text
+    copy = shutil.copytree(run / "adapter", tmp_path / "elsewhere" / "adapter")  # no run around it: no config.yaml
+    text, there = export(cli, copy, tmp_path / "copied")
+    assert "lm_head_4bit and embed_4bit" in text and str(copy / "qerl_adapter.json") in text, text
+    assert "config.yaml" not in text and "disagree" not in text, text
+    assert same_tensors(here, there)  # the same head and embedding bytes, and every other tensor
+    base = load_file(model / "model.safetensors")
+    for k in ("lm_head.weight", "model.embed_tokens.weight"):  # the 4-bit values, not the base's dense ones
+        assert not torch.equal(there[k], base[k].float()), k
+
+
+def _strip_record(adapter):
+    """qerl_adapter.json as qerl wrote it before it recorded the options (its checksums.json to match)."""
+    path = adapter / "qerl_adapter.json"
+    info = json.loads(path.read_text())
+    old = {k: v for k, v in info.items() if k not in ("lm_head_4bit", "embed_4bit", "compute_dtype")}
+    assert old != info and old.get("base_quant")
+    path.write_text(json.dumps(old) + "\n")
+    if (adapter / "checksums.json").is_file():
+        write_checksums(adapter)
+
+
+def test_an_old_record_without_the_options_exports_as_before(cli, model, runs, tmp_path):
+    """In its run: the options from config.yaml, as before; copied out of it: none (what export always did)."""
+    _, want = export(cli, runs["train"] / "adapter", tmp_path / "want")
+    run = shutil.copytree(runs["train"], tmp_path / "old_run")
+    _strip_record(run / "adapter")
+    text, got = export(cli, run / "adapter", tmp_path / "in_place")
+    assert "lm_head_4bit and embed_4bit" in text and str(run / "config.yaml") in text, text
+    assert "qerl_adapter.json" not in text, text
+    assert same_tensors(got, want)
+    copy = shutil.copytree(run / "adapter", tmp_path / "elsewhere" / "adapter")
+    text, alone = export(cli, copy, tmp_path / "copied")
+    assert "4bit" not in text, text
+    base = load_file(model / "model.safetensors")
+    for k in ("lm_head.weight", "model.embed_tokens.weight"):  # nothing says 4 bits: the base's dense tensors
+        assert torch.equal(alone[k], base[k].float()), k
+
+
+def test_when_the_record_and_the_runs_config_disagree_one_line_says_so_and_the_adapters_wins(cli, runs, tmp_path):
+    _, want = export(cli, runs["train"] / "adapter", tmp_path / "want")
+    run = shutil.copytree(runs["train"], tmp_path / "edited_run")
+    cfg = run / "config.yaml"
+    text, n = re.subn(r"(?m)^embed_4bit: true$", "embed_4bit: false", cfg.read_text())
+    assert n == 1
+    cfg.write_text(text)
+    text, got = export(cli, run / "adapter", tmp_path / "merged")
+    lines = [x for x in text.splitlines() if "disagree" in x]
+    assert len(lines) == 1 and "embed_4bit True (there: False)" in lines[0] and str(cfg) in lines[0], text
+    assert "lm_head_4bit and embed_4bit" in text, text
+    assert same_tensors(got, want)

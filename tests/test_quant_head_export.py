@@ -226,3 +226,12 @@ def test_keeping_a_packed_head_in_bf16_is_refused(tmp_path):
     out = save_compressed(head4_policy(tmp_path / "base", rank=0, dtype=torch.bfloat16), tmp_path / "ct")
     with pytest.raises(ValueError, match="modules_to_not_convert: lm_head is quantized in"):
         load_policy(out, "auto", lora_rank=0, progress=False, modules_to_not_convert=["lm_head"])
+
+
+def test_all_linear_leaves_a_4bit_head_untargeted_as_peft_leaves_lm_head():
+    """PEFT's "all-linear" never targets the output head; a 4-bit head's linear sits at lm_head.layer."""
+    from qerl.checkpoint.peft_adapter import _matches_targets
+
+    cfg = {"target_modules": "all-linear"}
+    assert not _matches_targets(cfg, "lm_head") and not _matches_targets(cfg, "lm_head.layer")
+    assert _matches_targets(cfg, "model.layers.0.self_attn.q_proj")

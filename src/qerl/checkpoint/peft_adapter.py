@@ -28,7 +28,9 @@ from .atomic import atomic_folder, entries, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-INFO_NAME = "qerl_adapter.json"  # what PEFT's config has no field for: the base's format and the folder it was read from
+# what PEFT's config has no field for: the base's format and the folder it was read from, the linears kept in
+# bf16, and the 4-bit head / embedding the policy computed with (lm_head_4bit, embed_4bit, compute_dtype)
+INFO_NAME = "qerl_adapter.json"
 HUB_IDS = dict.fromkeys(("smollm2", "smollm2-135m-instruct"), "HuggingFaceTB/SmolLM2-135M-Instruct")
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 PREFIX = "base_model.model."
@@ -117,6 +119,50 @@ def recorded_modules_to_not_convert(adapter_dir) -> list[str]:
     return [p for p in kept if isinstance(p, str)] if isinstance(kept, list) else []
 
 
+FOUR_BIT_KEYS = ("lm_head_4bit", "embed_4bit")
+
+
+def _four_bit_info(model: nn.Module) -> dict:
+    """What the model computes with that PEFT's files cannot say: lm_head_4bit (a QuantHead at model.lm_head),
+    embed_4bit (a QuantEmbedding as its input embedding) and compute_dtype, the dtype their 4-bit copies were
+    quantized from (NVFP4's scales round in it: other bytes from fp32 weights than from bf16 ones). {} when
+    neither is 4-bit: nothing is written, as in files from before these keys (absent: False)."""
+    from ..layers.quant_embed import QuantEmbedding
+    from ..layers.quant_head import QuantHead
+
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        emb = None
+    head = getattr(model, "lm_head", None)
+    dtypes = []
+    info = {}
+    if isinstance(head, QuantHead):
+        info["lm_head_4bit"] = True
+        dtypes.append(head.layer.dtype)  # QuantHead.from_linear: its layer computes in the weight's dtype
+    if isinstance(emb, QuantEmbedding):
+        info["embed_4bit"] = True
+        dtypes.append(emb.dtype)  # the table's dtype when it was quantized (model.to moves it along)
+    if dtypes:
+        # one dtype: both are quantized from the model's compute dtype; should they differ, the embedding's
+        # (a head read packed from a compressed-tensors base is kept as it is, never quantized again)
+        info["compute_dtype"] = str(dtypes[-1]).removeprefix("torch.")
+    return info
+
+
+def recorded_4bit_options(adapter_dir) -> dict | None:
+    """{lm_head_4bit, embed_4bit, dtype} that `save_adapter` recorded beside the adapter (qerl_adapter.json);
+    None when it records neither option (a file from before these keys, PEFT's own, or a policy without them:
+    absent keys mean False). dtype: the torch dtype the 4-bit copies were quantized from, None if not recorded."""
+    info = _read_info(adapter_dir)
+    opts = {k: info.get(k) is True for k in FOUR_BIT_KEYS}
+    if not any(opts.values()):
+        return None
+    dt = info.get("compute_dtype")
+    dt = getattr(torch, dt, None) if isinstance(dt, str) else None
+    return {**opts, "dtype": dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None}
+
+
 def recorded_base_quant(adapter_dir) -> str | None:
     """The base format `save_adapter` recorded next to the adapter (None: not recorded, e.g. PEFT's own)."""
     q = _read_info(adapter_dir).get("base_quant")
@@ -144,6 +190,8 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
     the previous adapter intact; other files already in `out_dir` are kept. checksums: also write
     checksums.json (a run's final adapter), which load_adapter verifies. modules_to_not_convert: the
     patterns of the linears the base kept in bf16 (None: a policy's own), recorded for the loads under it.
+    A 4-bit head or input embedding in the model (lm_head_4bit / embed_4bit) is recorded too, with the dtype
+    it was quantized from, so the folder exports as trained wherever it is copied (qerl export).
     """
     model, policy = _split(policy_or_model)
     layers = _lora_layers(model)
@@ -212,6 +260,7 @@ def save_adapter(policy_or_model, out_dir: str | os.PathLike, base_model_name_or
                      else getattr(policy, "modules_to_not_convert", None) or ())
         info = {k: v for k, v in (("base_quant", _base_quant(layers, kept)), ("base_local", base_local),
                                   ("modules_to_not_convert", list(kept))) if v}
+        info.update(_four_bit_info(model))  # lm_head_4bit / embed_4bit: export applies them from here
         if info:
             (tmp / INFO_NAME).write_text(json.dumps(info) + "\n")
         if checksums:
@@ -307,7 +356,7 @@ def _matches_targets(cfg: dict, name: str) -> bool:
         return False
     if isinstance(t, str):
         if t == "all-linear":
-            return name != "lm_head"
+            return name != "lm_head" and not name.startswith("lm_head.")  # a 4-bit head: lm_head.layer
         return re.fullmatch(t, name) is not None
     return name in t or any(name.endswith("." + s) for s in t)
 

@@ -77,8 +77,9 @@ def _run(args):
     # fp32 compute so the merge W + s·B·A is exact before the final cast
     policy = load_policy(args.model, quant, lora_rank=0, device=device, dtype=torch.float32,
                          modules_to_not_convert=keep or None)
-    # the run's 4-bit head / embedding (its config.yaml): the export holds the values the policy trained with
-    four_bit, record = run_4bit_options(args.adapter) if args.adapter else ({}, None)
+    # the 4-bit head / embedding the policy trained with (qerl_adapter.json, else the run's config.yaml): the
+    # export holds the values the policy computed with
+    four_bit, record = run_4bit_options(args.adapter, policy.model) if args.adapter else ({}, None)
     if four_bit:
         quantize_as_trained(policy.model, **four_bit)
     if args.adapter:
@@ -87,8 +88,8 @@ def _run(args):
     print(f"wrote merged {args.dtype} model to {out}")
     if four_bit:
         what = [n for n in ("lm_head_4bit", "embed_4bit") if four_bit[n]]
-        print(f"the run's {' and '.join(what)} (recorded in {record}): written as the dequantized 4-bit values the "
-              "policy trained with")
+        print(f"the trained {' and '.join(what)} (recorded in {record}): written as the dequantized 4-bit values "
+              "the policy trained with")
     if keep:
         from ..model.projections import keep_in_bf16
 
@@ -99,11 +100,50 @@ def _run(args):
               f"the rest from their {quant} rounding")
 
 
-def run_4bit_options(adapter) -> tuple[dict, object]:
-    """({lm_head_4bit, embed_4bit, dtype}, the config.yaml read) of the run an adapter folder belongs to
-    (RUN/adapter or RUN/checkpoint-N/adapter; PEFT's files have no field for them), ({}, None) when neither
-    option is on or the adapter is outside a run. dtype: the run's compute dtype, which NVFP4's scales
-    round in (fp32 weights give other bytes than the bf16 ones training quantized)."""
+def run_4bit_options(adapter, model=None) -> tuple[dict, object]:
+    """({lm_head_4bit, embed_4bit, dtype}, where they were read) of the policy an adapter was trained with;
+    ({}, None) when neither option is on. First the adapter's own record (qerl_adapter.json, written by
+    save_adapter: it travels with the folder), else the run's config.yaml (RUN/adapter or RUN/checkpoint-N/adapter;
+    PEFT's files have no field for them; an older qerl_adapter.json neither). When both exist and disagree, one
+    line says so and the adapter's win. dtype: the compute dtype the 4-bit copies were quantized from, which
+    NVFP4's scales round in (fp32 weights give other bytes than the bf16 ones training quantized). model: the
+    base as loaded for the export; a head it already holds in 4 bits (a packed compressed-tensors head) is kept
+    whatever either says, so a disagreement on lm_head_4bit is not reported then."""
+    from pathlib import Path
+
+    from ..checkpoint.peft_adapter import INFO_NAME, recorded_4bit_options
+
+    recorded = recorded_4bit_options(adapter)
+    run_opts, explicit_dtype, cfg_path = _run_config_4bit_options(adapter)
+    if recorded is None:  # nothing recorded beside the adapter: the run's config, as before these keys
+        return (run_opts, cfg_path) if run_opts and (run_opts["lm_head_4bit"] or run_opts["embed_4bit"]) else ({}, None)
+    info_path = Path(adapter) / INFO_NAME
+    if recorded["dtype"] is None:  # a hand-edited record: the run's dtype if there is one
+        if run_opts is None:
+            on = ", ".join(k for k in ("lm_head_4bit", "embed_4bit") if recorded[k])
+            raise ValueError(f"{info_path}: records {on} but no compute_dtype (the dtype its 4-bit copies were "
+                             "quantized from, e.g. bfloat16): add it")
+        recorded["dtype"] = run_opts["dtype"]
+    if run_opts is None:
+        return recorded, info_path
+    from ..layers.quant_head import QuantHead
+
+    moot = {"lm_head_4bit"} if isinstance(getattr(model, "lm_head", None), QuantHead) else set()
+    differ = [f"{k} {recorded[k]} (there: {run_opts[k]})" for k in ("lm_head_4bit", "embed_4bit")
+              if k not in moot and recorded[k] != run_opts[k]]
+    if explicit_dtype and run_opts["dtype"] != recorded["dtype"]:  # "auto" resolves on this machine: not compared
+        differ.append(f"dtype {str(recorded['dtype']).removeprefix('torch.')} "
+                      f"(there: {str(run_opts['dtype']).removeprefix('torch.')})")
+    if differ:
+        print(f"qerl export: {info_path} disagrees with {cfg_path}: {'; '.join(differ)}; using the adapter's record")
+        return recorded, info_path
+    return recorded, f"{info_path} and {cfg_path}"
+
+
+def _run_config_4bit_options(adapter) -> tuple[dict | None, bool, object]:
+    """({lm_head_4bit, embed_4bit, dtype}, whether config.yaml names its dtype (not auto), the config.yaml) of
+    the run an adapter folder sits in (RUN/adapter or RUN/checkpoint-N/adapter); (None, False, None) outside a
+    run. The dtype of an "auto" config is resolved as training resolves it, on this machine."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -118,12 +158,10 @@ def run_4bit_options(adapter) -> tuple[dict, object]:
         if (run / "config.yaml").is_file() and run_kind(run) is not None:
             cfg = yaml_mapping(run / "config.yaml")
             opts = {k: cfg.get(k) is True for k in ("lm_head_4bit", "embed_4bit")}
-            if not any(opts.values()):
-                return {}, None
             dt = SimpleNamespace(device=str(cfg.get("device", "auto")), dtype=str(cfg.get("dtype", "auto")))
-            dtype = resolve_device_dtype(dt)[1] if dt.dtype == "auto" else getattr(torch, dt.dtype)
-            return {**opts, "dtype": dtype}, run / "config.yaml"
-    return {}, None
+            dtype = resolve_device_dtype(dt)[1] if dt.dtype == "auto" else getattr(torch, dt.dtype, None)
+            return {**opts, "dtype": dtype}, dt.dtype != "auto", run / "config.yaml"
+    return None, False, None
 
 
 def quantize_as_trained(model, lm_head_4bit: bool, embed_4bit: bool, dtype) -> None:
