@@ -186,3 +186,26 @@ def test_when_the_record_and_the_runs_config_disagree_one_line_says_so_and_the_a
     assert len(lines) == 1 and "embed_4bit True (there: False)" in lines[0] and str(cfg) in lines[0], text
     assert "lm_head_4bit and embed_4bit" in text, text
     assert same_tensors(got, want)
+
+
+@pytest.mark.parametrize("kind", ["train", "sft"])
+def test_eval_and_generate_load_the_4bit_head_and_embedding_the_adapter_trained_with(model, runs, kind):
+    """cli/policy.load_cli_policy (qerl eval, qerl generate) on the adapter alone: the trained policy's head and
+    embedding values, and the engine decodes with them (fp32 on the CPU; the GRPO run trained in bf16)."""
+    from qerl.cli.policy import load_cli_policy
+    from qerl.rollout import Engine, SamplingParams
+
+    pol, _ = load_cli_policy(str(model), "auto", str(runs[kind] / "adapter"), "cpu")
+    trained = trained_policy(runs[kind])
+    head, emb = pol.model.lm_head, pol.model.get_input_embeddings()
+    assert isinstance(head, QuantHead) and isinstance(emb, QuantEmbedding)
+    assert torch.equal(head.layer.dequantized_weight(torch.float32),
+                       trained.model.lm_head.layer.dequantized_weight(torch.float32))
+    t_emb = trained.model.get_input_embeddings()  # (its rows rounded to the dtype it trained in)
+    assert torch.equal(emb.weight.to(t_emb.dtype), t_emb.weight)
+    ref, got = logits(trained.model), logits(pol.model)
+    tol = 1e-4 if trained.model.dtype == torch.float32 else 0.02
+    torch.testing.assert_close(got, ref, rtol=0, atol=tol * ref.abs().max())
+    p = SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True)
+    out = Engine(pol.model, max_len=64, max_slots=2).generate([[5, 6, 7]], n=1, params=p)
+    assert len(out[0].token_ids) == 4

@@ -109,7 +109,25 @@ def load_cli_policy(model: str, quant: str, adapter: str | None, device: str | N
     pol = load_policy(model, quant, lora_rank=rank, device=device, dtype=dtype, progress=False,
                       modules_to_not_convert=keep)
     if adapter:
+        apply_recorded_4bit_options(pol.model, adapter, dtype)
         from ..checkpoint import load_adapter
 
         load_adapter(pol, adapter)
     return pol, device
+
+
+def apply_recorded_4bit_options(model, adapter, dtype) -> None:
+    """The 4-bit head / input embedding the adapter was trained with (lm_head_4bit / embed_4bit, recorded in its
+    qerl_adapter.json), quantized as training did, so eval and generate score the trained policy. The embedding's
+    rows then come in this process's dtype (their values are the 4-bit ones either way)."""
+    from ..checkpoint.peft_adapter import recorded_4bit_options
+    from ..layers.quant_embed import QuantEmbedding
+    from .export import quantize_as_trained
+
+    opts = recorded_4bit_options(adapter)
+    if not opts:
+        return
+    quantize_as_trained(model, opts["lm_head_4bit"], opts["embed_4bit"], opts["dtype"] or dtype)
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        emb.to(dtype)
