@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels moe_chunks goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -164,6 +164,26 @@ step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of
     --modes ${MODES:-nvfp4,nvfp4_lora32,humming,humming_nosplit,humming_streamk,humming_ksplit4,humming_lora32}
   grep -E "^range:|^  [a-zA-Z_].*\(|DRAM Throughput|Achieved Occupancy|Grid Size|Duration|Registers Per|Stall" \
     $L/ncu.log 2>/dev/null | head -n 200
+}
+
+step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on the MoE decode GEMV (Qwen3-30B-A3B NVFP4
+                   # and gpt-oss-20b MXFP4 layers at 64 tokens: gate|up then down) and on the dense 7B q|k|v and
+                   # gate|up at M 64 (MODES, default wgmma, mma and humming's stream-K); reports and the details
+                   # pages come back in $OUT/ncu
+  mkdir -p $OUT/ncu
+  local f="--set full --import-source no --clock-control none"
+  TAIL=5 run ncu_moe_qwen3 150 ncu $f -k regex:grouped_gemv --launch-count 2 -o $OUT/ncu/moe_qwen3 -f \
+    python3 -m qerl.bench.moe --batches 64
+  TAIL=5 run ncu_moe_gptoss 120 ncu $f -k regex:grouped_gemv --launch-count 2 -o $OUT/ncu/moe_gptoss -f \
+    python3 -m qerl.bench.moe --batches 64 --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4
+  TAIL=5 run ncu_dense 200 ncu $f --nvtx --nvtx-include "profile/" -o $OUT/ncu/dense -f python3 -m qerl.bench.kernels \
+    --ncu --models qwen2.5-7b --groups ${GROUPS:-qkv,gate_up} --ms ${MS:-64} --modes ${MODES:-wgmma,mma,humming_streamk}
+  local r
+  for r in moe_qwen3 moe_gptoss dense; do
+    [ -f $OUT/ncu/$r.ncu-rep ] && ncu --import $OUT/ncu/$r.ncu-rep --page details > $OUT/ncu/$r.txt 2>&1
+  done
+  grep -E "grouped_gemv|w4_|humming|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Executed Instructions  " \
+    $OUT/ncu/*.txt 2>/dev/null | head -n 150
 }
 
 step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 and bf16, batch 1 and 64);
