@@ -171,6 +171,11 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
                    # gate|up at M 64 (MODES, default wgmma, mma and humming's stream-K); reports and the details
                    # pages come back in $OUT/ncu
   mkdir -p $OUT/ncu
+  # first the GEMV's x loads side by side (Tiles.x_mode 0: stride-2 gathers, 1: contiguous + split, 2: joined weights)
+  local g="16;64,128;128,256;4,8;3;0,1,2"
+  TAIL=12 run moe_xmode_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches 8,64 --sweep-grid "$g"
+  TAIL=12 run moe_xmode_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches 64 --experts 32 --hidden 2880 \
+    --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "16,32;64,128;128,256;4,8;3;0,1,2"
   local f="--set full --import-source no --clock-control none"
   TAIL=5 run ncu_moe_qwen3 150 ncu $f -k regex:grouped_gemv --launch-count 2 -o $OUT/ncu/moe_qwen3 -f \
     python3 -m qerl.bench.moe --batches 64

@@ -80,7 +80,8 @@ def _profile(q, h, e, top_k, dev, dt):
             print(ev.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
 
 
-SWEEP = ((16, 32, 64), (32, 64, 128), (128, 256), (4, 8), (3,))  # block_m, block_n, block_k, warps, stages
+SWEEP = ((16, 32, 64), (32, 64, 128), (128, 256), (4, 8), (3,), (0, 1, 2))  # block_m, block_n, block_k, warps,
+# stages, x_mode
 
 
 def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
@@ -91,7 +92,7 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
 
     from ..kernels import moe_gemv
 
-    grid = [moe_gemv.Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
+    grid = [moe_gemv.Tiles(bm, bn, bk, w, st, xm) for bm, bn, bk, w, st, xm in
             itertools.product(*axes)]
     for t in batches:
         if t > moe_gemv.MAX_TOKENS:
@@ -133,8 +134,9 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
             print(f"   {times[tiles]:8.1f} µs  {tiles}")
         for name, tiles in (("old", old), ("default", default), ("best", best)):
             if tiles in times:
+                xm = f" x{tiles.x_mode}" if tiles.x_mode else ""  # older rows: x_mode 0
                 rec(f"T={t} gemv kernel only, {name} tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
-                    f"w{tiles.num_warps} s{tiles.num_stages}", "gemv_kernel_us", times[tiles])
+                    f"w{tiles.num_warps} s{tiles.num_stages}{xm}", "gemv_kernel_us", times[tiles])
 
 
 def main(argv=None) -> int:
@@ -151,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
     ap.add_argument("--humming", action="store_true", help="also humming-kernels' MoE GEMM (NVFP4)")
     ap.add_argument("--sweep", action="store_true", help="the GEMV kernel alone over tile sizes at decode batches (GPU)")
+    ap.add_argument("--sweep-grid", default=None, help="the sweep's axes as 'block_m;block_n;block_k;warps;stages;"
+                    "x_mode', each a comma list (default: " + ";".join(",".join(map(str, v)) for v in SWEEP) + ")")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="routing skew s: expert j drawn with weight (j+1)^-s (0: uniform; the case names it)")
     a = ap.parse_args(argv)
@@ -222,7 +226,10 @@ def main(argv=None) -> int:
         case0 = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k}{skew}"
         rec = (lambda c, m, v: record("moe", f"{case0} {c}", m, v, "µs", command=cmd, results_dir=rdir)) \
             if a.record else (lambda c, m, v: None)
-        _sweep(q, h, i, e, a.top_k, [int(b) for b in a.batches.split(",")], dev, dt, expert_bytes, rec)
+        axes = SWEEP if a.sweep_grid is None else tuple(tuple(map(int, v.split(","))) for v in a.sweep_grid.split(";"))
+        if len(axes) != len(SWEEP):
+            ap.error(f"--sweep-grid needs {len(SWEEP)} axes separated by ';', got {a.sweep_grid!r}")
+        _sweep(q, h, i, e, a.top_k, [int(b) for b in a.batches.split(",")], dev, dt, expert_bytes, rec, axes)
     return 0
 
 

@@ -95,6 +95,8 @@ class Tiles:
     block_k: int = BLOCK_K  # shapes in the H100 sweep (`qerl bench moe --sweep`, f049130; benchmarks/kernels.md)
     num_warps: int = 8
     num_stages: int = 3
+    x_mode: int = 0  # GPU decode only: 0 two dots over even / odd k with x read at stride 2; 1 x read contiguous
+    # and split in registers; 2 x read contiguous and the decoded halves joined back into k order, one dot
 
 
 def default_tiles(pairs: int, num_experts: int) -> Tiles:
@@ -223,7 +225,8 @@ def _build_kernel():
     def _grouped_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, fac_ptr, y_ptr, slot_expert_ptr, slot_start_ptr,
                              slot_count_ptr, N, K, stride_xm, stride_ym, MX_SHIFT,
                              FMT: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, HAS_FAC: tl.constexpr,
-                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             X_MODE: tl.constexpr):
         G: tl.constexpr = 16 if FMT == 0 else 32
         slot = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,14 +256,26 @@ def _build_kernel():
                 kg = k0 // G + offs_kg
                 s = tl.load(s_rows + kg[None, :], mask=n_mask[:, None] & (kg[None, :] < K // G), other=0,
                             eviction_policy="evict_first")
-                if ASM:  # GPU bf16: PTX decode, even and odd k in two dots (as w4_matmul's fused kernel)
+                if ASM:  # GPU bf16: PTX decode into even-k and odd-k halves
                     w_even, w_odd = decode_even_odd_asm(p, s, FMT, MX_SHIFT, BLOCK_N, BLOCK_K)
-                    ke = k0 + 2 * offs_kh
-                    xmask = m_mask[:, None] & (ke[None, :] < K)
-                    xe = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
-                    xo = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
-                    acc += tl.dot(w_even, tl.trans(xe))
-                    acc += tl.dot(w_odd, tl.trans(xo))
+                    if X_MODE == 0:  # two dots, x gathered at stride 2 (as w4_matmul's fused kernel)
+                        ke = k0 + 2 * offs_kh
+                        xmask = m_mask[:, None] & (ke[None, :] < K)
+                        xe = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :], mask=xmask, other=0)
+                        xo = tl.load(x_ptr + xr[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0)
+                        acc += tl.dot(w_even, tl.trans(xe))
+                        acc += tl.dot(w_odd, tl.trans(xo))
+                    else:  # x rows loaded contiguous (vector loads)
+                        kk = k0 + offs_k
+                        x = tl.load(x_ptr + xr[:, None] * stride_xm + kk[None, :],
+                                    mask=m_mask[:, None] & (kk[None, :] < K), other=0)
+                        if X_MODE == 1:  # split into even and odd k in registers, two dots
+                            xe, xo = tl.split(x.reshape(BLOCK_M, BLOCK_K // 2, 2))
+                            acc += tl.dot(w_even, tl.trans(xe))
+                            acc += tl.dot(w_odd, tl.trans(xo))
+                        else:  # the weight halves joined back into k order, one dot
+                            w = tl.join(w_even, w_odd).reshape(BLOCK_N, BLOCK_K)
+                            acc += tl.dot(w, tl.trans(x))
                 else:
                     w = decode_tile(p, s, s_ptr, FMT, BF16, BLOCK_N, BLOCK_K)  # (lut unused for FP4)
                     kk = k0 + offs_k
@@ -313,7 +328,7 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
         FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, X_MODE=tiles.x_mode, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return y
 
