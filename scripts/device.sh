@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -173,6 +173,7 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
   mkdir -p $OUT/ncu
   # first the GEMV's x loads side by side (Tiles.x_mode 0: stride-2 gathers, 1: contiguous + split, 2: joined weights)
   local g="16;64,128;128,256;4,8;3;0,1,2"
+  TAIL=4 run pytest_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_gemv.py
   TAIL=12 run moe_xmode_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches 8,64 --sweep-grid "$g"
   TAIL=12 run moe_xmode_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches 64 --experts 32 --hidden 2880 \
     --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "16,32;64,128;128,256;4,8;3;0,1,2"
@@ -244,6 +245,13 @@ step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by 
   run moe_step_argsort 150 python3 -m qerl.bench.step $c --moe-route-argsort --json $J/moe_argsort.json $R \
     --out /tmp/bs_as
   compare moe_route moe_argsort ""
+}
+
+step_moe24_fast() {  # issue 59: the 24 GB Qwen3-30B-A3B recipe for speed: fp8 KV 1.6 GiB (68 slots, one wave),
+                   # micro-batch MB (default 8), the input embedding in NVFP4, under --memory-cap-gb 22
+  run moe24_fast 300 python3 -m qerl.bench.step --shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 \
+    --max-new-tokens 256 --micro-batch ${MB:-8} --steps 1 --optim adamw_8bit --kv-cache-gb ${KV:-1.6} \
+    --kv-cache-dtype fp8 --logprob-chunk 128 --no-humming --embed-4bit --memory-cap-gb 22 $R --out /tmp/bs_m24f
 }
 
 step_goss14() {  # issue 59: gpt-oss-20b's GRPO step (8x8, prompt 256, 256 new) under --memory-cap-gb 14: the input

@@ -3,6 +3,7 @@ expert dequantized by the format's own function, then a matmul), and QuantExpert
 against the switch off. On the CPU the kernel runs in Triton's interpreter at tiny sizes with fp32/fp16
 activations (its bf16 is broken); outputs are poisoned with NaN first, so an unwritten row fails."""
 
+import dataclasses
 import os
 
 import pytest
@@ -76,13 +77,15 @@ def _check(got, want, tol):
 @pytest.mark.parametrize("fmt,n,k", [("nvfp4", 40, 48), ("nvfp4", 70, 160), ("mxfp4", 40, 96), ("mxfp4", 70, 160)])
 @pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("dtype", ACT)
-def test_grouped_gemv_matches_float64(fmt, n, k, route, dtype):
+@pytest.mark.parametrize("x_mode", [0, 1, 2] if CUDA else [0])  # the ways of reading x (the GPU decode's alone)
+def test_grouped_gemv_matches_float64(fmt, n, k, route, dtype, x_mode):
     """N off the 64-row block, K off the 64/128 K tile (a multiple of the format's block, as it must be)."""
     e, idx = ROUTES[route]
     idx = torch.tensor(idx, device=DEV)
     f, t = _experts(fmt, e, n, k, seed=n + k + e)
     x = torch.randn(idx.shape[0], k, device=DEV).to(dtype)
-    _check(_run(f, t, (n, k), x, idx, e), _ref(f, t, (n, k), x, idx, e), TOL[dtype])
+    tiles = dataclasses.replace(moe_gemv.default_tiles(idx.numel(), e), x_mode=x_mode)
+    _check(_run(f, t, (n, k), x, idx, e, tiles), _ref(f, t, (n, k), x, idx, e), TOL[dtype])
 
 
 @pytest.mark.parametrize("tiles", [moe_gemv.Tiles(block_m=16), moe_gemv.Tiles(block_m=16, block_n=32, block_k=32,
