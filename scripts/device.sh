@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -245,6 +245,15 @@ step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by 
   run moe_step_argsort 150 python3 -m qerl.bench.step $c --moe-route-argsort --json $J/moe_argsort.json $R \
     --out /tmp/bs_as
   compare moe_route moe_argsort ""
+}
+
+step_moe_speed() {  # issue 59: the two MoE steps at their speed settings, default code: Qwen3-30B-A3B (mb 8, KV 3.4 GiB)
+                  # and gpt-oss-20b (mb 4, KV 2 GiB), 8x8, prompt 256, 256 new, adamw_torch
+  local c="--prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --steps 1 --optim adamw_torch"
+  run moe_speed_qwen3 200 python3 -m qerl.bench.step --shape qwen3-30b-a3b $c --micro-batch 8 --kv-cache-gb 3.4 $R \
+    --out /tmp/bs_msq
+  run moe_speed_goss 150 python3 -m qerl.bench.step --shape gpt-oss-20b $c --micro-batch 4 --kv-cache-gb 2 $R \
+    --out /tmp/bs_msg
 }
 
 step_moe24_fast() {  # issue 59: the 24 GB Qwen3-30B-A3B recipe for speed: fp8 KV 1.6 GiB (68 slots, one wave),
