@@ -173,7 +173,8 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
   mkdir -p $OUT/ncu
   # first the GEMV's x loads side by side (Tiles.x_mode 0: stride-2 gathers, 1: contiguous + split, 2: joined weights)
   local g="16;64,128;128,256;4,8;3;0,1,2"
-  TAIL=4 run pytest_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_gemv.py
+  TAIL=6 run pytest_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_gemv.py tests/test_moe_route_kernel.py
+  run moe_route_qwen3 90 python3 -m qerl.bench.moe $R --route --batches 1,8,64
   TAIL=12 run moe_xmode_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches 8,64 --sweep-grid "$g"
   TAIL=12 run moe_xmode_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches 64 --experts 32 --hidden 2880 \
     --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "16,32;64,128;128,256;4,8;3;0,1,2"

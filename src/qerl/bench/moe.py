@@ -139,6 +139,30 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
                     f"w{tiles.num_warps} s{tiles.num_stages}{xm}", "gemv_kernel_us", times[tiles])
 
 
+def _route_times(e, top_k, batches, dev, rec):
+    """µs of building one step's routing (moe_gemv.route) per version, replayed from a CUDA graph of 20 calls:
+    two argsorts, the counting sort, the one-launch Triton kernel (KernelSettings.moe_route_fused)."""
+    from ..kernels import moe_gemv, settings
+
+    versions = {"argsort": dict(moe_route_counting=False, moe_route_fused=False),
+                "counting": dict(moe_route_counting=True, moe_route_fused=False),
+                "fused": dict(moe_route_fused=True)}
+    for t in batches:
+        idx, _ = _routing(t, e, top_k, dev, torch.bfloat16)
+        times = {}
+        for name, kw in versions.items():
+            with settings.use(**kw):
+                moe_gemv.route(idx, e)  # JIT
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(20):
+                        moe_gemv.route(idx, e)
+                times[name] = _timed(g.replay, dev, 10) / 20
+            rec(f"route T={t} k={top_k} E={e} {name}", "route_us", times[name])
+        print(f"== route T={t}: " + ", ".join(f"{k} {v:.1f} µs" for k, v in times.items()), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qerl bench moe", description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -153,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU check (the interpreter's bf16 is broken)")
     ap.add_argument("--humming", action="store_true", help="also humming-kernels' MoE GEMM (NVFP4)")
     ap.add_argument("--sweep", action="store_true", help="the GEMV kernel alone over tile sizes at decode batches (GPU)")
+    ap.add_argument("--route", action="store_true", help="µs of building the routing, per version (GPU graphs)")
     ap.add_argument("--sweep-grid", default=None, help="the sweep's axes as 'block_m;block_n;block_k;warps;stages;"
                     "x_mode', each a comma list (default: " + ";".join(",".join(map(str, v)) for v in SWEEP) + ")")
     ap.add_argument("--skew", type=float, default=0.0,
@@ -222,6 +247,11 @@ def main(argv=None) -> int:
                   f"{d_gemv:>9.2e}", flush=True)
     if a.profile and dev == "cuda":
         _profile(q, h, e, a.top_k, dev, dt)
+    if a.route and dev == "cuda":
+        case0 = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k}{skew}"
+        rrec = (lambda c, m, v: record("moe", f"{case0} {c}", m, v, "µs", command=cmd, results_dir=rdir)) \
+            if a.record else (lambda c, m, v: None)
+        _route_times(e, a.top_k, [int(b) for b in a.batches.split(",") if int(b) <= moe_gemv.MAX_TOKENS], dev, rrec)
     if a.sweep:
         case0 = f"{a.format} experts {e}x({2 * i}x{h}, {h}x{i}) top-{a.top_k}{skew}"
         rec = (lambda c, m, v: record("moe", f"{case0} {c}", m, v, "µs", command=cmd, results_dir=rdir)) \

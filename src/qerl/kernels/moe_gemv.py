@@ -110,11 +110,14 @@ def default_tiles(pairs: int, num_experts: int) -> Tiles:
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort a step's pairs by expert with torch ops only (no host sync, so decode can stay asynchronous):
-    two argsorts, or the counting sort under KernelSettings.moe_route_counting (the same Routing bit for bit)."""
-    from . import settings
+    """Sort a step's pairs by expert with no host sync (decode stays asynchronous): two argsorts, the counting sort
+    (KernelSettings.moe_route_counting) or one Triton launch (moe_route_fused); the same Routing bit for bit."""
+    from . import moe_route, settings
 
-    if settings.current().moe_route_counting:
+    ks = settings.current()
+    if ks.moe_route_fused and moe_route.supports(top_k_index, num_experts):
+        return moe_route.route_fused(top_k_index, num_experts)
+    if ks.moe_route_counting:
         return _route_counting(top_k_index, num_experts)
     return _route_sorted(top_k_index, num_experts)
 
