@@ -156,11 +156,11 @@ step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B
   run moe_humming 120 python3 -m qerl.bench.moe $R --humming --batches 1,8,64,512
 }
 
-step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of a layer set (GROUPS: qkv, o,
+step_ncu() {  # Nsight Compute on one launch of each mode on the named groups of a layer set (NCU_GROUPS: qkv, o,
               # gate_up, down): duration, DRAM throughput, occupancy, grid, registers, warp stalls
   TAIL=0 run ncu 400 ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \
     --section Occupancy --section LaunchStats --section WarpStateStats python3 -m qerl.bench.kernels --ncu \
-    --models ${MODEL:-qwen2.5-7b} --groups ${GROUPS:-qkv,down} --ms ${MS:-1,64,256} \
+    --models ${MODEL:-qwen2.5-7b} --groups ${NCU_GROUPS:-qkv,down} --ms ${MS:-1,64,256} \
     --modes ${MODES:-nvfp4,nvfp4_lora32,humming,humming_nosplit,humming_streamk,humming_ksplit4,humming_lora32}
   grep -E "^range:|^  [a-zA-Z_].*\(|DRAM Throughput|Achieved Occupancy|Grid Size|Duration|Registers Per|Stall" \
     $L/ncu.log 2>/dev/null | head -n 200
@@ -184,7 +184,7 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
   TAIL=5 run ncu_moe_gptoss 120 ncu $f -k regex:grouped_gemv --launch-count 2 -o $OUT/ncu/moe_gptoss -f \
     python3 -m qerl.bench.moe --batches 64 --experts 32 --hidden 2880 --inter 2880 --top-k 4 --format mxfp4
   TAIL=5 run ncu_dense 200 ncu $f --nvtx --nvtx-include "profile/" -o $OUT/ncu/dense -f python3 -m qerl.bench.kernels \
-    --ncu --models qwen2.5-7b --groups ${GROUPS:-qkv,gate_up} --ms ${MS:-64} --modes ${MODES:-wgmma,mma,humming_streamk}
+    --ncu --models qwen2.5-7b --groups ${NCU_GROUPS:-qkv,gate_up} --ms ${MS:-64} --modes ${MODES:-wgmma,mma,humming_streamk}
   local r
   for r in moe_qwen3 moe_gptoss dense; do
     [ -f $OUT/ncu/$r.ncu-rep ] && ncu --import $OUT/ncu/$r.ncu-rep --page details > $OUT/ncu/$r.txt 2>&1

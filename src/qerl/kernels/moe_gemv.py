@@ -91,11 +91,11 @@ class Tiles:
     chunk re-reads that expert's weights, so it should cover the most pairs an expert gets."""
 
     block_m: int = 16
-    block_n: int = 128  # 128 rows and 8 warps: the fastest, or within 5 %, at 1, 8 and 64 tokens of both MoE
-    block_k: int = BLOCK_K  # shapes in the H100 sweep (`qerl bench moe --sweep`, f049130; benchmarks/kernels.md)
-    num_warps: int = 8
-    num_stages: int = 3
-    x_mode: int = 0  # GPU decode only: 0 two dots over even / odd k with x read at stride 2; 1 x read contiguous
+    block_n: int = 64  # 64 rows, 4 warps, x read contiguous (x_mode 1): the H100 sweep at daff6d8 (`qerl bench moe
+    block_k: int = BLOCK_K  # --sweep`, benchmarks/kernels.md) at 64 tokens: Qwen3-30B-A3B 307.0 µs (best 305.0;
+    num_warps: int = 4  # the f049130 default, 128 rows, 8 warps, stride-2 x: 316.8), gpt-oss-20b 368.9 (the best;
+    num_stages: int = 3  # old 468.1); Qwen3 at 8 tokens 144.9 (best 136.1, old 143.8)
+    x_mode: int = 1  # GPU decode only: 0 two dots over even / odd k with x read at stride 2; 1 x read contiguous
     # and split in registers; 2 x read contiguous and the decoded halves joined back into k order, one dot
 
 
