@@ -92,13 +92,13 @@ def test_budgeted_expert_chunks_equal_the_default_chunks_on_the_gpu(family, tmp_
         if isinstance(m, QuantExperts):
             m.grouped, m.expert_chunk = True, 2
     ids = torch.arange(3, 67, device="cuda").view(2, 32)
-    calls, project = [], QuantExperts._grouped_project
+    calls, weights = [], QuantExperts.weights
 
-    def counted(self, *a, **k):
+    def counted(self, *a, **k):  # one dequantize a chunk (and again in the backward)
         calls[-1] += 1
-        return project(self, *a, **k)
+        return weights(self, *a, **k)
 
-    monkeypatch.setattr(QuantExperts, "_grouped_project", counted)
+    monkeypatch.setattr(QuantExperts, "weights", counted)
     out = []
     for mib in (None, 256):
         calls.append(0)
