@@ -51,29 +51,3 @@ class _FrozenGroupedMM(torch.autograd.Function):
 def frozen_grouped_mm(x: torch.Tensor, weights, ends: torch.Tensor) -> torch.Tensor:
     """Rows ends[g-1]:ends[g] of x [M, K] times w[g]ᵀ, where weights() -> w [G, N, K] (frozen: no gradient)."""
     return _FrozenGroupedMM.apply(x, ends, weights)
-
-
-class _ChunkedFrozenGroupedMM(torch.autograd.Function):
-    """frozen_grouped_mm over row chunks, each with its own weights: one autograd node for a whole MoE projection
-    instead of a slice, a matmul and a concatenation node a chunk (the update is bound by the host's per-op cost,
-    benchmarks/profiles/moe_update_qwen3_h200_b8030c1.txt). Each chunk's weights are made again in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, chunks, weights):
-        ctx.chunks, ctx.weights = chunks, weights
-        ys = [torch._grouped_mm(x[c.lo:c.hi], weights(c).transpose(-2, -1), offs=c.ends) for c in chunks]
-        return ys[0] if len(ys) == 1 else torch.cat(ys)
-
-    @staticmethod
-    def backward(ctx, g):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        g = g.contiguous()
-        gs = [torch._grouped_mm(g[c.lo:c.hi], ctx.weights(c), offs=c.ends) for c in ctx.chunks]
-        return (gs[0] if len(gs) == 1 else torch.cat(gs)), None, None
-
-
-def frozen_grouped_mm_chunks(x: torch.Tensor, chunks: list, weights) -> torch.Tensor:
-    """x [M, K] in row chunks (each with lo, hi and int32 ends local to it, the chunks covering 0..M in order),
-    chunk c's rows times weights(c) -> w [G_c, N, K] transposed per group (frozen: no gradient)."""
-    return _ChunkedFrozenGroupedMM.apply(x, chunks, weights)

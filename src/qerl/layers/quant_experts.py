@@ -36,8 +36,6 @@ function): the loop above (the CPU); on CUDA, by default,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
 from typing import Callable
 
@@ -206,16 +204,18 @@ class QuantExperts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         # Not bincount (on CUDA it reads the largest index back to size its output): the counts of E experts and
-        # of "no expert" (index E), read once by _host_plan, the one host sync of the layer.
+        # of "no expert" (index E), read once by _host_chunks, the one host sync of the layer.
         counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat.clamp(0, self.num_experts), torch.ones_like(flat, dtype=torch.int64))
-        plan = _host_plan(counts, self.num_experts, self.chunk_experts(h.dtype), h.device)
-        if not plan.chunks:
-            return _sum_pairs([], order, t, k, h)
-        x = h[(order[:plan.pairs] // k)]
-        y = self._grouped_project("gate_up_proj", plan, x)
-        y = self._grouped_project("down_proj", plan, self.glu(y))
-        return _sum_pairs([(y * wts.reshape(-1)[order[:plan.pairs], None]).to(h.dtype)], order, t, k, h)
+        tok_all, w_all = order // k, wts.reshape(-1)[order]
+        ys = []
+        for experts, lo, hi, group_ends, ids in _host_chunks(counts, self.num_experts, self.chunk_experts(h.dtype),
+                                                             h.device):
+            x = h[tok_all[lo:hi]]
+            y = self._grouped_project("gate_up_proj", experts, x, group_ends, ids)
+            y = self._grouped_project("down_proj", experts, self.glu(y), group_ends, ids)
+            ys.append((y * w_all[lo:hi, None]).to(h.dtype))
+        return _sum_pairs(ys, order, t, k, h)
 
     def chunk_experts(self, dtype: torch.dtype) -> int:
         """Hit experts the grouped path dequantizes at once: KernelSettings.moe_expert_chunk_mib's budget over
@@ -228,23 +228,21 @@ class QuantExperts(nn.Module):
         per = max(n * k for n, k in self.shapes.values()) * torch.empty((), dtype=dtype).element_size()
         return max(1, (mib << 20) // per)
 
-    def _grouped_project(self, proj: str, plan: "_Plan", x: torch.Tensor) -> torch.Tensor:
-        """[pairs, N]: the sorted pairs' rows x times their experts' `proj`: the frozen weights a chunk of experts
-        at a time (each chunk dequantized, in the backward again), LoRA's shrink and expand and the bias over all
-        hit experts at once (their factors are small): few ops a layer, since the update is bound by their host
-        cost."""
-        from .grouped_mm import frozen_grouped_mm_chunks, grouped_mm
+    def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        """One chunk's grouped matmul (+ LoRA, + bias): experts the hit experts (host list, for the dequantize), ids
+        the same on the device, ends the chunk's cumulative pair counts."""
+        from .grouped_mm import frozen_grouped_mm, grouped_mm
 
         dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
-        y = frozen_grouped_mm_chunks(x, plan.chunks, lambda c: self.weights(proj, c.experts, dt, c.ids))
+        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt, ids), ends)
         if self.r and not self.disable_adapters:
-            a, b = self.lora_A[proj][plan.ids], self.lora_B[proj][plan.ids]  # [hit, r, K], [hit, N, r]
-            s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), plan.ends)
-            y = y + (grouped_mm(s, b.transpose(-2, -1), plan.ends)).to(y.dtype) * self.scaling
+            a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
+            s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
+            y = y + (grouped_mm(s, b.transpose(-2, -1), ends)).to(y.dtype) * self.scaling
         bias = self.bias(proj)
         if bias is not None:  # no wait for the device: the output's size is the rows given
-            y = y + bias[torch.repeat_interleave(plan.ids, torch.diff(plan.ends, prepend=plan.ends.new_zeros(1)),
-                                                 output_size=plan.pairs)]
+            y = y + bias[torch.repeat_interleave(ids, torch.diff(ends, prepend=ends.new_zeros(1)), output_size=x.shape[0])]
         return y
 
     def _gemv_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
@@ -281,46 +279,21 @@ class QuantExperts(nn.Module):
         return y if bias is None else y + bias[rt.expert]
 
 
-@dataclass
-class _Chunk:
-    """Hit experts dequantized at once: their ids (host list and device int32), their pairs' rows lo:hi of the
-    sorted pairs, and the cumulative pair counts local to the chunk (int32, device)."""
-    experts: list[int]
-    ids: torch.Tensor
-    lo: int
-    hi: int
-    ends: torch.Tensor
-
-
-@dataclass
-class _Plan:
-    """The grouped path's layout of one call: `pairs` valid pairs sorted by expert, all hit experts' ids and
-    cumulative counts (int32, device), and the chunks."""
-    pairs: int
-    ids: torch.Tensor
-    ends: torch.Tensor
-    chunks: list[_Chunk]
-
-
-def _host_plan(counts: torch.Tensor, num_experts: int, chunk: int, device) -> _Plan:
-    """The layout from one read of the counts (a host sync), its index tensors sent to the device in one copy
-    that does not wait for it. Pairs of the "no expert" index (num_experts) are left out: they sort last."""
+def _host_chunks(counts: torch.Tensor, num_experts: int, chunk: int, device):
+    """(experts, lo, hi, group ends, expert ids) of each chunk of at most `chunk` hit experts, pairs sorted by
+    expert: the bounds from one read of the counts (a host sync) instead of two a chunk, the small index tensors
+    copied to the device without waiting for it. Pairs of the "no expert" index (num_experts) are left out."""
     n = counts.tolist()[:num_experts]
     starts = [0]
     for c in n:
         starts.append(starts[-1] + c)
     hit = [e for e, c in enumerate(n) if c]
-    groups = [hit[i:i + chunk] for i in range(0, len(hit), chunk)]
-    local = [starts[e + 1] - starts[g[0]] for g in groups for e in g]
-    host = torch.tensor(hit + [starts[e + 1] for e in hit] + local, dtype=torch.int32)
-    dev = host.to(device, non_blocking=True)
-    h = len(hit)
-    ids, ends, local_ends = dev[:h], dev[h:2 * h], dev[2 * h:]
-    chunks, i = [], 0
-    for g in groups:
-        chunks.append(_Chunk(g, ids[i:i + len(g)], starts[g[0]], starts[g[-1] + 1], local_ends[i:i + len(g)]))
-        i += len(g)
-    return _Plan(starts[hit[-1] + 1] if hit else 0, ids, ends, chunks)
+    for i in range(0, len(hit), chunk):
+        experts = hit[i:i + chunk]
+        lo, hi = starts[experts[0]], starts[experts[-1] + 1]
+        ends = [starts[e + 1] - lo for e in experts]
+        yield (experts, lo, hi, torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True),
+               torch.tensor(experts, dtype=torch.int32).to(device, non_blocking=True))  # int32: as the dequantize reads
 
 
 def _sum_pairs(ys: list[torch.Tensor], order: torch.Tensor, t: int, k: int, h: torch.Tensor) -> torch.Tensor:
