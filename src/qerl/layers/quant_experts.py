@@ -147,16 +147,14 @@ class QuantExperts(nn.Module):
         """Expert e's dequantized [N, K] weight of `proj`."""
         return self.fmt.dequantize(self.tensors(proj, e), self.shapes[proj], dtype or self.dtype)
 
-    def weights(self, proj: str, experts: list[int], dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def weights(self, proj: str, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
         """[len(experts), N, K]: those experts' dequantized weights of `proj`, in one launch on the GPU
-        (kernels/moe_dequant.py, bit-equal to the format's dequantize), else one expert at a time. ids: the
-        same experts already on the device (the grouped path's), saving a host-to-device copy a call."""
+        (kernels/moe_dequant.py, bit-equal to the format's dequantize), else one expert at a time."""
         dev = next(iter(self.stacked(proj).values())).device
         if fast_dequant(dev, self.fmt):
             from ..kernels import moe_dequant  # imports triton
 
-            if ids is None:
-                ids = torch.tensor(experts, dtype=torch.int32).to(dev, non_blocking=True)
+            ids = torch.tensor(experts, dtype=torch.int32).to(dev, non_blocking=True)
             return moe_dequant.dequantize_experts(self.fmt, self.stacked(proj), ids, self.shapes[proj], dtype)
         return torch.stack([self.weight(proj, e, dtype) for e in experts])
 
@@ -235,7 +233,7 @@ class QuantExperts(nn.Module):
         from .grouped_mm import frozen_grouped_mm, grouped_mm
 
         dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
-        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt, ids), ends)
+        y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt), ends)
         if self.r and not self.disable_adapters:
             a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
             s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
@@ -293,7 +291,7 @@ def _host_chunks(counts: torch.Tensor, num_experts: int, chunk: int, device):
         lo, hi = starts[experts[0]], starts[experts[-1] + 1]
         ends = [starts[e + 1] - lo for e in experts]
         yield (experts, lo, hi, torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True),
-               torch.tensor(experts, dtype=torch.int32).to(device, non_blocking=True))  # int32: as the dequantize reads
+               torch.tensor(experts).to(device, non_blocking=True))
 
 
 def _sum_pairs(ys: list[torch.Tensor], order: torch.Tensor, t: int, k: int, h: torch.Tensor) -> torch.Tensor:
