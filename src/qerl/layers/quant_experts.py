@@ -201,17 +201,28 @@ class QuantExperts(nn.Module):
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        # Not bincount (on CUDA it reads the largest index back to size its output): the counts of E experts and
-        # of "no expert" (index E), read once by _host_chunks, the one host sync of the layer.
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat.clamp(0, self.num_experts), torch.ones_like(flat, dtype=torch.int64))
+        counts = torch.bincount(flat, minlength=self.num_experts)
         tok_all, w_all = order // k, wts.reshape(-1)[order]
         ys = []
-        for experts, lo, hi, group_ends, ids in _host_chunks(counts, self.num_experts, self.chunk_experts(h.dtype),
-                                                             h.device):
+        chunk = self.chunk_experts(h.dtype)
+        from ..kernels import settings
+
+        if settings.current().moe_expert_chunk_mib:  # the budgeted chunks: bounds from one read of the counts
+            for experts, lo, hi, group_ends, ids in _host_chunks(counts, self.num_experts, chunk, h.device):
+                x = h[tok_all[lo:hi]]
+                y = self._grouped_project("gate_up_proj", experts, x, group_ends, ids)
+                y = self._grouped_project("down_proj", experts, self.glu(y), group_ends, ids)
+                ys.append((y * w_all[lo:hi, None]).to(h.dtype))
+            return _sum_pairs(ys, order, t, k, h)
+        ends = torch.cumsum(counts, 0)
+        hit = [e for e in counts.nonzero()[:, 0].tolist() if e < self.num_experts]  # E: "no expert", sorted last
+        for c in range(0, len(hit), chunk):
+            experts = hit[c:c + chunk]
+            lo, hi = int(ends[experts[0]] - counts[experts[0]]), int(ends[experts[-1]])
+            group_ends = (torch.cumsum(counts[experts], 0)).to(torch.int32)
             x = h[tok_all[lo:hi]]
-            y = self._grouped_project("gate_up_proj", experts, x, group_ends, ids)
-            y = self._grouped_project("down_proj", experts, self.glu(y), group_ends, ids)
+            y = self._grouped_project("gate_up_proj", experts, x, group_ends)
+            y = self._grouped_project("down_proj", experts, self.glu(y), group_ends)
             ys.append((y * w_all[lo:hi, None]).to(h.dtype))
         return _sum_pairs(ys, order, t, k, h)
 
@@ -227,20 +238,24 @@ class QuantExperts(nn.Module):
         return max(1, (mib << 20) // per)
 
     def _grouped_project(self, proj: str, experts: list[int], x: torch.Tensor, ends: torch.Tensor,
-                         ids: torch.Tensor) -> torch.Tensor:
-        """One chunk's grouped matmul (+ LoRA, + bias): experts the hit experts (host list, for the dequantize), ids
-        the same on the device, ends the chunk's cumulative pair counts."""
+                         ids: torch.Tensor | None = None) -> torch.Tensor:
         from .grouped_mm import frozen_grouped_mm, grouped_mm
 
         dt = x.dtype  # not x in the closure: ctx keeps it past checkpointing, every layer's inputs to the backward
         y = frozen_grouped_mm(x, lambda: self.weights(proj, experts, dt), ends)
         if self.r and not self.disable_adapters:
-            a, b = self.lora_A[proj][ids], self.lora_B[proj][ids]  # [c, r, K], [c, N, r]
+            lora_ids = torch.tensor(experts, device=x.device) if ids is None else ids
+            a, b = self.lora_A[proj][lora_ids], self.lora_B[proj][lora_ids]  # [c, r, K], [c, N, r]
             s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
             y = y + (grouped_mm(s, b.transpose(-2, -1), ends)).to(y.dtype) * self.scaling
         bias = self.bias(proj)
-        if bias is not None:  # no wait for the device: the output's size is the rows given
-            y = y + bias[torch.repeat_interleave(ids, torch.diff(ends, prepend=ends.new_zeros(1)), output_size=x.shape[0])]
+        if bias is not None:
+            if ids is None:
+                rows = torch.repeat_interleave(torch.tensor(experts, device=x.device),
+                                               torch.diff(ends, prepend=ends.new_zeros(1)))
+            else:  # the budgeted chunks: no wait for the device (the output's size is the rows given)
+                rows = torch.repeat_interleave(ids, torch.diff(ends, prepend=ends.new_zeros(1)), output_size=x.shape[0])
+            y = y + bias[rows]
         return y
 
     def _gemv_forward(self, h: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
