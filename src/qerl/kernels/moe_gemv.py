@@ -143,7 +143,8 @@ def _route_sorted(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 
 def _route_counting(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """route() as a counting sort: no argsort, no host sync and no size read from the data. T >= 1.
-    The default (KernelSettings.moe_route_counting; its GPU graph tests passed on an H100 at 700f1db).
+    Used where the one-launch kernel (kernels/moe_route.py, the default) is off or out of its bounds
+    (KernelSettings.moe_route_counting; its GPU graph tests passed on an H100 at 700f1db).
 
     A counting sort. Why: the H100 profile of a Qwen3-30B-A3B decode step at 64 sequences (f049130,
     benchmarks/profiles/moe_decode_qwen3_b64_f049130.txt) put the argsort version at 36 launches and 81 us
