@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag ab_grouped moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -246,6 +246,14 @@ step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by 
   run moe_step_argsort 150 python3 -m qerl.bench.step $c --moe-route-argsort --json $J/moe_argsort.json $R \
     --out /tmp/bs_as
   compare moe_route moe_argsort ""
+}
+
+step_ab_grouped() {  # issue 59 §2: which host mechanism slowed the grouped MoE path (scripts/ab_grouped.py: one Qwen3
+                   # layer's forward + backward at 4096 tokens, the default against host-built and device-built index
+                   # tensors), then the gpt-oss-20b layer's
+  TAIL=8 run ab_grouped_qwen3 150 python3 scripts/ab_grouped.py --tokens ${TOKENS:-4096}
+  TAIL=8 run ab_grouped_goss 120 python3 scripts/ab_grouped.py --tokens ${TOKENS:-2048} --experts 32 --hidden 2880 \
+    --inter 2880 --top-k 4
 }
 
 step_moe_speed() {  # issue 59: the two MoE steps at their speed settings, default code: Qwen3-30B-A3B (mb 8, KV 3.4 GiB)
