@@ -237,15 +237,17 @@ step_moe_chunks() {  # issue 59: the MoE update with the experts dequantized 16 
   mkdir -p $OUT/profile && for d in edef e$e; do cp $L/$d/profile_update.json $OUT/profile/update_$d.json 2>/dev/null; done
 }
 
-step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by the default counting sort
-               # (KernelSettings.moe_route_counting) against two argsorts (--moe-route-argsort), the default first
+step_route() {  # issue 59: the Qwen3-30B-A3B step (mb 8) with decode routed by the default one-launch kernel
+               # (KernelSettings.moe_route_fused), the counting sort and two argsorts (--moe-route), the default first
   local c="--shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 --max-new-tokens 256 --micro-batch 8
-    --steps 1 --optim adamw_torch --kv-cache-gb 3.4"
-  rm -f $J/moe_route.json $J/moe_argsort.json
-  run moe_step_route 150 python3 -m qerl.bench.step $c --json $J/moe_route.json $R --out /tmp/bs_rc
-  run moe_step_argsort 150 python3 -m qerl.bench.step $c --moe-route-argsort --json $J/moe_argsort.json $R \
-    --out /tmp/bs_as
-  compare moe_route moe_argsort ""
+    --steps 1 --optim adamw_torch --kv-cache-gb 3.4" r
+  for r in fused counting argsort; do
+    rm -f $J/moe_route_$r.json
+    run moe_step_route_$r 150 python3 -m qerl.bench.step $c --moe-route $r --json $J/moe_route_$r.json $R \
+      --out /tmp/bs_r$r
+  done
+  compare moe_route_fused moe_route_counting ""
+  compare moe_route_fused moe_route_argsort ""
 }
 
 step_ab_grouped() {  # issue 59 §2: which host mechanism slowed the grouped MoE path (scripts/ab_grouped.py: one Qwen3
@@ -265,7 +267,7 @@ step_moe_speed() {  # issue 59: the two MoE steps at their speed settings, defau
     --out /tmp/bs_msg
 }
 
-step_moe24_fast() {  # issue 59: the 24 GB Qwen3-30B-A3B recipe for speed: fp8 KV 1.6 GiB (68 slots, one wave),
+step_moe24_fast() {  # issue 59: the 24 GB Qwen3-30B-A3B recipe for speed: fp8 KV 1.6 GiB (64 slots: one wave),
                    # micro-batch MB (default 8), the input embedding in NVFP4, under --memory-cap-gb 22
   run moe24_fast 300 python3 -m qerl.bench.step --shape qwen3-30b-a3b --prompts 8 --num-generations 8 --prompt-len 256 \
     --max-new-tokens 256 --micro-batch ${MB:-8} --steps 1 --optim adamw_8bit --kv-cache-gb ${KV:-1.6} \

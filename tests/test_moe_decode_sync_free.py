@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qerl.kernels import moe_gemv, settings
+from qerl.kernels import moe_gemv, moe_route, settings
 from qerl.model import load_policy
 from qerl.rollout import Engine
 from qerl.rollout.forward import decode, prefill
@@ -38,6 +38,7 @@ class _Syncs(TorchDispatchMode):
 @pytest.fixture
 def engine(request, tmp_path, monkeypatch):
     monkeypatch.setattr(moe_gemv, "RUN_ON_CPU_INTERPRETER", True)
+    monkeypatch.setattr(moe_route, "RUN_ON_CPU_INTERPRETER", True)  # the default route, one Triton launch
     if request.param == "gpt_oss":
         from test_gpt_oss import write_stock_mxfp4
 

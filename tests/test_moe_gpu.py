@@ -50,16 +50,17 @@ def test_engine_greedy_equals_hf_generate_on_the_gpu(family, tmp_path):
     assert got == [hf_greedy(pol.model, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("counting", [False, True], ids=["argsort", "counting"])
+@pytest.mark.parametrize("route", ["argsort", "counting", "fused"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_engine_greedy_from_cuda_graphs_equals_hf_generate(family, counting, tmp_path):
-    """counting: the decode's routes by the counting sort (KernelSettings.moe_route_counting), captured too."""
+def test_engine_greedy_from_cuda_graphs_equals_hf_generate(family, route, tmp_path):
+    """Each way the decode routes its pairs (two argsorts, the counting sort, the one-launch kernel: the default),
+    captured in the graphs too."""
     from qerl.kernels.settings import KernelSettings
     from qerl.rollout import Engine, SamplingParams
 
     pol = _policy(family, tmp_path)
-    eng = Engine(pol.model, max_len=128, max_slots=3, sync_every=4, cuda_graphs=True,
-                 kernel_settings=KernelSettings(moe_route_counting=counting))
+    ks = KernelSettings(moe_route_counting=route != "argsort", moe_route_fused=route == "fused")
+    eng = Engine(pol.model, max_len=128, max_slots=3, sync_every=4, cuda_graphs=True, kernel_settings=ks)
     outs = eng.generate(PROMPTS, n=1, params=SamplingParams(max_new_tokens=NEW, greedy=True, ignore_eos=True))
     assert eng.runner.graphs_captured > 0
     assert [c.token_ids for c in outs] == [hf_greedy(pol.model, p) for p in PROMPTS]

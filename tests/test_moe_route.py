@@ -1,9 +1,11 @@
-"""moe_gemv's counting sort of a step's token-expert pairs (KernelSettings.moe_route_counting, the default) against
-the argsort route: every Routing field bit-equal, dtypes included, over random
+"""moe_gemv's counting sort of a step's token-expert pairs (KernelSettings.moe_route_counting: the fallback of the
+one-launch kernel, kernels/moe_route.py, tested in test_moe_route_kernel.py) against the argsort route: every Routing field bit-equal, dtypes included, over random
 decode shapes with "no expert" indices; and fewer kernel-launching aten ops, no sort, nothing that
 reads the device back on the host."""
 
 import dataclasses
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -12,8 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qerl.kernels import moe_gemv
 from qerl.kernels.moe_gemv import Routing
 
+TRITON = importlib.util.find_spec("triton") is not None
 
-# The reference: the argsort route, moe_gemv's default (the GEMV's tests check it against a float64 product).
+
+# The reference: the argsort route, the first one (the GEMV's tests checked it against a float64 product).
 _route_reference = moe_gemv._route_sorted
 
 
@@ -91,7 +95,8 @@ def test_route_launches_fewer_ops_no_sort_no_host_read():
     assert not {"sort", "argsort", "_local_scalar_dense", "nonzero", "bincount", "unique"} & set(new), new
 
 
-def test_route_takes_the_counting_sort_by_default_and_the_argsorts_when_switched_off(monkeypatch):
+def test_route_takes_the_counting_sort_where_the_kernel_is_off_and_the_argsorts_when_switched_off(monkeypatch):
+    """On CPU tensors (outside the interpreter) the one-launch kernel does not apply: the counting sort runs."""
     from qerl.kernels import settings
 
     idx = torch.randint(0, 33, (16, 4), generator=torch.Generator().manual_seed(1))
@@ -106,3 +111,29 @@ def test_route_takes_the_counting_sort_by_default_and_the_argsorts_when_switched
     for f in dataclasses.fields(want):
         a, b = getattr(want, f.name), getattr(got, f.name)
         assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, f.name
+
+
+@pytest.mark.skipif(not TRITON, reason="the one-launch route needs Triton (its interpreter on the CPU)")
+def test_route_takes_the_one_launch_kernel_by_default_and_falls_back_outside_its_bounds(monkeypatch):
+    from qerl.kernels import moe_route, settings
+
+    monkeypatch.setattr(moe_route, "RUN_ON_CPU_INTERPRETER", True)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not in the Triton interpreter")
+    fused, counting = [], []
+    real_f, real_c = moe_route.route_fused, moe_gemv._route_counting
+    monkeypatch.setattr(moe_route, "route_fused", lambda *a: fused.append(a) or real_f(*a))
+    monkeypatch.setattr(moe_gemv, "_route_counting", lambda *a: counting.append(a) or real_c(*a))
+    idx = torch.randint(0, 33, (16, 4), generator=torch.Generator().manual_seed(1))
+    got = moe_gemv.route(idx, 32)
+    assert (len(fused), len(counting)) == (1, 0)
+    want = real_c(idx, 32)
+    for f in dataclasses.fields(want):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, f.name
+    moe_gemv.route(idx, 300)  # more experts than the kernel holds (256): the counting sort
+    moe_gemv.route(idx.to(torch.int16), 32)  # a dtype it does not read
+    assert (len(fused), len(counting)) == (1, 2)
+    with settings.use(moe_route_fused=False):
+        moe_gemv.route(idx, 32)
+    assert (len(fused), len(counting)) == (1, 3)

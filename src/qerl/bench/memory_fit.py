@@ -73,7 +73,7 @@ def settings_of_case(case: str, commit: str | None = None) -> tuple[MoEShape, St
             kw["expert_chunk"] = max(1, (int(m_chunk[1]) << 20) // (max(o * i for o, i in expert_shapes(shape)) * BF16))
         elif m_cap := re.fullmatch(r"cap([\d.]+)GiB", tok):  # moves no term: picks the allocator's slack
             kw["memory_cap_gb"] = float(m_cap[1])
-        elif tok in ("ckpt", "steady", "route-counting", "route-argsort"):
+        elif tok in ("ckpt", "steady", "route-counting", "route-argsort", "route-fused"):
             pass  # checkpointing is what the model assumes; the steady mean moves no term
         else:
             raise ValueError(f"{case!r}: {tok!r} is a setting the model does not cover")

@@ -109,7 +109,7 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
             return a, moe_gemv.grouped_gemv(mid, None, rt, q.fmt, dn, q.shapes["down_proj"], tiles=tiles)
 
         default = moe_gemv.default_tiles(idx.numel(), e)
-        old = moe_gemv.Tiles(min(64, max(16, 1 << (t - 1).bit_length())), 64, 128, 4, 3)
+        old = moe_gemv.Tiles(min(64, max(16, 1 << (t - 1).bit_length())), 64, 128, 4, 3, x_mode=0)
         want = [y.float() for y in call(default)]
         times = {}
         for tiles in dict.fromkeys([old, default] + [g for g in grid if g.block_m <= max(16, 2 * old.block_m)]):

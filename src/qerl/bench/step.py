@@ -84,6 +84,11 @@ def shape_config(a):
     return cfg
 
 
+def _route(a) -> str:
+    """The MoE decode route of a bench run (--moe-route; namespaces built without it: the default)."""
+    return getattr(a, "moe_route", None) or "fused"
+
+
 def case_name(a, quant: str) -> str:
     lv = [f"mb{a.micro_batch}", "ckpt" if a.gradient_checkpointing else "no-ckpt"]
     for key, tag in (("logprob_chunk", "chunk"), ("kv_cache_gb", "kv"), ("kv_fraction", "kv-rows")):
@@ -114,8 +119,9 @@ def case_name(a, quant: str) -> str:
         lv.append(f"echunk{a.expert_chunk_mib}mib")
     if getattr(a, "embed_4bit", False):
         lv.append("embed4bit")
-    if getattr(a, "moe_route_argsort", False):  # (rows before 9b635f0's default change: tag route-counting)
-        lv.append("route-argsort")
+    route = _route(a)
+    if route != "fused":  # the default since 12d225c; rows of 9b635f0-12d225c ran counting untagged (before: tagged)
+        lv.append(f"route-{route}")
     if getattr(a, "steps", 1) > 1:
         lv.append("steady")
     return (f"{a.shape}{layers} {quant} {a.prompts}x{a.num_generations} prompt{a.prompt_len} new{a.max_new_tokens} "
@@ -239,7 +245,8 @@ def _run_case(a, pol, build_s) -> dict:
                          kernel_settings=KernelSettings(moe_grouped=fast_moe, moe_gemv=fast_moe,
                                                         humming=getattr(a, "humming", True),
                                                         moe_expert_chunk_mib=getattr(a, "expert_chunk_mib", None),
-                                                        moe_route_counting=not getattr(a, "moe_route_argsort", False)),
+                                                        moe_route_fused=_route(a) == "fused",
+                                                        moe_route_counting=_route(a) != "argsort"),
                          train_dataset=random_prompts(a.prompts * (a.steps + 2), a.prompt_len, pol.config.vocab_size,
                                                       a.seed))
         eng = tr.engine
@@ -474,9 +481,9 @@ def main(argv=None):
     ap.add_argument("--expert-chunk-mib", type=int, default=None,
                     help="MoE: the grouped path dequantizes as many hit experts at once as fit this many MiB "
                          "(KernelSettings.moe_expert_chunk_mib; default 16 experts a chunk)")
-    ap.add_argument("--moe-route-argsort", action="store_true",
-                    help="MoE decode routes by two argsorts, not the default counting sort "
-                         "(KernelSettings.moe_route_counting=False)")
+    ap.add_argument("--moe-route", choices=["fused", "counting", "argsort"], default="fused",
+                    help="how MoE decode sorts its pairs by expert: one Triton launch (the default, "
+                         "KernelSettings.moe_route_fused), the counting sort, or two argsorts")
     ap.add_argument("--embed-4bit", action="store_true",
                     help="the frozen input embedding in NVFP4 (TrainConfig.embed_4bit): 3/4 of its bytes saved")
     ap.add_argument("--humming-storage", action="store_true",

@@ -1,8 +1,8 @@
 """A grouped 4-bit GEMV for MoE decode: y = x_t·W_eᵀ for every (token t, chosen expert e), one launch
 per projection, reading only the chosen experts' packed bytes.
 
-What it does. The token-expert pairs of a step (top_k_index [T, k]) are sorted by expert with torch
-ops (`route`, no host sync). The grid is (slot, N block): a slot is one hit expert, and each program
+What it does. The token-expert pairs of a step (top_k_index [T, k]) are sorted by expert (`route`: one
+Triton launch by default, kernels/moe_route.py; no host sync). The grid is (slot, N block): a slot is one hit expert, and each program
 streams its BLOCK_N rows of that expert's NVFP4 (or MXFP4) codes and block scales once, decoding them
 in registers (w4_decode, as the dense W4 kernel in w4_matmul does), and multiplies them against all of
 that expert's tokens at once (at most BLOCK_M = 64 a chunk; decode has a handful), in fp32. NVFP4's
@@ -153,7 +153,7 @@ def _route_counting(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     classes (expert, or E for "no expert") gives each pair's sorted position and each class's start, one
     scatter permutes, and the slots come from a second counting sort (hit, then unhit) sharing that cumsum:
     18 kernel-launching aten ops against the argsort version's 22, whose two sorts count one op each
-    (tests/test_moe_route.py counts them at T=64, k=8, E=128); not yet run on a GPU. No bincount: on
+    (tests/test_moe_route.py counts them at T=64, k=8, E=128). No bincount: on
     CUDA it reads the largest index back to the host to size its output."""
     e, k, p = num_experts, top_k_index.shape[-1], top_k_index.numel()
     c, s, dev, i64 = e + 1, min(num_experts, p), top_k_index.device, torch.int64

@@ -19,8 +19,8 @@ Bounds (supports()): int32 or int64 indices, 1 <= P <= MAX_PAIRS = 1024 and 1 <=
 one program of 4 warps: 128..1024 sort keys and 32..512 histogram bins (powers of two) in registers.
 Indices should be contiguous (topk's are): others cost reshape's copy, one more launch.
 
-Status: the default (KernelSettings.moe_route_fused; moe_gemv.route falls back to the counting sort outside
-these bounds). On an H100 at daff6d8 its GPU tests (tests/test_moe_route_kernel.py: bit-equal to the counting
+Status: the default (KernelSettings.moe_route_fused; outside these bounds moe_gemv.route falls back to the
+counting sort, or to the two argsorts where moe_route_counting is off). On an H100 at daff6d8 its GPU tests (tests/test_moe_route_kernel.py: bit-equal to the counting
 sort, a CUDA-graph replay) passed, and from a graph it took 4.1 µs at 64 tokens, top-8 of 128 experts, against
 the counting sort's 40.6 (`qerl bench moe --route`; benchmarks/kernels.md).
 """
@@ -47,14 +47,16 @@ def supports(top_k_index: torch.Tensor, num_experts: int) -> bool:
         return False
     if not 1 <= top_k_index.numel() <= MAX_PAIRS or not 1 <= num_experts <= MAX_EXPERTS:
         return False
-    return top_k_index.is_cuda or (RUN_ON_CPU_INTERPRETER and top_k_index.device.type == "cpu")
+    from .triton_backend import HAVE_TRITON
+
+    return HAVE_TRITON and (top_k_index.is_cuda or (RUN_ON_CPU_INTERPRETER and top_k_index.device.type == "cpu"))
 
 
 def route_fused(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """moe_gemv._route_counting(top_k_index, num_experts) in one launch; the caller checks supports()."""
     e, k, p = num_experts, top_k_index.shape[-1], top_k_index.numel()
     s, dev = min(e, p), top_k_index.device
-    # Rows padded to 16 bytes, as _route_counting's: Triton specializes the GEMV's pointers on alignment.
+    # int64 rows padded to 16 bytes, as _route_counting's: Triton specializes the GEMV's pointers on alignment.
     i64 = torch.empty(2, p + (p & 1), dtype=torch.int64, device=dev)
     i32 = torch.empty(4, (s + 4) & ~3, dtype=torch.int32, device=dev)
     expert = torch.empty(p, dtype=top_k_index.dtype, device=dev)

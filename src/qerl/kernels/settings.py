@@ -68,7 +68,8 @@ class KernelSettings:
     ptx_decode: bool = True
     """The Triton kernels decode NVFP4/MXFP4 with inline PTX for bf16 (False: the portable decode)."""
     moe_route_counting: bool = True
-    """MoE decode sorts its token-expert pairs by a counting sort (kernels/moe_gemv._route_counting: no argsort;
+    """Where the one-launch route (moe_route_fused) is off or out of its bounds, MoE decode sorts its token-expert
+    pairs by a counting sort (kernels/moe_gemv._route_counting: no argsort;
     the same routing bit for bit, tests/test_moe_route.py) instead of two argsorts (False). The H100 profile put
     the argsort version at 81 µs and 36 launches a Qwen3-30B-A3B layer at 64 sequences, a radix sort 27 µs of it.
     H100 at 9b635f0, one GRPO step each (`qerl bench step`, 8x8, 256 new): rollout 1.08x on Qwen3-30B-A3B
