@@ -147,12 +147,15 @@ step_moe24() {  # the 24 GB recipe's two first candidates (docs/moe-24gb.md) und
 }
 
 step_moe_kernels() {  # the MoE decode GEMV alone over tile sizes (Qwen3-30B-A3B NVFP4, gpt-oss-20b MXFP4), then one
-                     # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side
-  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64}
+                     # Qwen3 layer call: the loop, the grouped path, the GEMV and humming's MoE GEMM side by side.
+                     # GRID: the sweep's axes (bench moe --sweep-grid), by default around the daff6d8 tiles with
+                     # 3-4 stages and a register cap of none, 64 or 96 (ncu: 25 % occupancy from 107 registers)
+  local g=${GRID:-"16;64,128;128,256;4,8;3,4;1;0,64,96"}
+  run moe_sweep_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --sweep-grid "$g"
   # skewed routing (a few experts take most tokens, as the random-weight model's)
-  run moe_sweep_qwen3_skew 150 python3 -m qerl.bench.moe $R --sweep --batches 64 --skew ${SKEW:-2}
+  run moe_sweep_qwen3_skew 150 python3 -m qerl.bench.moe $R --sweep --batches 64 --skew ${SKEW:-2} --sweep-grid "$g"
   run moe_sweep_gptoss 150 python3 -m qerl.bench.moe $R --sweep --batches ${MB:-1,8,64} --experts 32 --hidden 2880 \
-    --inter 2880 --top-k 4 --format mxfp4
+    --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "$g"
   run moe_humming 120 python3 -m qerl.bench.moe $R --humming --batches 1,8,64,512
 }
 
@@ -172,12 +175,12 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
                    # pages come back in $OUT/ncu
   mkdir -p $OUT/ncu
   # first the GEMV's x loads side by side (Tiles.x_mode 0: stride-2 gathers, 1: contiguous + split, 2: joined weights)
-  local g="16;64,128;128,256;4,8;3;0,1,2"
+  local g="16;64,128;128,256;4,8;3;0,1,2;0"
   TAIL=6 run pytest_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_gemv.py tests/test_moe_route_kernel.py
   run moe_route_qwen3 90 python3 -m qerl.bench.moe $R --route --batches 1,8,64
   TAIL=12 run moe_xmode_qwen3 150 python3 -m qerl.bench.moe $R --sweep --batches 8,64 --sweep-grid "$g"
   TAIL=12 run moe_xmode_gptoss 120 python3 -m qerl.bench.moe $R --sweep --batches 64 --experts 32 --hidden 2880 \
-    --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "16,32;64,128;128,256;4,8;3;0,1,2"
+    --inter 2880 --top-k 4 --format mxfp4 --sweep-grid "16,32;64,128;128,256;4,8;3;0,1,2;0"
   local f="--set full --import-source no --clock-control none"
   TAIL=5 run ncu_moe_qwen3 150 ncu $f -k regex:grouped_gemv --launch-count 2 -o $OUT/ncu/moe_qwen3 -f \
     python3 -m qerl.bench.moe --batches 64

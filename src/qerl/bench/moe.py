@@ -80,8 +80,8 @@ def _profile(q, h, e, top_k, dev, dt):
             print(ev.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
 
 
-SWEEP = ((16, 32, 64), (32, 64, 128), (128, 256), (4, 8), (3,), (0, 1, 2))  # block_m, block_n, block_k, warps,
-# stages, x_mode
+SWEEP = ((16, 32, 64), (32, 64, 128), (128, 256), (4, 8), (3,), (0, 1, 2), (0,))  # block_m, block_n, block_k,
+# warps, stages, x_mode, maxnreg (0: the compiler's choice)
 
 
 def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
@@ -92,7 +92,7 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
 
     from ..kernels import moe_gemv
 
-    grid = [moe_gemv.Tiles(bm, bn, bk, w, st, xm) for bm, bn, bk, w, st, xm in
+    grid = [moe_gemv.Tiles(bm, bn, bk, w, st, xm, reg) for bm, bn, bk, w, st, xm, reg in
             itertools.product(*axes)]
     for t in batches:
         if t > moe_gemv.MAX_TOKENS:
@@ -135,6 +135,7 @@ def _sweep(q, h, i, e, top_k, batches, dev, dt, expert_bytes, rec, axes=SWEEP):
         for name, tiles in (("old", old), ("default", default), ("best", best)):
             if tiles in times:
                 xm = f" x{tiles.x_mode}" if tiles.x_mode else ""  # older rows: x_mode 0
+                xm += f" r{tiles.maxnreg}" if tiles.maxnreg else ""
                 rec(f"T={t} gemv kernel only, {name} tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
                     f"w{tiles.num_warps} s{tiles.num_stages}{xm}", "gemv_kernel_us", times[tiles])
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="the GEMV kernel alone over tile sizes at decode batches (GPU)")
     ap.add_argument("--route", action="store_true", help="µs of building the routing, per version (GPU graphs)")
     ap.add_argument("--sweep-grid", default=None, help="the sweep's axes as 'block_m;block_n;block_k;warps;stages;"
-                    "x_mode', each a comma list (default: " + ";".join(",".join(map(str, v)) for v in SWEEP) + ")")
+                    "x_mode;maxnreg', each a comma list (default: " + ";".join(",".join(map(str, v)) for v in SWEEP) + ")")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="routing skew s: expert j drawn with weight (j+1)^-s (0: uniform; the case names it)")
     a = ap.parse_args(argv)

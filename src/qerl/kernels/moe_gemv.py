@@ -97,6 +97,8 @@ class Tiles:
     num_stages: int = 3  # old 468.1); Qwen3 at 8 tokens 144.9 (best 136.1, old 143.8)
     x_mode: int = 1  # GPU decode only: 0 two dots over even / odd k with x read at stride 2; 1 x read contiguous
     # and split in registers; 2 x read contiguous and the decoded halves joined back into k order, one dot
+    maxnreg: int = 0  # GPU only: a register cap a thread (0: the compiler's choice). ncu found the kernel at 25 %
+    # occupancy, limited by its 107 registers (benchmarks/kernels.md): a lever for the sweep, not yet measured
 
 
 def default_tiles(pairs: int, num_experts: int) -> Tiles:
@@ -328,12 +330,13 @@ def grouped_gemv(x: torch.Tensor, rows: torch.Tensor | None, routing: Routing, f
     grid = (routing.slot_expert.numel(), cdiv(n, tiles.block_n))
     block_k = min(tiles.block_k, max(g, next_pow2(k)))
     _build_kernel()
+    cap = {"maxnreg": tiles.maxnreg} if tiles.maxnreg and x.is_cuda else {}
     _grouped_gemv_kernel[grid](
         x, rows if rows is not None else routing.order, packed, scale, factor if factor is not None else x, y,
         routing.slot_expert, routing.slot_start, routing.slot_count, n, k, x.stride(0), y.stride(0), mx_shift,
         FMT=fid, BF16=x.dtype == torch.bfloat16, ASM=asm, HAS_FAC=factor is not None, GATHER=rows is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, X_MODE=tiles.x_mode, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **cap)
     return y
 
 
