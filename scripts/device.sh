@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag ab_grouped moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag ncu_dense ab_grouped moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -194,6 +194,17 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
   done
   grep -E "grouped_gemv|w4_|humming|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Executed Instructions  " \
     $OUT/ncu/*.txt 2>/dev/null | head -n 150
+}
+
+step_ncu_dense() {  # issue 58: ncu --set full on the dense 7B groups (NCU_GROUPS, default q|k|v and gate|up) at MS
+                   # (default 64) for MODES (default wgmma, mma, humming's stream-K); reports in $OUT/ncu
+  mkdir -p $OUT/ncu
+  TAIL=5 run ncu_dense 300 ncu --set full --import-source no --clock-control none --nvtx --nvtx-include "profile/" \
+    -o $OUT/ncu/dense -f python3 -m qerl.bench.kernels --ncu --models qwen2.5-7b --groups ${NCU_GROUPS:-qkv,gate_up} \
+    --ms ${MS:-64} --modes ${MODES:-wgmma,mma,humming_streamk,humming_ns}
+  [ -f $OUT/ncu/dense.ncu-rep ] && ncu --import $OUT/ncu/dense.ncu-rep --page details > $OUT/ncu/dense.txt 2>&1
+  grep -E "w4_|humming|gemm|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|Grid Size|Block Size|L2 Hit|Executed Instructions  " \
+    $OUT/ncu/dense.txt 2>/dev/null | head -n 120
 }
 
 step_profile() {  # where one 7B decode step's time goes, by kernel kind (NVFP4 and bf16, batch 1 and 64);
