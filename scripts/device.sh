@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on the device machine, one step a call (a call runs 10 minutes at most):
 #   STEP=<step> bash scripts/device.sh          (or: bash scripts/device.sh <step>)
-# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag ncu_dense ab_grouped moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
+# steps: tests kernels rollout step moe moe24 moe_kernels ncu_diag ncu_dense sk2 ab_grouped moe_chunks moe_speed moe24_fast goss14 route ncu profile profile_update overlap default_run study scaling model, and all (tests kernels
 # rollout step moe ncu default_run one after the other: give LIMIT=<seconds> where a call may run that long).
 #
 # The machine runs a copy of the working tree without .git: before the call, here, `python -m qerl.bench.record
@@ -45,6 +45,7 @@ KERNEL_MODES=(
   humming                 # route kernel humming_bi: humming-kernels, batch-invariant tiles
   humming_nosplit         # route kernel humming_ns: humming's default tiles without split
   humming_streamk         # route kernel humming_sk: humming's default stream-K (other bits each call)
+  humming_sk2             # route kernel humming_sk2: its stream-K, at most 2 slices a tile (one store, one add)
   humming_ksplit2         # route kernel humming_ksplit2: split-K through humming's grouped GEMM, 2 K-slices
   humming_ksplit4         # the same, 4 K-slices
   humming_lora32          # humming (no split) with LoRA r32, the shrink first
@@ -194,6 +195,11 @@ step_ncu_diag() {  # issues 58/59, profile before optimizing: ncu --set full on 
   done
   grep -E "grouped_gemv|w4_|humming|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Issue Slots Busy|Grid Size|Block Size|L1/TEX Hit|L2 Hit|Executed Instructions  " \
     $OUT/ncu/*.txt 2>/dev/null | head -n 150
+}
+
+step_sk2() {  # issue 58: humming's stream-K configs for the 7B layer set, the two-slice grids of kernels/humming_sk2.py,
+             # and µs + repeatability of stream-K, sk2 and no-split side by side (scripts/probe_sk2.py)
+  TAIL=80 run probe_sk2 200 python3 scripts/probe_sk2.py
 }
 
 step_ncu_dense() {  # issue 58: ncu --set full on the dense 7B groups (NCU_GROUPS, default q|k|v and gate|up) at MS

@@ -36,7 +36,7 @@ from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
 MODES = ["bf16", "nvfp4", "mma", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
-         "humming", "humming_streamk", "humming_nosplit", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
+         "humming", "humming_streamk", "humming_nosplit", "humming_sk2", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
 # (N, K) of the fused groups of one decoder layer.
@@ -227,11 +227,13 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
         return out
     if mode.startswith("humming_ksplit"):  # a repeatable split-K through humming's grouped GEMM (a candidate)
         return [lambda w=w: w.matmul(x) for w in sets.ksplit(int(mode.removeprefix("humming_ksplit")))]
-    if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_lora32"):
+    if mode in ("humming", "humming_streamk", "humming_nosplit", "humming_sk2", "humming_lora32"):
         if mode == "humming":  # batch-invariant tiles
             return [lambda h=h: h.matmul(x, backend="humming_bi") for h in sets.humming]
         if mode == "humming_streamk":  # humming's own default config (stream-K: not bit-repeatable), for comparison
             return [lambda h=h: h.run(x) for h in sets.humming]
+        if mode == "humming_sk2":  # its stream-K on grids with at most two slices a tile (bit-repeatable)
+            return [lambda h=h: h.matmul(x, backend="humming_sk2") for h in sets.humming]
         if mode == "humming_nosplit":  # its default tiles with stream-K off (bit-repeatable: a candidate mode)
             from ..kernels.humming_backend import nosplit_tuning
 
@@ -423,7 +425,7 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
                      (case, "humming_speedup_vs_bf16", bf / g("humming"), "x", None)]
         if ("humming_streamk", m) in agg:
             rows.append((case, "humming_streamk_us", g("humming_streamk"), "us", None))
-        for mode in ("humming_nosplit", "humming_ksplit2", "humming_ksplit4"):
+        for mode in ("humming_nosplit", "humming_sk2", "humming_ksplit2", "humming_ksplit4"):
             if (mode, m) in agg:
                 rows += [(case, f"{mode}_us", g(mode), "us", None),
                          (case, f"{mode}_speedup_vs_bf16", bf / g(mode), "x", None)]
@@ -443,7 +445,7 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
 
 # The bench mode that times each kernel the routes table may name (kernels/routes.py BACKENDS)
 KERNEL_OF_MODE = {"mma": "mma", "wgmma": "wgmma", "dequant": "dequant_cublas", "humming": "humming_bi",
-                  "humming_nosplit": "humming_ns", "humming_streamk": "humming_sk",
+                  "humming_nosplit": "humming_ns", "humming_streamk": "humming_sk", "humming_sk2": "humming_sk2",
                   **{k: k for k in routes.KSPLIT}}
 
 

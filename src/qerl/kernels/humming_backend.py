@@ -127,17 +127,38 @@ def nosplit_tuning(layer_config, device: torch.device, gemm_type: str = "dense")
     return _NOSPLIT[key]
 
 
+_SK2: dict[tuple, str] = {}
+
+
+def sk2_tuning(layer_config, device: torch.device, gemm_type: str = "dense") -> str:
+    """humming's default heuristics for this layer config with each stream-K grid narrowed to one that cuts no tile
+    into more than two slices (kernels/humming_sk2.py: bit-repeatable), as the JSON string humming's forward takes,
+    once per (config, device, GEMM type)."""
+    from humming.tune import get_heuristics_config
+
+    from .humming_sk2 import sk2_entries
+
+    key = (layer_config.to_str(), device.index, gemm_type)
+    if key not in _SK2:
+        entries = get_heuristics_config(layer_config, None, gemm_type=gemm_type, device=device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _SK2[key] = json.dumps(sk2_entries(entries, (layer_config.shape_n, layer_config.shape_k), sms))
+    return _SK2[key]
+
+
 def call_configs(backend: str, layer_config, device: torch.device) -> tuple[dict | None, str | None]:
     """(compute_config, tuning_config) of the humming kernel a routes name means (kernels/routes.py HUMMING):
     humming_bi batch-invariant tiles, humming_ns its tiles without split, humming_sk its own default (stream-K,
-    partial sums in arrival order)."""
+    partial sums in arrival order), humming_sk2 its stream-K with at most two slices a tile (repeatable)."""
     if backend == "humming_bi":
         return COMPUTE, None
     if backend == "humming_ns":
         return None, nosplit_tuning(layer_config, device)
     if backend == "humming_sk":
         return None, None
-    raise ValueError(f"humming backend: {backend!r} is not one of humming_bi, humming_ns, humming_sk")
+    if backend == "humming_sk2":
+        return None, sk2_tuning(layer_config, device)
+    raise ValueError(f"humming backend: {backend!r} is not one of humming_bi, humming_ns, humming_sk, humming_sk2")
 
 
 @dataclass

@@ -24,10 +24,12 @@ TABLE_PATH = Path(__file__).with_name("routes.json")
 OWN = ("mma", "wgmma", "dequant_cublas")  # qerl's mma.sync (M <= 64), Hopper wgmma (M 9-256), dequantize + cuBLAS
 # humming-kernels on its own copy of the weight (or the stored humming layout), one name a mode of its kernel:
 # humming_bi: batch-invariant tiles (its use_batch_invariant); humming_ns: its default tiles, no split;
-# humming_sk: its default stream-K (partial sums in arrival order: other bits each call, so only in the _streamk lists).
+# humming_sk: its default stream-K (partial sums in arrival order: other bits each call, so only in the _streamk lists);
+# humming_sk2: its stream-K on a grid that cuts no tile into more than two slices (one store, one add: repeatable,
+# kernels/humming_sk2.py).
 # (humming's stream-K made repeatable, TMA stores off and at most 3 slices a tile so that they add in lock order, ran
 # 30-750x slower than its stream-K on the H100 at bc1ce0b, and TMA stores off alone cost 10-60 %: retired.)
-HUMMING = ("humming_bi", "humming_ns", "humming_sk")
+HUMMING = ("humming_bi", "humming_ns", "humming_sk", "humming_sk2")
 # humming_ksplitS: K cut into S slices run as one grouped GEMM and summed in a fixed order (kernels/humming_ksplit.py)
 KSPLIT = {"humming_ksplit2": 2, "humming_ksplit4": 4}
 BACKENDS = (*OWN, *HUMMING, *KSPLIT)

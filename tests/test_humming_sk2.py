@@ -1,0 +1,120 @@
+"""The port of humming's stream-K scheduler (kernels/humming_sk2.py) and the grids it picks, on the CPU.
+
+The reference is a plain model of stream-K, independent of the port's slice formulas: CTA c runs the K blocks
+[start_c, start_c + iters_c) of the flattened (tile, K block) space, and a tile's slices are the CTAs whose range
+meets it, numbered so that the CTA holding the tile's last K block is slice 0 (it stores; the others add). The
+kernel's own slice count and id (what its lock protocol waits on) must agree with it."""
+
+import math
+
+import pytest
+
+from qerl.kernels.humming_sk2 import MAX_SLICES, STREAMK_MAX_M, Tiling, schedule, sk2_entries, sk2_grid
+
+SHAPES_7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
+
+
+def _reference(t: Tiling, m: int, groups: int, s):
+    """{tile: [(cta, k_first, k_blocks), ...]} from the CTAs' ranges alone (the port's dp and per-CTA length)."""
+    bm, bn, bk = t.block
+    kb = t.k // bk
+    tiles = math.ceil(m / (bm * t.cluster_m)) * (t.n // bn // t.cluster_n)
+    start0 = groups * s.dp_tiles_per_cta * kb
+    out = {}
+    for c in range(groups):
+        lo = start0 + s.streamk_iters * c
+        hi = min(lo + s.streamk_iters, tiles * kb)
+        for tile in range(lo // kb, (hi - 1) // kb + 1) if hi > lo else ():
+            a, b = max(lo, tile * kb), min(hi, (tile + 1) * kb)
+            out.setdefault(tile, []).append((c, a - tile * kb, b - a))
+    return out
+
+
+CASES = [(n, k, blk, st, m, g) for n, k in SHAPES_7B + [(1024, 4096), (2048, 512)]
+         for blk in [(64, 128, 64), (16, 128, 128), (128, 256, 64)] for st in (2, 4)
+         for m in (1, 16, 64, 100, 256, 1000) for g in (7, 66, 132)]
+
+
+@pytest.mark.parametrize("n,k,blk,stages,m,groups", CASES[::7])
+def test_the_kernels_slice_counts_and_ids_match_the_cta_ranges(n, k, blk, stages, m, groups):
+    t = Tiling(n, k, blk, stages)
+    s = schedule(t, m, groups)
+    ref = _reference(t, m, groups, s)
+    got = {}
+    for v in s.visits:
+        got.setdefault(v.tile, []).append(v)
+    assert sorted(got) == sorted(ref)
+    for tile, parts in ref.items():
+        visits = sorted(got[tile], key=lambda v: v.k_first)
+        assert [(v.cta, v.k_first, v.k_blocks) for v in visits] == parts
+        assert {v.slice_count for v in visits} == {len(parts)}
+        # ids count down along K: the share holding the tile's last K block is slice 0
+        assert [v.slice_id for v in visits] == list(range(len(parts) - 1, -1, -1))
+    # every K block of every tile runs exactly once: in whole data-parallel tiles or in a stream-K share
+    kb = k // blk[2]
+    tiles = math.ceil(m / blk[0]) * (n // blk[1])
+    assert groups * s.dp_tiles_per_cta * kb + sum(v.k_blocks for v in s.visits) == tiles * kb
+
+
+def test_the_data_parallel_waves_and_the_merged_remainder():
+    # 148 tiles on 132 CTAs: 16 left over; 16 * 10 > 132, so one data-parallel wave and 16 tiles shared
+    t = Tiling(37888, 3584, (64, 256, 64), 4)
+    s = schedule(t, 64, 132)
+    assert s.dp_tiles_per_cta == 1 and s.streamk_iters == 4 * math.ceil(math.ceil(16 * 56 / 132) / 4)
+    # 140 tiles: 8 left over, 8 * 10 <= 132, so the last wave merges into the shared part (no data-parallel wave)
+    s = schedule(Tiling(35840, 3584, (64, 256, 64), 4), 64, 132)
+    assert s.dp_tiles_per_cta == 0 and s.streamk_iters == 4 * math.ceil(math.ceil(140 * 56 / 132) / 4)
+
+
+@pytest.mark.parametrize("n,k", SHAPES_7B)
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("blk", [(64, 128, 64), (128, 256, 64)])
+def test_the_sk2_grid_keeps_every_tile_within_two_slices_and_is_the_shortest(n, k, m, blk):
+    t = Tiling(n, k, blk, 4)
+    sms = sk2_grid(t, m, 132)
+    s = schedule(t, m, t.groups(sms))
+    assert s.max_slices <= MAX_SLICES
+    if schedule(t, m, 132).max_slices <= MAX_SLICES:
+        assert sms == 132  # humming's own grid kept where it already repeats
+        return
+    for other in range(1, 133):  # no other allowed grid has a shorter busiest CTA
+        o = schedule(t, m, t.groups(other))
+        if o.max_slices <= MAX_SLICES:
+            assert (o.cta_iters, other) >= (s.cta_iters, sms)
+
+
+def test_humming_s_own_grid_cuts_tiles_into_more_than_two_slices_where_sk2_narrows_it():
+    # q|k|v at M 64 on 132 SMs: humming's grid cuts its 36 tiles into 4 slices (three adds in arrival order)
+    t = Tiling(4608, 3584, (64, 128, 64), 4)
+    assert schedule(t, 64, 132).max_slices > MAX_SLICES
+    sms = sk2_grid(t, 64, 132)
+    assert sms < 132 and schedule(t, 64, t.groups(sms)).max_slices <= MAX_SLICES
+
+
+def test_clusters_and_two_ctas_a_sm_count_groups_as_the_launcher_does():
+    t = Tiling(4608, 3584, (64, 128, 64), 4, cluster_n=2, ctas_per_sm=2)
+    assert t.groups(132) == 132  # 264 CTAs, clusters of 2
+    sms = sk2_grid(t, 64, 132)
+    assert schedule(t, 64, t.groups(sms)).max_slices <= MAX_SLICES
+
+
+def test_sk2_entries_cover_the_same_m_keep_tma_stores_and_narrow_only_the_grid():
+    cfg = {"block_shape": (64, 128, 64), "warp_shape": (64, 32, 64), "num_stages": 4, "use_stream_k": True,
+           "use_tma_c": True, "num_sms": 132, "num_ctas_per_sm": 1}
+    nosplit = {**cfg, "use_stream_k": False}
+    entries = [[1, 200, cfg], [201, 300, nosplit], [301, 1 << 20, cfg]]
+    out = sk2_entries(entries, (4608, 3584), 132)
+    assert out[0][0] == 1 and out[-1][1] == 1 << 20
+    assert all(a[1] + 1 == b[0] for a, b in zip(out, out[1:]))  # contiguous, the same span
+    for lo, hi, c in out:
+        assert {key: v for key, v in c.items() if key not in ("num_sms", "use_stream_k")} == \
+            {key: v for key, v in cfg.items() if key not in ("num_sms", "use_stream_k")}
+        if not c["use_stream_k"]:
+            continue
+        assert hi <= STREAMK_MAX_M and 1 <= c["num_sms"] <= 132
+        t = Tiling.of(c, 4608, 3584)
+        assert math.ceil(lo / 64) == math.ceil(hi / 64)  # one M-block count an entry
+        assert schedule(t, hi, t.groups(c["num_sms"])).max_slices <= MAX_SLICES
+    assert [c for lo, hi, c in out if lo <= 250 <= hi] == [nosplit]
+    assert out[-1][2]["use_stream_k"] is False and out[-1][0] == STREAMK_MAX_M + 1
+
