@@ -63,7 +63,7 @@ def main():
             g2 = sk2_grid(t, m, int(c.get("num_sms") or sms))
             s2 = schedule(t, m, t.groups(g2))
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            row = [f"{name} M{m}: slices {own.max_slices} iters {own.cta_iters} | sk2 grid {g2} slices "
+            row = [f"{name} M{m}: tma_c {int(t.tma_stores)} slices {own.max_slices} iters {own.cta_iters} | sk2 grid {g2} slices "
                    f"{s2.max_slices} iters {s2.cta_iters}"]
             for mode in ("humming_sk", "humming_sk2", "humming_ns"):
                 cc, tc = call_configs(mode, hw.layer.humming_config, dev)

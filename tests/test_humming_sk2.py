@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from qerl.kernels.humming_sk2 import MAX_SLICES, STREAMK_MAX_M, Tiling, schedule, sk2_entries, sk2_grid
+from qerl.kernels.humming_sk2 import (MAX_SLICES, MAX_SLICES_LOCKED, STREAMK_MAX_M, Tiling, schedule, sk2_entries,
+                                      sk2_grid, tma_stores)
 
 SHAPES_7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
 
@@ -71,6 +72,7 @@ def test_the_data_parallel_waves_and_the_merged_remainder():
 @pytest.mark.parametrize("blk", [(64, 128, 64), (128, 256, 64)])
 def test_the_sk2_grid_keeps_every_tile_within_two_slices_and_is_the_shortest(n, k, m, blk):
     t = Tiling(n, k, blk, 4)
+    assert t.max_ordered_slices == MAX_SLICES  # TMA stores unless a config says otherwise
     sms = sk2_grid(t, m, 132)
     s = schedule(t, m, t.groups(sms))
     assert s.max_slices <= MAX_SLICES
@@ -118,3 +120,16 @@ def test_sk2_entries_cover_the_same_m_keep_tma_stores_and_narrow_only_the_grid()
     assert [c for lo, hi, c in out if lo <= 250 <= hi] == [nosplit]
     assert out[-1][2]["use_stream_k"] is False and out[-1][0] == STREAMK_MAX_M + 1
 
+
+
+def test_configs_without_tma_stores_may_keep_three_slices_that_add_in_turn():
+    cfg = {"block_shape": (16, 128, 128), "num_stages": 4, "use_stream_k": True, "use_tma": False}
+    assert not tma_stores(cfg) and tma_stores({**cfg, "use_tma_c": True}) and tma_stores({"use_tma": None})
+    t = Tiling.of(cfg, 3584, 3584)
+    assert t.max_ordered_slices == MAX_SLICES_LOCKED
+    got = {m: schedule(t, m, t.groups(sk2_grid(t, m, 132))).max_slices for m in (1, 16)}
+    assert max(got.values()) <= MAX_SLICES_LOCKED
+    # where three slices give a shorter busiest CTA than two, the locked config takes it
+    t2 = Tiling.of({**cfg, "use_tma_c": True}, 3584, 3584)
+    assert schedule(t, 16, t.groups(sk2_grid(t, 16, 132))).cta_iters <= \
+        schedule(t2, 16, t2.groups(sk2_grid(t2, 16, 132))).cta_iters

@@ -1,12 +1,14 @@
 """humming's stream-K on a grid that cuts no output tile into more than two slices: bit-repeatable, as it is.
 
 Why two slices repeat (humming-kernels 0.1.20, include/humming/epilogue/pipeline.cuh and gmem_writer.cuh). With TMA
-stores (humming's default on sm_90) the slices of a split tile meet through the tile's lock: slice 0 waits for the lock
-at 0, *stores* its bf16 partial and sets the lock to 1 - count; every other slice waits until the lock is negative,
-then reduce-adds its partial (TMA add) and adds 1 to the lock. With three or more slices the adds after the store
-land in arrival order (a race: other bits each call, benchmarks/kernels.md). With two there is one store and then
-one add: out = bf16(p0 + p1) every time, whatever order the CTAs finish in. No kernel change, no extra pass: only
-the grid (the config's `num_sms`) decides how many slices a tile gets.
+stores (most of humming's sm_90 configs) the slices of a split tile meet through the tile's lock: slice 0 waits for
+the lock at 0, *stores* its bf16 partial and sets the lock to 1 - count; every other slice waits until the lock is
+negative, then reduce-adds its partial (TMA add) and adds 1 to the lock. With three or more slices the adds after the
+store land in arrival order (a race: other bits each call, benchmarks/kernels.md). With two there is one store and
+then one add: out = bf16(p0 + p1) every time, whatever order the CTAs finish in. Configs without TMA stores (humming's
+mma.sync configs at small M) take turns on the lock by slice id up to three slices (read, add, write back), and use
+atomics above: three slices repeat there. No kernel change, no extra pass: only the grid (the config's `num_sms`)
+decides how many slices a tile gets.
 
 How many slices each tile gets follows from the grid, the M-block count and the tile alone: `schedule` ports
 humming's scheduler (include/humming/scheduler.cuh: the constructor and get_streamk_next_block, sm_90, bf16
@@ -23,8 +25,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MAX_SLICES = 2          # one store, then one add: a fixed order
+MAX_SLICES = 2          # with TMA stores: one store, then one add, a fixed order
+MAX_SLICES_LOCKED = 3   # without: slices take turns by id up to 3 (atomics above)
 STREAMK_MAX_M = 4096    # above this M every config runs without split (its tiles fill the card several times over)
+
+
+def tma_stores(cfg: dict) -> bool:
+    """Whether a config writes its output by TMA (humming's candidate.py: use_tma_c, else use_tma). Unset reads as
+    yes: the two-slice bound holds either way."""
+    c = cfg.get("use_tma_c")
+    c = cfg.get("use_tma") if c is None else c
+    return c is None or bool(c)
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,13 @@ class Tiling:
     def of(cls, cfg: dict, n: int, k: int) -> "Tiling":
         return cls(n, k, tuple(cfg["block_shape"]), int(cfg.get("num_stages", 2)),
                    int(cfg.get("multi_cast_size_a", 1)) * int(cfg.get("umma_cta_group_size", 1)),
-                   int(cfg.get("multi_cast_size_b", 1)), int(cfg.get("num_ctas_per_sm", 1)))
+                   int(cfg.get("multi_cast_size_b", 1)), int(cfg.get("num_ctas_per_sm", 1)), tma_stores(cfg))
+
+    tma_stores: bool = True
+
+    @property
+    def max_ordered_slices(self) -> int:
+        return MAX_SLICES if self.tma_stores else MAX_SLICES_LOCKED
 
     @property
     def cluster(self) -> int:
@@ -122,10 +139,11 @@ def schedule(t: Tiling, m: int, groups: int) -> Schedule:
 
 
 def sk2_grid(t: Tiling, m: int, max_sms: int) -> int:
-    """The num_sms (<= max_sms) whose stream-K partition of M rows cuts no tile into more than MAX_SLICES slices,
-    with the shortest busiest CTA, then the fewest CTAs (fewer partial sums). max_sms itself when it already does.
-    One CTA group always qualifies (it runs every tile whole)."""
-    if schedule(t, m, t.groups(max_sms)).max_slices <= MAX_SLICES:
+    """The num_sms (<= max_sms) whose stream-K partition of M rows cuts no tile into more slices than add in a fixed
+    order (t.max_ordered_slices), with the shortest busiest CTA, then the fewest CTAs (fewer partial sums). max_sms
+    itself when it already does. One CTA group always qualifies (it runs every tile whole)."""
+    limit = t.max_ordered_slices
+    if schedule(t, m, t.groups(max_sms)).max_slices <= limit:
         return max_sms
     best = None
     for sms in range(1, max_sms + 1):
@@ -133,7 +151,7 @@ def sk2_grid(t: Tiling, m: int, max_sms: int) -> int:
         if g < 1:
             continue
         s = schedule(t, m, g)
-        if s.max_slices > MAX_SLICES:
+        if s.max_slices > limit:
             continue
         key = (s.cta_iters, g)
         if best is None or key < best[0]:
