@@ -57,7 +57,7 @@ def main():
                   "use_stream_k", "use_tma_c", "num_sms", "num_ctas_per_sm", "multi_cast_size_a", "multi_cast_size_b",
                   "use_warp_spec")}))
         for m in [int(v) for v in args.ms.split(",")]:
-            c = next(c for lo, hi, c in entries if lo <= m <= hi)
+            c = next(c for lo, hi, c in entries if lo < m <= hi)  # humming: lo < M <= hi
             t = Tiling.of(c, n, k)
             own = schedule(t, m, t.groups(int(c.get("num_sms") or sms)))
             g2 = sk2_grid(t, m, int(c.get("num_sms") or sms))

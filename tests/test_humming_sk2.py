@@ -100,26 +100,37 @@ def test_clusters_and_two_ctas_a_sm_count_groups_as_the_launcher_does():
     assert schedule(t, 64, t.groups(sms)).max_slices <= MAX_SLICES
 
 
-def test_sk2_entries_cover_the_same_m_keep_tma_stores_and_narrow_only_the_grid():
+def test_sk2_entries_serve_the_same_m_keep_tma_stores_and_narrow_only_the_grid():
+    # humming's entries serve lo < M <= hi (its launcher), the first from 0
     cfg = {"block_shape": (64, 128, 64), "warp_shape": (64, 32, 64), "num_stages": 4, "use_stream_k": True,
-           "use_tma_c": True, "num_sms": 132, "num_ctas_per_sm": 1}
+           "use_tma_c": True, "num_sms": None, "num_ctas_per_sm": None}
     nosplit = {**cfg, "use_stream_k": False}
-    entries = [[1, 200, cfg], [201, 300, nosplit], [301, 1 << 20, cfg]]
+    entries = [[0, 200, cfg], [200, 300, nosplit], [300, 1 << 30, cfg]]
     out = sk2_entries(entries, (4608, 3584), 132)
-    assert out[0][0] == 1 and out[-1][1] == 1 << 20
-    assert all(a[1] + 1 == b[0] for a, b in zip(out, out[1:]))  # contiguous, the same span
+    served = lambda es, m: [c for lo, hi, c in es if lo < m <= hi]  # noqa: E731
+    for m in (1, 2, 63, 64, 65, 128, 200, 201, 300, 301, 4096, 4097, 1 << 30):
+        got = served(out, m)
+        assert len(got) == 1, m  # every M served once, as before
+        want = served(entries, m)[0]
+        assert {key: v for key, v in got[0].items() if key not in ("num_sms", "use_stream_k")} == \
+            {key: v for key, v in want.items() if key not in ("num_sms", "use_stream_k")}
+    assert out[0][0] == 0 and out[-1][1] == 1 << 30
+    assert all(a[1] == b[0] for a, b in zip(out, out[1:]))  # contiguous
     for lo, hi, c in out:
-        assert {key: v for key, v in c.items() if key not in ("num_sms", "use_stream_k")} == \
-            {key: v for key, v in cfg.items() if key not in ("num_sms", "use_stream_k")}
         if not c["use_stream_k"]:
             continue
         assert hi <= STREAMK_MAX_M and 1 <= c["num_sms"] <= 132
         t = Tiling.of(c, 4608, 3584)
-        assert math.ceil(lo / 64) == math.ceil(hi / 64)  # one M-block count an entry
+        assert math.ceil((lo + 1) / 64) == math.ceil(hi / 64)  # one M-block count an entry
         assert schedule(t, hi, t.groups(c["num_sms"])).max_slices <= MAX_SLICES
-    assert [c for lo, hi, c in out if lo <= 250 <= hi] == [nosplit]
-    assert out[-1][2]["use_stream_k"] is False and out[-1][0] == STREAMK_MAX_M + 1
+    assert served(out, 250) == [nosplit]
+    assert out[-1][2]["use_stream_k"] is False and out[-1][0] == STREAMK_MAX_M
 
+
+def test_unset_config_fields_read_as_humming_s_defaults():
+    t = Tiling.of({"block_shape": (64, 128, 64), "num_stages": None, "num_ctas_per_sm": None,
+                   "multi_cast_size_a": None}, 4608, 3584)
+    assert (t.stages, t.ctas_per_sm, t.cluster_n, t.cluster_m, t.tma_stores) == (2, 1, 1, 1, True)
 
 
 def test_configs_without_tma_stores_may_keep_three_slices_that_add_in_turn():

@@ -52,9 +52,10 @@ class Tiling:
 
     @classmethod
     def of(cls, cfg: dict, n: int, k: int) -> "Tiling":
-        return cls(n, k, tuple(cfg["block_shape"]), int(cfg.get("num_stages", 2)),
-                   int(cfg.get("multi_cast_size_a", 1)) * int(cfg.get("umma_cta_group_size", 1)),
-                   int(cfg.get("multi_cast_size_b", 1)), int(cfg.get("num_ctas_per_sm", 1)), tma_stores(cfg))
+        one = lambda key, default=1: int(cfg.get(key) or default)  # noqa: E731  (unset or None: humming's default)
+        return cls(n, k, tuple(cfg["block_shape"]), one("num_stages", 2),
+                   one("multi_cast_size_a") * one("umma_cta_group_size"), one("multi_cast_size_b"),
+                   one("num_ctas_per_sm"), tma_stores(cfg))
 
     tma_stores: bool = True
 
@@ -161,8 +162,9 @@ def sk2_grid(t: Tiling, m: int, max_sms: int) -> int:
 
 
 def sk2_entries(entries: list, shape: tuple[int, int], sm_count: int) -> list:
-    """humming's per-M configs ([m_lo, m_hi, config]) made repeatable: per M-block count, the grid of `sk2_grid` for
-    every config that splits K (stream-K); configs without split kept; stream-K off above STREAMK_MAX_M."""
+    """humming's per-M configs made repeatable: per M-block count, the grid of `sk2_grid` for every config that splits
+    K (stream-K); configs without split kept; stream-K off above STREAMK_MAX_M. An entry [lo, hi, config] serves
+    lo < M <= hi (humming's launcher.cpp), and so does each entry made here."""
     n, k = shape
     out = []
     for lo, hi, cfg in entries:
@@ -172,11 +174,11 @@ def sk2_entries(entries: list, shape: tuple[int, int], sm_count: int) -> list:
         t = Tiling.of(cfg, n, k)
         rows = t.block[0] * t.cluster_m
         max_sms = int(cfg.get("num_sms") or sm_count)
-        m = lo
+        m = lo + 1  # the first M this entry serves
         while m <= min(hi, STREAMK_MAX_M):
             top = min(hi, math.ceil(m / rows) * rows)  # the last M with the same M-block count
-            out.append([m, top, {**cfg, "num_sms": sk2_grid(t, top, max_sms)}])
+            out.append([m - 1, top, {**cfg, "num_sms": sk2_grid(t, top, max_sms)}])
             m = top + 1
         if m <= hi:
-            out.append([m, hi, {**cfg, "use_stream_k": False}])
+            out.append([m - 1, hi, {**cfg, "use_stream_k": False}])
     return out
