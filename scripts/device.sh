@@ -41,6 +41,7 @@ KERNEL_MODES=(
   nvfp4_lora32            # the same with LoRA r32 on every member
   mma                     # route kernel mma: qerl's mma.sync alone (M <= 64)
   wgmma                   # route kernel wgmma: qerl's wgmma alone (M 9-256; its ordered last-CTA split-K)
+  wgmma_waves             # the same kernel, K split by w4_wgmma.wave_splits (fewest waves x chunks): a candidate plan
   dequant                 # route kernel dequant_cublas: dequantize + cuBLAS
   humming                 # route kernel humming_bi: humming-kernels, batch-invariant tiles
   humming_nosplit         # route kernel humming_ns: humming's default tiles without split

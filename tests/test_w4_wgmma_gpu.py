@@ -84,6 +84,18 @@ def test_runs_are_bitwise_deterministic_with_split_k(m):
     assert torch.equal(_run(t, (n, k), x), _run(t, (n, k), x))
 
 
+@pytest.mark.parametrize("n,k,m", [(37888, 3584, 64), (3584, 18944, 64), (4608, 3584, 256), (3584, 18944, 256)])
+def test_the_wave_plans_split_computes_the_product_and_repeats(n, k, m):
+    # w4_wgmma.plan(waves=True): more K splits than the fill rule (bench kernels mode wgmma_waves)
+    t = _quant(n, k, 13)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = w4_wgmma.plan(m, n, k, sms, waves=True)
+    y = _run(t, (n, k), x, config=cfg)
+    assert _rel(y, _ref(t, (n, k), x)) < 1e-2
+    assert all(torch.equal(_run(t, (n, k), x, config=cfg), y) for _ in range(5))
+
+
 @pytest.mark.parametrize("xa_given", [True, False])
 @pytest.mark.parametrize("segs", [1, 3])
 @pytest.mark.parametrize("m", [9, 64, 200])

@@ -27,6 +27,31 @@ def test_plans_fit_shared_memory_and_cover_k():
             assert gx * 64 * cfg.wg >= n and gy * cfg.bn >= m
 
 
+def test_wave_plans_fit_cover_k_and_cut_the_modelled_chunk_steps():
+    for m in (9, 16, 32, 64, 100, 128, 256):
+        for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120)):
+            fill, waves = w4_wgmma.plan(m, n, k, 132), w4_wgmma.plan(m, n, k, 132, waves=True)
+            assert waves.smem_bytes() <= w4_wgmma.SMEM_LIMIT and (waves.chunks_per_split >= 8 or waves.splits == 1)
+            assert waves.splits * waves.chunks_per_split >= k // 64 > (waves.splits - 1) * waves.chunks_per_split
+            slots = 132 * fill.ctas_per_sm
+            blocks = -(-n // 64) * -(-m // fill.bn)
+
+            def steps(c):  # the model, written out: waves x (chunks a CTA + the split's extra)
+                extra = w4_wgmma.split_cost_chunks(c.bn) if c.splits > 1 else 0
+                return -(-blocks * c.splits // slots) * (c.chunks_per_split + extra)
+            assert steps(waves) <= steps(fill)
+    # gate|up at M 64: 592 tiles on 264 slots fill 2.24 waves; the fill rule runs them unsplit in 3
+    g = w4_wgmma.plan(64, 37888, 3584, 132, waves=True)
+    assert w4_wgmma.plan(64, 37888, 3584, 132).splits == 1 and g.splits > 1
+
+
+def test_wave_splits_leave_full_waves_alone_and_respect_min_chunks():
+    assert w4_wgmma.wave_splits(264 * 3, 56, 264, 64) == 1  # whole waves: nothing to gain
+    assert w4_wgmma.wave_splits(10, 56, 264, 64, min_chunks=8) <= 7
+    assert w4_wgmma.wave_splits(10, 7, 264, 64, min_chunks=8) == 1  # K too short to split
+    assert [w4_wgmma.split_cost_chunks(bn) for bn in (16, 64, 256)] == [2, 4, 4]
+
+
 def test_launcher_passes_the_kernels_parameters_in_order():
     w4_wgmma._check_arity()  # raises if Args and the kernel's signature differ
     assert nvrtc.parameters("w4_wgmma.cu", "w4_wgmma_matmul")[0] == "wq"

@@ -35,7 +35,7 @@ from ..kernels import routes
 from .record import commit, record, tee_log
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048, 8192]
-MODES = ["bf16", "nvfp4", "mma", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_lora32", "dequant",
+MODES = ["bf16", "nvfp4", "mma", "routed", "routed_lora32", "nvfp4_lora32", "nvfp4_lora32_cublas_shrink", "wgmma", "wgmma_waves", "wgmma_lora32", "dequant",
          "humming", "humming_streamk", "humming_nosplit", "humming_sk2", "humming_ksplit2", "humming_ksplit4", "humming_lora32",
          "humming_lora32_addmm", "humming_lora32_overlap", "triton", "tinygemm"]
 ROTATE_BYTES = 512 << 20  # bf16 bytes of weights per rotation (H200 L2: 50 MB)
@@ -200,10 +200,12 @@ def _fns(sets: Sets, mode: str, x: torch.Tensor, group: str, **cfg):
             lora = dispatch.LoraTerm(xa, sets.lora_b, 2.0, starts, a=a)
             return mma_backend.matmul(x, mma, t, shape, lora=lora)
         return [lambda t=t: call(t) for t in sets.mma]
-    if mode in ("wgmma", "wgmma_cfg", "wgmma_lora32"):
-        # The wgmma kernel called directly (whether or not KernelSettings.wgmma routes layers to it yet).
-        c = (w4_wgmma.plan(x.shape[0], n, k, torch.cuda.get_device_properties(0).multi_processor_count, **cfg)
-             if mode == "wgmma_cfg" else None)
+    if mode in ("wgmma", "wgmma_cfg", "wgmma_waves", "wgmma_lora32"):
+        # The wgmma kernel called directly (whether or not KernelSettings.wgmma routes layers to it yet);
+        # wgmma_waves: its split of K by w4_wgmma.wave_splits (fewest waves x chunks) instead of the fill rule
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        c = (w4_wgmma.plan(x.shape[0], n, k, sms, **cfg) if mode == "wgmma_cfg"
+             else w4_wgmma.plan(x.shape[0], n, k, sms, waves=True) if mode == "wgmma_waves" else None)
         lora = None
         if mode == "wgmma_lora32":
             segs, r = SEGMENTS.get(group, 1), 32
@@ -409,6 +411,9 @@ def summarize(model: str, agg: dict, ms: list[int], bw: float) -> tuple[list, li
         if ("wgmma", m) in agg:
             rows += [(case, "wgmma_us", g("wgmma"), "us", None),
                      (case, "wgmma_speedup_vs_bf16", bf / g("wgmma"), "x", sp_t)]
+        if ("wgmma_waves", m) in agg:
+            rows += [(case, "wgmma_waves_us", g("wgmma_waves"), "us", None),
+                     (case, "wgmma_waves_speedup_vs_bf16", bf / g("wgmma_waves"), "x", None)]
         if ("wgmma_lora32", m) in agg:
             rows.append((case, "wgmma_lora32_overhead", g("wgmma_lora32") / g("wgmma") - 1, "",
                          ("<=0.10" if m <= 16 else "<=0.05")))

@@ -104,15 +104,40 @@ def token_tile(M: int) -> int:
     return min(b for b in TUNING if b >= min(M, MAX_M))
 
 
-def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, **override) -> WgmmaConfig:
+def split_cost_chunks(bn: int) -> int:
+    """What a split-K CTA costs beyond its chunks, in chunks by bytes moved: its fp32 partial tile (64 rows x bn x
+    4 B) written and read back by the tile's last CTA, against a chunk's 64 x 64 weights (2 KB), their scales (256 B)
+    and bn x 64 activations (bf16). About 2 at bn 16, 3 at 64, 4 at 256. A model for `wave_splits`, not a fit."""
+    return math.ceil(2 * 64 * bn * 4 / (64 * 64 // 2 + 256 + bn * 64 * 2))
+
+
+def wave_splits(blocks: int, kch: int, slots: int, bn: int, min_chunks: int = 8) -> int:
+    """The split of K whose launch takes the fewest chunk-steps: waves (ceil(CTAs / slots)) x (chunks a CTA, plus
+    `split_cost_chunks` where split). The fill rule (`plan`'s default) splits only grids smaller than one wave and
+    leaves a wide weight's last wave part-empty: gate|up 37888x3584 at M 64 has 592 tiles on 264 slots, 3 waves for
+    2.24 of work (168 chunk-steps; split 4: 9 waves for 8.97, 9 x (14 + 3) = 153). Each split keeps >= min_chunks."""
+    best = None
+    extra = split_cost_chunks(bn)
+    for s in range(1, max(1, kch // min_chunks) + 1):
+        cost = math.ceil(blocks * s / slots) * (math.ceil(kch / s) + (extra if s > 1 else 0))
+        if best is None or cost < best[0]:
+            best = (cost, s)
+    return best[1]
+
+
+def plan(M: int, N: int, K: int, sms: int, *, min_chunks: int = 8, waves: bool = False, **override) -> WgmmaConfig:
     """`ctas_per_sm` CTAs per SM: split along K when the (row block x token tile) grid alone leaves them
-    idle, each split at least `min_chunks` chunks."""
+    idle, each split at least `min_chunks` chunks. waves=True: the split of `wave_splits` instead (a candidate,
+    bench kernels mode wgmma_waves; not measured on a GPU yet)."""
     bn = override.pop("bn", None) or token_tile(M)
     tune = {**TUNING[bn], **override}
     blocks = math.ceil(N / (64 * tune["wg"])) * math.ceil(M / bn)
     kch = K // 64
     cps_sm = tune.get("ctas_per_sm", 1)
-    splits = max(1, min(sms * cps_sm // blocks, kch // min_chunks))
+    if waves:
+        splits = wave_splits(blocks, kch, sms * cps_sm, bn, min_chunks)
+    else:
+        splits = max(1, min(sms * cps_sm // blocks, kch // min_chunks))
     cps = math.ceil(kch / splits)
     cfg = WgmmaConfig(bn, tune["wg"], tune["stages"], math.ceil(kch / cps), cps, tune.get("pw", 1), cps_sm)
     if (cfg.stages < 2 or cfg.smem_bytes() + cfg.static_bytes() > SMEM_LIMIT or bn % 8 or bn > 256
