@@ -10,7 +10,10 @@ tensors (quant_experts._host_chunks), lost about as much (benchmarks/step.md). T
   host16_sync  the same with blocking copies (torch.tensor(..., device=...))
   device16     one read of the counts, every index tensor derived on the device (no host-to-device copy), LoRA and
                the bias over all hit experts at once
-and prints, per variant, ms a forward + backward (--iters passes in a row, no sync between them, as a step's layers
+  host_all     the budgeted path with every expert in one chunk (the 1024 MiB budget measured slow in a step at 700f1db)
+  all          no host read at all: every expert dequantized at once, in one grouped matmul a projection with the
+               unhit experts as empty groups, the adapters used whole (no gather), every shape fixed by the tokens
+and prints, per variant, ms a forward + backward and a no-grad forward (the logprob pass) (--iters passes in a row, no sync between them, as a step's layers
 run; after a warm-up pass) and the host's time to enqueue them, checking every variant's output and input gradient
 against loop16's. On the CPU (tiny sizes) a smoke test of the variants' agreement. Usage: python3 scripts/ab_grouped.py [--tokens 4096] [--iters 12]
 On the device: STEP=ab_grouped bash scripts/device.sh.
@@ -79,6 +82,36 @@ def device_forward(qe, h, idx, wts):
     return qx._sum_pairs([(y * wts.reshape(-1)[order[:pairs], None]).to(h.dtype)], order, t, k, h)
 
 
+def all_forward(qe, h, idx, wts):
+    """The grouped forward with no host read: every expert dequantized at once and one grouped matmul a projection,
+    the unhit experts empty groups; a pair routed to no expert (id num_experts) rides the last expert's group with
+    weight 0. Every tensor's shape follows from the tokens, so nothing waits for the device."""
+    t, k = idx.shape
+    e_n = qe.num_experts
+    flat = idx.reshape(-1)
+    valid = flat < e_n
+    key = torch.where(valid, flat, e_n - 1)
+    order = torch.argsort(key, stable=True)
+    ends = torch.cumsum(torch.bincount(key, minlength=e_n), 0).to(torch.int32)
+    experts = key[order]
+    every = list(range(e_n))
+    x_all = h[order // k]
+
+    def project(proj, x):
+        dt = x.dtype
+        y = frozen_grouped_mm(x, lambda: qe.weights(proj, every, dt), ends)
+        if qe.r and not qe.disable_adapters:
+            a, b = qe.lora_A[proj], qe.lora_B[proj]
+            s = grouped_mm(x.to(a.dtype), a.transpose(-2, -1), ends)
+            y = y + grouped_mm(s, b.transpose(-2, -1), ends).to(y.dtype) * qe.scaling
+        bias = qe.bias(proj)
+        return y if bias is None else y + bias[experts]
+
+    y = project("down_proj", qe.glu(project("gate_up_proj", x_all)))
+    w = torch.where(valid, wts.reshape(-1), 0)[order]
+    return qx._sum_pairs([(y * w[:, None]).to(h.dtype)], order, t, k, h)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -114,6 +147,8 @@ def main(argv=None) -> int:
         "host16": (lambda x: qe(x, idx, wts), {"moe_expert_chunk_mib": mib16}),
         "host16_sync": (lambda x: qe(x, idx, wts), {"moe_expert_chunk_mib": mib16}),
         "device16": (lambda x: device_forward(qe, x, idx, wts), {}),
+        "host_all": (lambda x: qe(x, idx, wts), {"moe_expert_chunk_mib": -(-e * per // (1 << 20))}),
+        "all": (lambda x: all_forward(qe, x, idx, wts), {}),
     }
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     print(f"{torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'CPU'}: experts {e} x (gate_up {2 * i}x{hd}, "
@@ -145,8 +180,17 @@ def main(argv=None) -> int:
             host = time.perf_counter() - t0
             sync()
             wall = time.perf_counter() - t0
+            with torch.no_grad():  # the logprob pass: forward only
+                fn(h)
+                sync()
+                t1 = time.perf_counter()
+                for _ in range(a.iters):
+                    fn(h)
+                sync()
+                fwd = time.perf_counter() - t1
         print(f"{name:>12} ({chunk:3d} a chunk): {1e3 * wall / a.iters:8.1f} ms a forward + backward, host {1e3 * host / a.iters:8.1f} ms "
-              f"to enqueue; vs loop16: output {dy:.1e}, input grad {dg:.1e}", flush=True)
+              f"to enqueue; no-grad forward {1e3 * fwd / a.iters:7.1f} ms; vs loop16: output {dy:.1e}, input grad {dg:.1e}",
+              flush=True)
         assert dy < 2e-2 and dg < 5e-2, f"{name} disagrees with loop16"
     return 0
 

@@ -17,4 +17,4 @@ def test_the_variants_agree_on_the_cpu(capsys):
     assert mod.main(["--experts", "40", "--hidden", "64", "--inter", "32", "--tokens", "64", "--top-k", "4",
                      "--rank", "4", "--iters", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert all(f"{v} (" in out for v in ("loop16", "host16", "host16_sync", "device16")), out
+    assert all(f"{v} (" in out for v in ("loop16", "host16", "host16_sync", "device16", "host_all", "all")), out
