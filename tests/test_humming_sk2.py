@@ -11,6 +11,7 @@ import pytest
 
 from qerl.kernels.humming_sk2 import (MAX_SLICES, MAX_SLICES_LOCKED, STREAMK_MAX_M, Tiling, schedule, sk2_entries,
                                       sk2_grid, tma_stores)
+from qerl.kernels.humming_sk2 import _length
 
 SHAPES_7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
 
@@ -52,9 +53,27 @@ def test_the_kernels_slice_counts_and_ids_match_the_cta_ranges(n, k, blk, stages
         # ids count down along K: the share holding the tile's last K block is slice 0
         assert [v.slice_id for v in visits] == list(range(len(parts) - 1, -1, -1))
     # every K block of every tile runs exactly once: in whole data-parallel tiles or in a stream-K share
+    assert _length(t, m, groups) == s.cta_iters  # the O(1) length the grid search sorts by
     kb = k // blk[2]
     tiles = math.ceil(m / blk[0]) * (n // blk[1])
     assert groups * s.dp_tiles_per_cta * kb + sum(v.k_blocks for v in s.visits) == tiles * kb
+
+
+def test_a_schedule_worked_by_hand():
+    # 8 tiles of 8 K blocks on 3 CTAs: 8 % 3 = 2 tiles left (2 * 10 > 3: not merged), so 2 data-parallel tiles a CTA,
+    # then 16 K blocks shared, ceil(16 / 3) = 6 a CTA (a multiple of the 2 stages):
+    # CTA 0 runs tile 6's blocks 0-5, CTA 1 tile 6's 6-7 and tile 7's 0-3, CTA 2 tile 7's 4-7; the share holding a
+    # tile's last block is its slice 0
+    s = schedule(Tiling(1024, 512, (64, 128, 64), 2), 64, 3)
+    assert (s.dp_tiles_per_cta, s.streamk_iters) == (2, 6)
+    assert [(v.cta, v.tile, v.k_first, v.k_blocks, v.slice_id, v.slice_count) for v in s.visits] == \
+        [(0, 6, 0, 6, 1, 2), (1, 6, 6, 2, 0, 2), (1, 7, 0, 4, 1, 2), (2, 7, 4, 4, 0, 2)]
+    # 12 tiles on 11 CTAs: 1 left, 1 * 10 <= 11, so the wave merges: no data-parallel tile, 12 x 8 blocks shared
+    s = schedule(Tiling(1536, 512, (64, 128, 64), 2), 64, 11)
+    assert (s.dp_tiles_per_cta, s.streamk_iters) == (0, 10)  # ceil(96 / 11) = 9, up to a multiple of 2
+    # K blocks 37, one CTA group: shares of at least ceil(36 / 9) = 4 blocks (at most 10 slices), here the whole tile
+    s = schedule(Tiling(128, 37 * 64, (64, 128, 64), 1), 64, 40)
+    assert s.streamk_iters == 4 and s.max_slices == 10
 
 
 def test_the_data_parallel_waves_and_the_merged_remainder():
@@ -121,8 +140,8 @@ def test_sk2_entries_serve_the_same_m_keep_tma_stores_and_narrow_only_the_grid()
             continue
         assert hi <= STREAMK_MAX_M and 1 <= c["num_sms"] <= 132
         t = Tiling.of(c, 4608, 3584)
-        assert math.ceil((lo + 1) / 64) == math.ceil(hi / 64)  # one M-block count an entry
-        assert schedule(t, hi, t.groups(c["num_sms"])).max_slices <= MAX_SLICES
+        for m in [*range(lo + 1, hi + 1, 64), hi]:  # every M-block count the entry serves (neighbours merged)
+            assert schedule(t, m, t.groups(c["num_sms"])).max_slices <= MAX_SLICES
     assert served(out, 250) == [nosplit]
     assert out[-1][2]["use_stream_k"] is False and out[-1][0] == STREAMK_MAX_M
 
@@ -130,12 +149,13 @@ def test_sk2_entries_serve_the_same_m_keep_tma_stores_and_narrow_only_the_grid()
 def test_unset_config_fields_read_as_humming_s_defaults():
     t = Tiling.of({"block_shape": (64, 128, 64), "num_stages": None, "num_ctas_per_sm": None,
                    "multi_cast_size_a": None}, 4608, 3584)
-    assert (t.stages, t.ctas_per_sm, t.cluster_n, t.cluster_m, t.tma_stores) == (2, 1, 1, 1, True)
+    assert (t.stages, t.ctas_per_sm, t.cluster_n, t.cluster_m, t.tma_stores) == (2, 1, 1, 1, False)
 
 
 def test_configs_without_tma_stores_may_keep_three_slices_that_add_in_turn():
     cfg = {"block_shape": (16, 128, 128), "num_stages": 4, "use_stream_k": True, "use_tma": False}
-    assert not tma_stores(cfg) and tma_stores({**cfg, "use_tma_c": True}) and tma_stores({"use_tma": None})
+    assert not tma_stores(cfg) and tma_stores({**cfg, "use_tma_c": True}) and tma_stores({"use_tma": True})
+    assert not tma_stores({"use_tma": None}) and not tma_stores({})  # humming: use_tma unset is False
     t = Tiling.of(cfg, 3584, 3584)
     assert t.max_ordered_slices == MAX_SLICES_LOCKED
     got = {m: schedule(t, m, t.groups(sk2_grid(t, m, 132))).max_slices for m in (1, 16)}
@@ -144,3 +164,12 @@ def test_configs_without_tma_stores_may_keep_three_slices_that_add_in_turn():
     t2 = Tiling.of({**cfg, "use_tma_c": True}, 3584, 3584)
     assert schedule(t, 16, t.groups(sk2_grid(t, 16, 132))).cta_iters <= \
         schedule(t2, 16, t2.groups(sk2_grid(t2, 16, 132))).cta_iters
+
+
+def test_entries_of_one_grid_merge_and_the_grid_is_cached_by_m_block_count():
+    cfg = {"block_shape": (16, 128, 64), "num_stages": 4, "use_stream_k": True, "use_tma": True}
+    out = sk2_entries([[0, 4096, cfg]], (37888, 3584), 132)
+    assert all(a[2] != b[2] for a, b in zip(out, out[1:]))  # neighbours differ, else they would be one entry
+    assert len(out) < 4096 // 16
+    t = Tiling.of(cfg, 37888, 3584)
+    assert sk2_grid(t, 17, 132) == sk2_grid(t, 32, 132)  # one M-block count, one grid

@@ -5,14 +5,15 @@ stores (most of humming's sm_90 configs) the slices of a split tile meet through
 the lock at 0, *stores* its bf16 partial and sets the lock to 1 - count; every other slice waits until the lock is
 negative, then reduce-adds its partial (TMA add) and adds 1 to the lock. With three or more slices the adds after the
 store land in arrival order (a race: other bits each call, benchmarks/kernels.md). With two there is one store and
-then one add: out = bf16(p0 + p1) every time, whatever order the CTAs finish in. Configs without TMA stores (humming's
+then one add: out = bf16(bf16(p0) + bf16(p1)) every time, whatever order the CTAs finish in. Configs without TMA stores (humming's
 mma.sync configs at small M) take turns on the lock by slice id up to three slices (read, add, write back), and use
 atomics above: three slices repeat there. No kernel change, no extra pass: only the grid (the config's `num_sms`)
 decides how many slices a tile gets.
 
 How many slices each tile gets follows from the grid, the M-block count and the tile alone: `schedule` ports
 humming's scheduler (include/humming/scheduler.cuh: the constructor and get_streamk_next_block, sm_90, bf16
-activations, so the stream-K block alignment is 1), and `sk2_grid` picks, per M-block count, the grid whose busiest
+activations, so the stream-K block alignment is 1: NVFP4's weight scale group of 16 is shorter than any K block and
+bf16 activations have no input scale; a format whose groups outgrow the K block would need it), and `sk2_grid` picks, per M-block count, the grid whose busiest
 CTA runs the fewest K blocks among those that keep every tile at two slices or fewer. humming's own grid is kept where
 it already does.
 
@@ -22,6 +23,7 @@ and the lock path that adds in slice order: 30-750x slower on the H100. Two slic
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,11 +33,10 @@ STREAMK_MAX_M = 4096    # above this M every config runs without split (its tile
 
 
 def tma_stores(cfg: dict) -> bool:
-    """Whether a config writes its output by TMA (humming's candidate.py: use_tma_c, else use_tma). Unset reads as
-    yes: the two-slice bound holds either way."""
+    """Whether a config writes its output by TMA: use_tma_c, else use_tma, unset read as False (humming's
+    TuningConfig.__post_init__, config/config.py)."""
     c = cfg.get("use_tma_c")
-    c = cfg.get("use_tma") if c is None else c
-    return c is None or bool(c)
+    return bool(cfg.get("use_tma") if c is None else c)
 
 
 @dataclass(frozen=True)
@@ -141,24 +142,39 @@ def schedule(t: Tiling, m: int, groups: int) -> Schedule:
 
 def sk2_grid(t: Tiling, m: int, max_sms: int) -> int:
     """The num_sms (<= max_sms) whose stream-K partition of M rows cuts no tile into more slices than add in a fixed
-    order (t.max_ordered_slices), with the shortest busiest CTA, then the fewest CTAs (fewer partial sums). max_sms
-    itself when it already does. One CTA group always qualifies (it runs every tile whole)."""
+    order (t.max_ordered_slices), with the shortest busiest CTA, then the fewest CTAs (fewer partial sums); max_sms
+    itself when it already does. One CTA group always qualifies (it runs every tile whole). Cached by M-block count
+    (the schedule depends on M only through it)."""
+    return _sk2_grid(t, math.ceil(m / (t.block[0] * t.cluster_m)) * t.block[0] * t.cluster_m, max_sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sk2_grid(t: Tiling, m: int, max_sms: int) -> int:
     limit = t.max_ordered_slices
     if schedule(t, m, t.groups(max_sms)).max_slices <= limit:
         return max_sms
-    best = None
-    for sms in range(1, max_sms + 1):
-        g = t.groups(sms)
-        if g < 1:
-            continue
-        s = schedule(t, m, g)
-        if s.max_slices > limit:
-            continue
-        key = (s.cta_iters, g)
-        if best is None or key < best[0]:
-            best = (key, sms)
-    assert best is not None, "one CTA group runs every tile whole"
-    return best[1]
+    # the busiest CTA's length costs O(1) (`_length`); the slices need the whole schedule: check the grids shortest first
+    grids = sorted((_length(t, m, t.groups(sms)), t.groups(sms), sms) for sms in range(1, max_sms + 1) if t.groups(sms))
+    for _, _, sms in grids:
+        if schedule(t, m, t.groups(sms)).max_slices <= limit:
+            return sms
+    raise AssertionError("one CTA group runs every tile whole")
+
+
+def _length(t: Tiling, m: int, groups: int) -> int:
+    """Schedule.cta_iters without the visits (the same formulas as `schedule`)."""
+    bm, bn, bk = t.block
+    k_blocks = t.k // bk
+    mn = math.ceil(m / (bm * t.cluster_m)) * (t.n // bn // t.cluster_n)
+    sk_mn = mn
+    if mn > groups:
+        sk_mn = mn % groups
+        if sk_mn and sk_mn * 10 <= groups:
+            sk_mn += groups
+    dp = (mn - sk_mn) // groups
+    total = max(math.ceil(sk_mn * k_blocks / groups), math.ceil((k_blocks - 1) / 9))
+    total = t.stages * math.ceil(total / t.stages)
+    return dp * k_blocks + (total if sk_mn else 0)
 
 
 def sk2_entries(entries: list, shape: tuple[int, int], sm_count: int) -> list:
@@ -181,4 +197,10 @@ def sk2_entries(entries: list, shape: tuple[int, int], sm_count: int) -> list:
             m = top + 1
         if m <= hi:
             out.append([m - 1, hi, {**cfg, "use_stream_k": False}])
-    return out
+    merged = []  # neighbours with one config become one entry: humming builds a kernel object an entry
+    for lo, hi, cfg in out:
+        if merged and merged[-1][2] == cfg and merged[-1][1] == lo:
+            merged[-1][1] = hi
+        else:
+            merged.append([lo, hi, cfg])
+    return merged

@@ -107,7 +107,7 @@ def token_tile(M: int) -> int:
 def split_cost_chunks(bn: int) -> int:
     """What a split-K CTA costs beyond its chunks, in chunks by bytes moved: its fp32 partial tile (64 rows x bn x
     4 B) written and read back by the tile's last CTA, against a chunk's 64 x 64 weights (2 KB), their scales (256 B)
-    and bn x 64 activations (bf16). About 2 at bn 16, 3 at 64, 4 at 256. A model for `wave_splits`, not a fit."""
+    and bn x 64 activations (bf16). 2 at bn 16, 3 at 32, 4 from 64. A model for `wave_splits`, not a fit."""
     return math.ceil(2 * 64 * bn * 4 / (64 * 64 // 2 + 256 + bn * 64 * 2))
 
 
@@ -115,7 +115,8 @@ def wave_splits(blocks: int, kch: int, slots: int, bn: int, min_chunks: int = 8)
     """The split of K whose launch takes the fewest chunk-steps: waves (ceil(CTAs / slots)) x (chunks a CTA, plus
     `split_cost_chunks` where split). The fill rule (`plan`'s default) splits only grids smaller than one wave and
     leaves a wide weight's last wave part-empty: gate|up 37888x3584 at M 64 has 592 tiles on 264 slots, 3 waves for
-    2.24 of work (168 chunk-steps; split 4: 9 waves for 8.97, 9 x (14 + 3) = 153). Each split keeps >= min_chunks."""
+    2.24 of work (168 chunk-steps; split 2: 5 waves x (28 + 4) = 160). Each split keeps >= min_chunks; `plan` may
+    launch fewer splits than asked (ceil(kch / ceil(kch / s))), never a longer CTA."""
     best = None
     extra = split_cost_chunks(bn)
     for s in range(1, max(1, kch // min_chunks) + 1):
