@@ -8,33 +8,12 @@ import json
 
 import torch
 
+from qerl.bench.kernels import time_calls
 from qerl.formats import get_format
 from qerl.kernels.humming_backend import HummingWeight, call_configs
 from qerl.kernels.humming_sk2 import Tiling, schedule, sk2_grid
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-
-
-def timed(fn, reps=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * 10)
 
 
 def main():
@@ -70,7 +49,7 @@ def main():
                 fn = lambda cc=cc, tc=tc: hw.run(x, cc, tc)  # noqa: E731
                 first = fn()
                 same = all(torch.equal(fn(), first) for _ in range(19))
-                row.append(f"{mode} {timed(fn):7.1f} us {'rep' if same else 'VARIES'}")
+                row.append(f"{mode} {time_calls([fn]):7.1f} us {'rep' if same else 'VARIES'}")
             print(" | ".join(row), flush=True)
         del hw
         torch.cuda.empty_cache()
